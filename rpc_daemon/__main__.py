@@ -1,0 +1,5 @@
+import sys
+
+from rpc_daemon.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""`ggml-rpc-server`: command line to DaemonConfig, then run the daemon.
+
+Flags follow llama.cpp's rpc-server (-H, -p, -t, -m in MiB, -c) with long forms.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import sys
+
+from rpc_daemon.server import DaemonConfig
+
+DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
+
+
+def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="ggml-rpc-server", description="ggml RPC worker daemon")
+    p.add_argument("-H", "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("-p", "--port", type=int, default=50052, help="port (default 50052; 0 picks a free one)")
+    p.add_argument("-t", "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="compute threads")
+    p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
+                   help="cap on bytes allocated for clients, in MiB (default: physical memory)")
+    p.add_argument("-c", "--cache", nargs="?", const=str(DEFAULT_CACHE), default=None, metavar="DIR",
+                   help=f"enable the tensor cache (default dir {DEFAULT_CACHE})")
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle client is dropped")
+    p.add_argument("--compute-timeout", type=float, default=600.0, help="seconds one graph compute may take")
+    p.add_argument("--max-clients", type=int, default=64)
+    p.add_argument("--unsafe-no-validation", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error("--port must be 0..65535")
+    if args.threads < 1 or args.mem < 0:
+        p.error("--threads must be >= 1 and --mem >= 0")
+    config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
+                          cache_dir=args.cache, idle_timeout=args.idle_timeout,
+                          compute_timeout=args.compute_timeout, max_clients=args.max_clients,
+                          unsafe_no_validation=args.unsafe_no_validation)
+    return config, args
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    config, args = parse_args(argv)
+    from rpc_daemon import logs
+    logs.configure(args.log_format, args.log_level)
+    from rpc_daemon.app import serve
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    try:
+        runner(serve(config))
+    except OSError as exc:
+        print(f"ggml-rpc-server: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""Graph schema and validation: the one choke point every tensor a client names
+passes before anything touches memory. Pure functions over decoded msgpack.
+
+A graph on the wire is a list of tensors in topological order (every `src` and
+`view_src` index refers to an earlier tensor, so a cycle cannot be expressed).
+Its nodes are the tensors whose op is not NONE, computed in list order.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ggml_ffi import lib, nbytes as ggml_nbytes, type_traits
+from rpc_daemon.protocol import ProtocolError, Status, field_list
+
+MAX_NE = 1 << 40
+MAX_ELEMENTS = 1 << 42
+MAX_NB = 1 << 48
+KNOWN_FLAGS = (lib.GGML_TENSOR_FLAG_INPUT | lib.GGML_TENSOR_FLAG_OUTPUT | lib.GGML_TENSOR_FLAG_PARAM
+               | lib.GGML_TENSOR_FLAG_LOSS | lib.GGML_TENSOR_FLAG_COMPUTE)
+F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
+I32, I64 = lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
+FLOAT_TYPES = (F32, F16, BF16)
+# weight types the CPU matmul and get_rows kernels accept (those llama and gemma3 GGUFs use)
+WEIGHT_TYPES = FLOAT_TYPES + tuple(getattr(lib, f"GGML_TYPE_{n}") for n in (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+KV_TYPES = (F32, F16, BF16, lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
+
+
+@dataclass
+class TensorSpec:
+    index: int
+    type: int
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    op: int
+    params: bytes
+    flags: int
+    src: tuple[int, ...]
+    view_src: int  # -1: not a view
+    view_offs: int
+    buffer: int  # 0: not in a client buffer
+    offset: int
+    name: str
+    nbytes: int = 0
+
+    @property
+    def is_view(self) -> bool:
+        return self.view_src >= 0
+
+    def nelements(self) -> int:
+        return self.ne[0] * self.ne[1] * self.ne[2] * self.ne[3]
+
+    def param_i32(self, i: int) -> int:
+        return struct.unpack_from("<i", self.params.ljust(64, b"\0"), 4 * i)[0]
+
+    def param_f32(self, i: int) -> float:
+        return struct.unpack_from("<f", self.params.ljust(64, b"\0"), 4 * i)[0]
+
+    def is_contiguous(self) -> bool:
+        tr = type_traits(self.type)
+        expect = tr.type_size
+        if self.nb[0] != expect:
+            return False
+        expect = expect * self.ne[0] // tr.blck_size
+        for i in range(1, 4):
+            if self.ne[i] != 1 and self.nb[i] != expect:
+                return False
+            expect *= self.ne[i]
+        return True
+
+
+@dataclass
+class GraphSpec:
+    tensors: list[TensorSpec]
+    nodes: list[int]
+    inputs: list[int]  # tensors whose data comes inline with every compute
+    buffers: set[int] = field(default_factory=set)
+
+
+def _bad(i: int, what: str) -> ProtocolError:
+    return ProtocolError(Status.INVALID_REQUEST, f"tensors[{i}]: {what}")
+
+
+def _ints(v, n: int, i: int, key: str, lo: int, hi: int) -> tuple[int, ...]:
+    if not (isinstance(v, list) and len(v) == n and all(type(x) is int for x in v)):
+        raise _bad(i, f"{key} must be a list of {n} integers")
+    for x in v:
+        if not lo <= x <= hi:
+            raise _bad(i, f"{key} value {x} outside {lo}..{hi}")
+    return tuple(v)
+
+
+def parse_tensor(i: int, t) -> TensorSpec:
+    """Schema check of one wire tensor (a msgpack map)."""
+    if not isinstance(t, dict):
+        raise _bad(i, "must be a map")
+    ttype = t.get("type")
+    if type(ttype) is not int or type_traits(ttype) is None:
+        raise _bad(i, f"type {ttype!r} is not a ggml type")
+    ne = _ints(t.get("ne"), 4, i, "ne", 1, MAX_NE)
+    nb = _ints(t.get("nb"), 4, i, "nb", 0, MAX_NB)
+    op = t.get("op", 0)
+    if type(op) is not int or not 0 <= op < lib.GGML_OP_COUNT:
+        raise _bad(i, f"op {op!r} is not a ggml op")
+    params = t.get("params", b"")
+    if not isinstance(params, bytes) or len(params) > 64:
+        raise _bad(i, "params must be at most 64 bytes")
+    flags = t.get("flags", 0)
+    if type(flags) is not int or flags & ~KNOWN_FLAGS or flags < 0:
+        raise _bad(i, f"flags {flags!r} has unknown bits")
+    src = t.get("src", [])
+    if not (isinstance(src, list) and len(src) <= 10 and all(type(s) is int for s in src)):
+        raise _bad(i, "src must be a list of at most 10 integers")
+    for s in src:
+        if not -1 <= s < i:
+            raise _bad(i, f"src index {s} must name an earlier tensor (0..{i - 1}) or be -1")
+    view_src = t.get("view_src", -1)
+    if type(view_src) is not int or not -1 <= view_src < i:
+        raise _bad(i, f"view_src index {view_src!r} must name an earlier tensor or be -1")
+    name = t.get("name", "")
+    if not isinstance(name, str) or len(name.encode()) >= 64:
+        raise _bad(i, "name must be a string shorter than 64 bytes")
+    vals = {}
+    for key in ("view_offs", "buffer", "offset"):
+        v = t.get(key, 0)
+        if type(v) is not int or not 0 <= v <= MAX_NB:
+            raise _bad(i, f"{key} {v!r} outside 0..{MAX_NB}")
+        vals[key] = v
+    tr = type_traits(ttype)
+    if ne[0] % tr.blck_size:
+        raise _bad(i, f"ne[0]={ne[0]} is not a multiple of the {tr.name} block size {tr.blck_size}")
+    if ne[0] * ne[1] * ne[2] * ne[3] > MAX_ELEMENTS:
+        raise _bad(i, f"ne {list(ne)} has more than {MAX_ELEMENTS} elements")
+    if nb[0] < tr.type_size and nb[0] != 0:
+        raise _bad(i, f"nb[0]={nb[0]} smaller than the {tr.name} element size")
+    while len(src) and src[-1] == -1:
+        src = src[:-1]
+    spec = TensorSpec(i, ttype, ne, nb, op, bytes(params), flags, tuple(src), view_src,
+                      vals["view_offs"], vals["buffer"], vals["offset"], name)
+    spec.nbytes = ggml_nbytes(ttype, ne, nb)
+    return spec
+
+
+def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> GraphSpec:
+    """Schema and semantic check of a whole graph. `buffer_size(id)` returns the
+    size of the connection's own buffer `id`, or None if it owns no such buffer."""
+    raw = field_list(h, "tensors", limits.max_graph_tensors)
+    if not raw:
+        raise ProtocolError(Status.INVALID_REQUEST, "graph has no tensors")
+    tensors: list[TensorSpec] = []
+    for i, t in enumerate(raw):
+        spec = parse_tensor(i, t)
+        check_placement(spec, tensors, buffer_size)
+        check_op(spec, tensors)
+        tensors.append(spec)
+    nodes = [t.index for t in tensors if t.op != lib.GGML_OP_NONE]
+    if not nodes:
+        raise ProtocolError(Status.INVALID_REQUEST, "graph has no op to compute")
+    inputs = [t.index for t in tensors if t.op == lib.GGML_OP_NONE and not t.buffer and not t.is_view]
+    for i in inputs:
+        if not tensors[i].flags & lib.GGML_TENSOR_FLAG_INPUT:
+            raise _bad(i, "a leaf outside every buffer must be flagged INPUT and sent inline")
+    return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer})
+
+
+def parse_unchecked(h: dict, buffer_size) -> GraphSpec:
+    """Schema only, no semantic checks: for --unsafe-no-validation, which exists so
+    tests can reach libggml's own aborts and crashes. Never use it in production."""
+    tensors = []
+    for i, t in enumerate(field_list(h, "tensors", 1 << 20)):
+        spec = parse_tensor(i, t)
+        if spec.is_view:
+            root = tensors[spec.view_src]
+            spec.buffer, spec.offset = root.buffer, root.offset + spec.view_offs
+        if spec.buffer and buffer_size(spec.buffer) is None:
+            raise _bad(i, f"buffer {spec.buffer} is not a buffer of this connection")
+        tensors.append(spec)
+    nodes = [t.index for t in tensors if t.op != lib.GGML_OP_NONE]
+    inputs = [t.index for t in tensors if t.op == lib.GGML_OP_NONE and not t.buffer and not t.is_view]
+    return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer})
+
+
+def storage_size(t: TensorSpec, buffer_size) -> int:
+    """Bytes available behind a non-view tensor's data pointer."""
+    if t.buffer:
+        return buffer_size(t.buffer) - t.offset
+    return t.nbytes
+
+
+def check_placement(t: TensorSpec, earlier: list[TensorSpec], buffer_size) -> None:
+    """Where the tensor's data lives, and that all of it lies inside memory the
+    client may use: its own buffers, or an intermediate the daemon allocates."""
+    if t.is_view:
+        root = earlier[t.view_src]
+        if t.op == lib.GGML_OP_NONE:
+            raise _bad(t.index, "a view must be made by an op")
+        if root.is_view:
+            raise _bad(t.index, "view_src must be a tensor that is not itself a view (ggml flattens view chains)")
+        if t.buffer and t.buffer != root.buffer:
+            raise _bad(t.index, "a view lies in its view_src's buffer")
+        t.buffer, t.offset = root.buffer, root.offset + t.view_offs if root.buffer else 0
+        if t.view_offs + t.nbytes > storage_size(root, buffer_size):
+            raise _bad(t.index, f"view of {t.nbytes} bytes at view_offs {t.view_offs} runs past its view_src "
+                                f"({storage_size(root, buffer_size)} bytes)")
+        return
+    if t.view_offs:
+        raise _bad(t.index, "view_offs without view_src")
+    if t.buffer:
+        size = buffer_size(t.buffer)
+        if size is None:
+            raise _bad(t.index, f"buffer {t.buffer} is not a buffer of this connection")
+        if t.offset + t.nbytes > size:
+            raise _bad(t.index, f"data [{t.offset}, {t.offset + t.nbytes}) runs past the end of buffer "
+                                f"{t.buffer} ({size} bytes)")
+
+
+# ---------------------------------------------------------------- per-op rules
+
+def _need(cond: bool, t: TensorSpec, what: str) -> None:
+    if not cond:
+        raise _bad(t.index, f"{op_name(t.op)}: {what}")
+
+
+def op_name(op: int) -> str:
+    from ggml_ffi import ffi
+    return ffi.string(lib.ggml_op_name(op)).decode() if 0 <= op < lib.GGML_OP_COUNT else str(op)
+
+
+def _srcs(t: TensorSpec, tensors, n_min: int, n_max: int | None = None) -> list[TensorSpec]:
+    n_max = n_min if n_max is None else n_max
+    _need(n_min <= len(t.src) <= n_max, t, f"takes {n_min}..{n_max} sources, got {len(t.src)}")
+    for k in range(n_min):
+        _need(t.src[k] >= 0, t, f"src[{k}] is required")
+    return [tensors[s] if s >= 0 else None for s in t.src]
+
+
+def _same_shape(t: TensorSpec, a: TensorSpec) -> None:
+    _need(t.ne == a.ne, t, f"result ne {list(t.ne)} must equal src ne {list(a.ne)}")
+
+
+def _types(t: TensorSpec, x: TensorSpec, allowed, role: str) -> None:
+    _need(x.type in allowed, t, f"{role} type {type_traits(x.type).name} not supported")
+
+
+def _is_view_of(t: TensorSpec, a: TensorSpec) -> None:
+    root = a.view_src if a.is_view else a.index
+    _need(t.view_src == root, t, "result must be a view of its source")
+
+
+def rule_none(t, tensors):
+    _need(not t.src, t, "a leaf has no sources")
+
+
+def rule_binary(t, tensors):
+    a, b = _srcs(t, tensors, 2)
+    _types(t, a, FLOAT_TYPES, "src0"); _types(t, b, FLOAT_TYPES, "src1")
+    _need(t.type == a.type, t, "result type must equal src0 type")
+    _same_shape(t, a)
+    _need(all(a.ne[i] % b.ne[i] == 0 for i in range(4)), t, f"src1 ne {list(b.ne)} does not broadcast to {list(a.ne)}")
+    _need(b.nb[0] == type_traits(b.type).type_size, t, "src1 rows must be contiguous")
+
+
+def rule_unary_like(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _types(t, a, FLOAT_TYPES, "src0")
+    _need(t.type == a.type, t, "result type must equal src type")
+    _same_shape(t, a)
+
+
+def rule_scale(t, tensors):
+    rule_unary_like(t, tensors)
+    _need(len(t.params) >= 4, t, "params must hold the scale")
+
+
+def rule_norm(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _types(t, a, (F32,), "src0")
+    _need(t.type == F32, t, "result must be f32")
+    _same_shape(t, a)
+
+
+def rule_unary(t, tensors):
+    rule_unary_like(t, tensors)
+    _need(0 <= t.param_i32(0) < lib.GGML_UNARY_OP_COUNT, t, "unknown unary op")
+
+
+def rule_glu(t, tensors):
+    srcs = _srcs(t, tensors, 1, 2)
+    a = srcs[0]
+    _types(t, a, FLOAT_TYPES, "src0")
+    _need(0 <= t.param_i32(0) < lib.GGML_GLU_OP_COUNT, t, "unknown glu op")
+    if len(srcs) == 2 and srcs[1] is not None:
+        b = srcs[1]
+        _need(b.ne == a.ne and b.type == a.type, t, "split glu halves must match")
+        _need(t.ne == a.ne, t, "result ne must equal src ne")
+    else:
+        _need(a.ne[0] % 2 == 0 and t.ne == (a.ne[0] // 2,) + a.ne[1:], t, "result must be half of src0 in ne[0]")
+    _need(t.type == a.type, t, "result type must equal src type")
+
+
+def rule_mul_mat(t, tensors):
+    a, b = _srcs(t, tensors, 2)
+    _types(t, a, WEIGHT_TYPES, "src0"); _types(t, b, (F32,), "src1")
+    _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
+    _need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, t, "src1 batch dims must be multiples of src0's")
+    _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")
+    _need(t.type == F32 and t.ne == (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), t,
+          f"result must be f32 [{a.ne[1]}, {b.ne[1]}, {b.ne[2]}, {b.ne[3]}]")
+
+
+def rule_get_rows(t, tensors):
+    a, b = _srcs(t, tensors, 2)
+    _types(t, a, WEIGHT_TYPES + (I32,), "src0"); _types(t, b, (I32,), "src1 (row ids)")
+    _need(a.ne[2] == b.ne[1] and b.ne[3] == 1, t, "row id tensor does not match src0 batches")
+    _need(t.ne == (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), t, "result shape must be [src0.ne0, ids.ne0, ids.ne1, ids.ne2]")
+    _need(t.type in (F32, I32) and (t.type == I32) == (a.type == I32), t, "result must be f32 (i32 for i32 rows)")
+
+
+def rule_set_rows(t, tensors):
+    dst, src, ids = _srcs(t, tensors, 3)
+    _types(t, dst, KV_TYPES, "dst"); _types(t, src, (F32,), "src1"); _types(t, ids, (I64, I32), "row ids")
+    _is_view_of(t, dst)
+    _need(t.ne == dst.ne and t.type == dst.type, t, "result is a view of dst")
+    _need(src.ne[0] == dst.ne[0] and ids.ne[0] == src.ne[1], t, "src rows do not match dst rows / ids")
+    _need(src.ne[2] % ids.ne[1] == 0 and src.ne[3] % ids.ne[2] == 0 and ids.ne[3] == 1, t, "ids batch dims")
+
+
+def rule_cpy(t, tensors):
+    a, b = _srcs(t, tensors, 2)
+    _types(t, a, FLOAT_TYPES, "src0"); _types(t, b, KV_TYPES, "dst")
+    _need(a.nelements() == b.nelements(), t, "src and dst element counts differ")
+    _is_view_of(t, b)
+
+
+def rule_cont(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _need(t.type == a.type and t.nelements() == a.nelements(), t, "result must hold src's elements")
+    _need(t.is_contiguous(), t, "result must be contiguous")
+
+
+def rule_view(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _need(t.type == a.type, t, "a view keeps its source's type")
+    _is_view_of(t, a)
+
+
+def rule_reshape(t, tensors):
+    rule_view(t, tensors)
+    a = tensors[t.src[0]]
+    _need(t.nelements() == a.nelements() and a.is_contiguous(), t, "reshape needs a contiguous source of equal size")
+
+
+def rule_rope(t, tensors):
+    srcs = _srcs(t, tensors, 2, 3)
+    a, pos = srcs[0], srcs[1]
+    _types(t, a, (F32, F16), "src0"); _types(t, pos, (I32,), "positions")
+    mode, n_dims = t.param_i32(2), t.param_i32(1)
+    _need(mode in (0, 2), t, f"rope mode {mode} not supported (NORMAL 0 or NEOX 2)")
+    _need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, t, f"n_dims {n_dims} must be even and <= ne[0]")
+    _need(pos.ne[0] == a.ne[2], t, "one position per row (positions ne[0] == src0 ne[2])")
+    if len(srcs) == 3 and srcs[2] is not None:
+        _types(t, srcs[2], (F32,), "freq factors")
+        _need(srcs[2].ne[0] >= n_dims // 2, t, "freq factors too short")
+    _same_shape(t, a)
+    _need(t.type == a.type, t, "result type must equal src type")
+
+
+def rule_soft_max(t, tensors):
+    srcs = _srcs(t, tensors, 1, 3)
+    a = srcs[0]
+    _types(t, a, (F32,), "src0")
+    if len(srcs) > 1 and srcs[1] is not None:
+        m = srcs[1]
+        _types(t, m, (F16, F32), "mask")
+        _need(m.ne[0] == a.ne[0] and m.ne[1] >= a.ne[1], t, "mask shape")
+        _need(a.ne[2] % m.ne[2] == 0 and a.ne[3] % m.ne[3] == 0, t, "mask does not broadcast")
+    _need(len(srcs) < 3 or srcs[2] is None, t, "sinks not supported")
+    _same_shape(t, a)
+    _need(t.type == F32, t, "result must be f32")
+
+
+def rule_flash_attn(t, tensors):
+    srcs = _srcs(t, tensors, 3, 5)
+    q, k, v = srcs[:3]
+    _types(t, q, (F32,), "q"); _types(t, k, (F16, F32), "k"); _types(t, v, (F16, F32), "v")
+    _need(k.ne[0] == q.ne[0] and v.ne[1] == k.ne[1], t, "q/k/v head dims")
+    _need(q.ne[2] % k.ne[2] == 0 and q.ne[3] % k.ne[3] == 0 and k.ne[2] == v.ne[2], t, "q/k/v heads")
+    if len(srcs) > 3 and srcs[3] is not None:
+        m = srcs[3]
+        _types(t, m, (F16,), "mask")
+        _need(m.ne[0] == k.ne[1] and m.ne[1] >= q.ne[1], t, "mask shape")
+        _need(q.ne[2] % m.ne[2] == 0 and q.ne[3] % m.ne[3] == 0, t, "mask does not broadcast")
+    _need(len(srcs) < 5 or srcs[4] is None, t, "sinks not supported")
+    _need(t.type == F32 and t.ne == (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), t,
+          "result must be f32 [v.ne0, q.ne2, q.ne1, q.ne3]")
+
+
+OP_RULES: dict[int, Callable] = {
+    lib.GGML_OP_NONE: rule_none,
+    lib.GGML_OP_ADD: rule_binary,
+    lib.GGML_OP_SUB: rule_binary,
+    lib.GGML_OP_MUL: rule_binary,
+    lib.GGML_OP_DIV: rule_binary,
+    lib.GGML_OP_SCALE: rule_scale,
+    lib.GGML_OP_RMS_NORM: rule_norm,
+    lib.GGML_OP_NORM: rule_norm,
+    lib.GGML_OP_MUL_MAT: rule_mul_mat,
+    lib.GGML_OP_GET_ROWS: rule_get_rows,
+    lib.GGML_OP_SET_ROWS: rule_set_rows,
+    lib.GGML_OP_CPY: rule_cpy,
+    lib.GGML_OP_CONT: rule_cont,
+    lib.GGML_OP_RESHAPE: rule_reshape,
+    lib.GGML_OP_VIEW: rule_view,
+    lib.GGML_OP_PERMUTE: rule_view,
+    lib.GGML_OP_TRANSPOSE: rule_view,
+    lib.GGML_OP_ROPE: rule_rope,
+    lib.GGML_OP_SOFT_MAX: rule_soft_max,
+    lib.GGML_OP_FLASH_ATTN_EXT: rule_flash_attn,
+    lib.GGML_OP_UNARY: rule_unary,
+    lib.GGML_OP_GLU: rule_glu,
+}
+SUPPORTED_OPS = frozenset(OP_RULES)
+
+
+def check_op(t: TensorSpec, earlier: list[TensorSpec]) -> None:
+    rule = OP_RULES.get(t.op)
+    if rule is None:
+        raise _bad(t.index, f"op {op_name(t.op)} is not supported by this daemon")
+    rule(t, earlier)

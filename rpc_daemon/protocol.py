@@ -1,0 +1,203 @@
+"""The wire protocol, sans I/O: framing, command table, request schemas.
+
+A frame is a 12-byte prefix `<u32 header_len><u64 blob_len>` (little endian),
+a msgpack map of `header_len` bytes, then `blob_len` raw bytes. Tensor data
+travels in the blob so the daemon can read it straight into its destination.
+Everything here is a pure function over bytes and dicts; docs/protocol.md is
+the spec. Nothing is allocated for a frame before its prefix passed `Limits`.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs")
+PREFIX = struct.Struct("<IQ")
+MAX_NAME = 64
+
+
+class Status(IntEnum):
+    # ggml's own status codes (enum ggml_status)
+    SUCCESS = 0
+    ABORTED = 1
+    FAILED = -1
+    ALLOC_FAILED = -2
+    # protocol errors
+    INVALID_REQUEST = -100
+    UNKNOWN_COMMAND = -101
+    NOT_AUTHORIZED = -102
+    LIMIT_EXCEEDED = -103
+    VERSION_MISMATCH = -104
+    NOT_FOUND = -105  # e.g. SET_TENSOR_HASH for content the cache does not hold
+
+
+class Command(IntEnum):
+    HELLO = 0
+    DEVICE_INFO = 1
+    ALLOC_BUFFER = 2
+    FREE_BUFFER = 3
+    BUFFER_CLEAR = 4
+    SET_TENSOR = 5
+    GET_TENSOR = 6
+    COPY_TENSOR = 7
+    SET_TENSOR_HASH = 8
+    GRAPH_COMPUTE = 9
+    GRAPH_RECOMPUTE = 10
+    GRAPH_FREE = 11
+    PING = 12
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses. `fatal` means the framing can no longer be
+    trusted, so the connection is closed after the reply."""
+
+    def __init__(self, status: Status, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.status = Status(status)
+        self.message = message
+        self.fatal = fatal
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header: int = 16 << 20  # msgpack part: graphs of many thousands of tensors
+    max_blob: int = 1 << 30  # raw part: one SET_TENSOR chunk, inline inputs
+    max_graph_tensors: int = 65536
+    max_buffers: int = 4096
+    max_graphs: int = 64  # cached graphs per client
+
+
+# ---------------------------------------------------------------- framing
+
+def encode_prefix(header_len: int, blob_len: int) -> bytes:
+    return PREFIX.pack(header_len, blob_len)
+
+
+def encode_frame(header: dict, blob_len: int = 0) -> bytes:
+    """Prefix plus header; the caller sends `blob_len` bytes of blob after it."""
+    body = msgpack.packb(header, use_bin_type=True)
+    return PREFIX.pack(len(body), blob_len) + body
+
+
+def parse_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
+    if len(prefix) != PREFIX.size:
+        raise ProtocolError(Status.INVALID_REQUEST, "truncated frame prefix", fatal=True)
+    header_len, blob_len = PREFIX.unpack(prefix)
+    if header_len == 0 or header_len > limits.max_header:
+        raise ProtocolError(Status.LIMIT_EXCEEDED,
+                            f"frame header_len {header_len} outside 1..{limits.max_header}", fatal=True)
+    if blob_len > limits.max_blob:
+        raise ProtocolError(Status.LIMIT_EXCEEDED,
+                            f"frame blob_len {blob_len} exceeds max_blob {limits.max_blob}", fatal=True)
+    return header_len, blob_len
+
+
+def decode_header(data: bytes, limits: Limits) -> dict:
+    try:
+        header = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=limits.max_header, max_bin_len=limits.max_header,
+            max_array_len=limits.max_graph_tensors * 4, max_map_len=1 << 16)
+    except Exception as exc:
+        raise ProtocolError(Status.INVALID_REQUEST, f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(Status.INVALID_REQUEST, "header must be a msgpack map")
+    return header
+
+
+def reply_header(request_id, status: Status, message: str = "", **fields) -> dict:
+    header = {"id": request_id, "status": int(status)}
+    if message:
+        header["error"] = message
+    header.update(fields)
+    return header
+
+
+# ---------------------------------------------------------------- field checks
+
+def field_int(h: dict, key: str, lo: int = 0, hi: int = (1 << 63) - 1, default=None) -> int:
+    v = h.get(key, default)
+    if v is None:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} is required")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} must be an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r}={v} outside {lo}..{hi}")
+    return v
+
+
+def field_bytes(h: dict, key: str, max_len: int, default=None) -> bytes:
+    v = h.get(key, default)
+    if not isinstance(v, (bytes, bytearray)):
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} must be bytes")
+    if len(v) > max_len:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} longer than {max_len} bytes")
+    return bytes(v)
+
+
+def field_list(h: dict, key: str, max_len: int, default=None) -> list:
+    v = h.get(key, default)
+    if not isinstance(v, list):
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} must be a list")
+    if len(v) > max_len:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"field {key!r} has {len(v)} entries, limit {max_len}")
+    return v
+
+
+# ---------------------------------------------------------------- requests
+
+@dataclass(frozen=True)
+class ByteRange:
+    """`size` bytes at `offset` in the client's buffer `buffer`."""
+    buffer: int
+    offset: int
+    size: int
+
+
+def parse_range(h: dict, prefix: str = "") -> ByteRange:
+    return ByteRange(field_int(h, prefix + "buffer", 1), field_int(h, prefix + "offset"),
+                     field_int(h, "size"))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Inline data for graph tensor `tensor`: `size` bytes at `blob_offset` of the blob."""
+    tensor: int
+    blob_offset: int
+    size: int
+
+
+def parse_inputs(h: dict, blob_len: int, n_tensors: int | None) -> list[InputSpec]:
+    specs = []
+    for i, item in enumerate(field_list(h, "inputs", 1 << 16, default=[])):
+        if not (isinstance(item, list) and len(item) == 3 and all(type(v) is int for v in item)):
+            raise ProtocolError(Status.INVALID_REQUEST, f"inputs[{i}] must be [tensor, blob_offset, size]")
+        t, off, size = item
+        if t < 0 or (n_tensors is not None and t >= n_tensors):
+            raise ProtocolError(Status.INVALID_REQUEST, f"inputs[{i}] names tensor {t}, not in the graph")
+        if off < 0 or size < 0 or off + size > blob_len:
+            raise ProtocolError(Status.INVALID_REQUEST, f"inputs[{i}] data [{off}, {off + size}) outside the blob of {blob_len} bytes")
+        specs.append(InputSpec(t, off, size))
+    return specs
+
+
+def parse_outputs(h: dict, n_tensors: int | None) -> list[int]:
+    out = []
+    for i, t in enumerate(field_list(h, "outputs", 1 << 16, default=[])):
+        if type(t) is not int or t < 0 or (n_tensors is not None and t >= n_tensors):
+            raise ProtocolError(Status.INVALID_REQUEST, f"outputs[{i}]={t!r} is not a tensor of the graph")
+        out.append(t)
+    return out
+
+
+def check_hello(h: dict) -> dict:
+    version = h.get("version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(Status.VERSION_MISMATCH,
+                            f"protocol version {version!r} not supported; this daemon speaks {PROTOCOL_VERSION}",
+                            fatal=True)
+    return h

@@ -1,0 +1,490 @@
+"""The worker daemon: asyncio connections that move bytes, and one handler per
+command. Validation lives in protocol.py and graph.py; compute in compute.py.
+
+A connection reads frames with a BufferedProtocol, so SET_TENSOR data lands
+straight in the destination shared-memory buffer. PING is answered as soon as
+it is read, even while the connection's previous request is still computing;
+every other request runs in order on the connection's own task.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from rpc_daemon import protocol as P
+from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer
+from rpc_daemon.compute import ComputeFailed, ComputeProcess
+from rpc_daemon.graph import GraphSpec, parse_graph
+from rpc_daemon.protocol import Command, ProtocolError, Status
+from rpc_daemon.tensor_cache import TensorCache
+
+log = structlog.get_logger("rpc")
+
+
+@dataclass
+class DaemonConfig:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    threads: int = 1
+    mem: int = 0  # bytes; 0 = physical memory
+    cache_dir: str | None = None
+    idle_timeout: float = 300.0
+    hello_timeout: float = 10.0
+    compute_timeout: float = 600.0
+    max_clients: int = 64
+    limits: P.Limits = P.Limits()
+    unsafe_no_validation: bool = False  # tests only: lets graphs reach libggml unchecked
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return physical_memory()
+
+
+class Daemon:
+    """State shared by all connections."""
+
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.buffers = BufferRegistry(config.mem or physical_memory())
+        self.compute = ComputeProcess(config.threads, config.compute_timeout)
+        self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
+        self.connections: set[Connection] = set()
+        self._ids = itertools.count(1)
+        self.stats = collections.Counter()
+
+    def new_client_id(self) -> int:
+        return next(self._ids)
+
+    def close(self) -> None:
+        for conn in list(self.connections):
+            conn.abort("daemon shutting down")
+        self.compute.close()
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, daemon: Daemon):
+        self.daemon = daemon
+        self.limits = daemon.config.limits
+        self.client_id = daemon.new_client_id()
+        self.transport: asyncio.Transport | None = None
+        self.log = log
+        self.hello_done = False
+        self.closed = False
+        self.graphs: dict[int, GraphSpec] = {}
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.worker: asyncio.Task | None = None
+        self.worker_busy = False
+        self.last_activity = time.monotonic()
+        self._scratch = bytearray(1 << 16)
+        self._reset_frame()
+
+    # ------------------------------------------------------------ framing
+    def _reset_frame(self) -> None:
+        self._stage = "prefix"
+        self._target = memoryview(bytearray(P.PREFIX.size))
+        self._pos = 0
+        self._header: dict | None = None
+        self._error: ProtocolError | None = None
+        self._blob_len = 0
+        self._direct: SharedBuffer | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.log = log.bind(peer=f"{peer[0]}:{peer[1]}" if peer else "?", client=self.client_id)
+        if len(self.daemon.connections) >= self.daemon.config.max_clients:
+            self._reply(None, Status.LIMIT_EXCEEDED, f"too many clients (limit {self.daemon.config.max_clients})")
+            transport.close()
+            self.closed = True
+            return
+        self.daemon.connections.add(self)
+        self.worker = asyncio.get_running_loop().create_task(self._work())
+        self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
+        self.log.info("client connected")
+
+    def get_buffer(self, sizehint: int):
+        if self._stage == "discard":
+            return memoryview(self._scratch)[: min(len(self._scratch), self._blob_len - self._pos)]
+        return self._target[self._pos:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_activity = time.monotonic()
+        self._pos += nbytes
+        want = self._blob_len if self._stage == "discard" else len(self._target)
+        if self._pos >= want:
+            try:
+                self._advance()
+            except ProtocolError as exc:  # framing broken: answer and hang up
+                self._reply(None, exc.status, exc.message)
+                self.abort(exc.message)
+
+    def _advance(self) -> None:
+        if self._stage == "prefix":
+            header_len, self._blob_len = P.parse_prefix(bytes(self._target), self.limits)
+            self._stage, self._target, self._pos = "header", memoryview(bytearray(header_len)), 0
+            return
+        if self._stage == "header":
+            try:
+                self._header = P.decode_header(bytes(self._target), self.limits)
+                self._direct = self._direct_destination(self._header)
+            except ProtocolError as exc:
+                self._error = exc
+            if self._blob_len == 0:
+                return self._frame_done()
+            if self._error is not None:
+                self._stage, self._pos = "discard", 0
+            elif self._direct is not None:
+                off = self._header["offset"]
+                self._stage, self._target, self._pos = "blob", self._direct.view[off: off + self._blob_len], 0
+            else:
+                self._stage, self._target, self._pos = "blob", memoryview(bytearray(self._blob_len)), 0
+            return
+        self._frame_done()
+
+    def _direct_destination(self, h: dict) -> SharedBuffer | None:
+        """For a SET_TENSOR that will run next, the buffer to read its data into."""
+        if h.get("cmd") != Command.SET_TENSOR or not self.hello_done or self.worker_busy or not self.queue.empty():
+            return None
+        buf, _ = self._check_range(P.parse_range(h))
+        if h["size"] != self._blob_len:
+            raise ProtocolError(Status.INVALID_REQUEST, f"size {h['size']} != blob length {self._blob_len}")
+        return buf
+
+    def _frame_done(self) -> None:
+        header, error = self._header, self._error
+        blob = self._target if self._stage == "blob" else memoryview(b"")
+        direct = self._direct is not None
+        self._reset_frame()
+        req_id = header.get("id") if isinstance(header, dict) else None
+        if error is not None:
+            self._reply(req_id, error.status, error.message)
+            if error.fatal:
+                self.abort(error.message)
+            return
+        cmd = header.get("cmd")
+        if not self.hello_done and cmd != Command.HELLO:
+            self._reply(req_id, Status.INVALID_REQUEST, "the first command must be HELLO")
+            self.abort("first command was not HELLO")
+            return
+        if cmd == Command.PING:
+            self._reply(req_id, Status.SUCCESS, time=time.time())
+            return
+        if cmd == Command.HELLO:
+            self._hello(req_id, header)
+            return
+        self.queue.put_nowait((header, blob, direct))
+        if self.queue.qsize() > 64 and self.transport is not None:
+            self.transport.pause_reading()
+
+    # ------------------------------------------------------------ lifecycle
+    def _check_idle(self) -> None:
+        if self.closed:
+            return
+        idle = time.monotonic() - self.last_activity
+        limit = self.daemon.config.idle_timeout if self.hello_done else self.daemon.config.hello_timeout
+        if idle > limit and self.queue.empty() and not self.worker_busy:
+            self.log.info("closing idle client", idle_s=round(idle, 1))
+            self.abort("idle timeout")
+            return
+        self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
+
+    def abort(self, why: str) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.log.info("closing connection", reason=why)
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.log.info("client disconnected", error=str(exc) if exc else None)
+        if self.worker is not None:
+            self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        for gid in list(self.graphs):
+            self.daemon.compute.forget_graph(self.graph_key(gid))
+        self.graphs.clear()
+        for buf in self.daemon.buffers.owned_by(self.client_id):
+            self.daemon.compute.forget_buffer(buf.key)
+            self.daemon.buffers.free(buf)
+        self.daemon.connections.discard(self)
+
+    async def _work(self) -> None:
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is None or self.closed:
+                    return
+                if self.queue.qsize() < 16 and self.transport is not None and not self.transport.is_closing():
+                    self.transport.resume_reading()
+                header, blob, direct = item
+                self.worker_busy = True
+                try:
+                    await self._dispatch(header, blob, direct)
+                finally:
+                    self.worker_busy = False
+                    self.last_activity = time.monotonic()
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------ replies
+    def _reply(self, req_id, status: Status, message: str = "", blob=b"", **fields) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if status != Status.SUCCESS and status != Status.NOT_FOUND:
+            self.log.warning("request refused", status=Status(status).name, error=message)
+        header = P.reply_header(req_id, status, message, **fields)
+        self.transport.write(P.encode_frame(header, len(blob)))
+        if len(blob):
+            self.transport.write(blob)
+
+    async def _dispatch(self, header: dict, blob, direct: bool) -> None:
+        req_id = header.get("id")
+        cmd = header.get("cmd")
+        handler = HANDLERS.get(cmd) if type(cmd) is int else None
+        if handler is None:
+            self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r}")
+            return
+        try:
+            result = await handler(self, header, blob, direct)
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message)
+            return
+        except Exception as exc:  # a bug of ours must not take the daemon down
+            self.log.exception("handler failed", cmd=cmd)
+            self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        fields, out = result if isinstance(result, tuple) else (result or {}, b"")
+        self._reply(req_id, fields.pop("status", Status.SUCCESS), fields.pop("error", ""), out, **fields)
+
+    # ------------------------------------------------------------ helpers
+    def _hello(self, req_id, header: dict) -> None:
+        try:
+            P.check_hello(header)
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message, version=P.PROTOCOL_VERSION)
+            self.abort(exc.message)
+            return
+        self.hello_done = True
+        self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=list(P.FEATURES),
+                    server="ggml-rpc-server (python)", max_blob=self.limits.max_blob)
+
+    def _buffer(self, key: int) -> SharedBuffer:
+        buf = self.daemon.buffers.get(self.client_id, key)
+        if buf is None:
+            raise ProtocolError(Status.INVALID_REQUEST, f"buffer {key} is not a buffer of this connection")
+        return buf
+
+    def _check_range(self, r: P.ByteRange) -> tuple[SharedBuffer, P.ByteRange]:
+        buf = self._buffer(r.buffer)
+        if r.offset + r.size > buf.size:
+            raise ProtocolError(Status.INVALID_REQUEST,
+                                f"range [{r.offset}, {r.offset + r.size}) runs past the end of buffer {r.buffer} "
+                                f"({buf.size} bytes)")
+        return buf, r
+
+    def _buffer_size(self, key: int) -> int | None:
+        buf = self.daemon.buffers.get(self.client_id, key)
+        return None if buf is None else buf.size
+
+    def graph_key(self, graph_id: int) -> str:
+        return f"{self.client_id}:{graph_id}"
+
+
+# ---------------------------------------------------------------- handlers
+# Each takes (connection, header, blob, direct) and returns reply fields, or
+# (fields, blob); errors are raised as ProtocolError.
+
+async def handle_device_info(c: Connection, h, blob, direct):
+    from ggml_ffi import lib
+
+    reg = c.daemon.buffers
+    features = [name for name in ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "avx512",
+                                  "avx512_vbmi", "avx512_vnni", "avx512_bf16", "neon", "arm_fma", "fp16_va",
+                                  "dotprod", "matmul_int8", "sve")
+                if getattr(lib, f"ggml_cpu_has_{name}", lambda: 0)()]
+    free = min(reg.max_bytes - reg.allocated, available_memory())
+    return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": max(0, free),
+            "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": c.daemon.config.threads,
+            "cpu_features": features, "tensor_cache": c.daemon.cache is not None}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+async def handle_alloc_buffer(c: Connection, h, blob, direct):
+    size = P.field_int(h, "size", 1)
+    if len(c.daemon.buffers.owned_by(c.client_id)) >= c.limits.max_buffers:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"buffer count limit {c.limits.max_buffers} reached")
+    buf = c.daemon.buffers.alloc(c.client_id, size)
+    if buf is None:
+        reg = c.daemon.buffers
+        return {"status": Status.ALLOC_FAILED,
+                "error": f"cannot allocate {size} bytes ({reg.max_bytes - reg.allocated} of {reg.max_bytes} free)"}
+    return {"buffer": buf.key, "size": buf.size, "alignment": ALIGNMENT}
+
+
+async def handle_free_buffer(c: Connection, h, blob, direct):
+    buf = c._buffer(P.field_int(h, "buffer", 1))
+    c.daemon.compute.forget_buffer(buf.key)
+    c.daemon.buffers.free(buf)
+    return {}
+
+
+async def handle_buffer_clear(c: Connection, h, blob, direct):
+    buf = c._buffer(P.field_int(h, "buffer", 1))
+    value = P.field_int(h, "value", 0, 255, default=0)
+    buf.view[:] = bytes([value]) * buf.size
+    return {}
+
+
+async def handle_set_tensor(c: Connection, h, blob, direct):
+    buf, r = c._check_range(P.parse_range(h))
+    if r.size != len(blob):
+        raise ProtocolError(Status.INVALID_REQUEST, f"size {r.size} != blob length {len(blob)}")
+    dest = buf.view[r.offset: r.offset + r.size]
+    if not direct:
+        dest[:] = blob
+    if h.get("cache") and c.daemon.cache is not None:
+        await asyncio.get_running_loop().run_in_executor(None, c.daemon.cache.store, dest)
+    return {}
+
+
+async def handle_set_tensor_hash(c: Connection, h, blob, direct):
+    buf, r = c._check_range(P.parse_range(h))
+    hex_digest = h.get("hash")
+    if not isinstance(hex_digest, str) or len(hex_digest) != 64:
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'hash' must be a sha256 hex digest")
+    if c.daemon.cache is None:
+        return {"status": Status.NOT_FOUND, "error": "this daemon has no tensor cache"}
+    dest = buf.view[r.offset: r.offset + r.size]
+    try:
+        ok = await asyncio.get_running_loop().run_in_executor(None, c.daemon.cache.load_into, hex_digest, dest)
+    except ValueError as exc:
+        raise ProtocolError(Status.INVALID_REQUEST, str(exc)) from None
+    if not ok:
+        return {"status": Status.NOT_FOUND, "error": "content not in the tensor cache"}
+    return {}
+
+
+async def handle_get_tensor(c: Connection, h, blob, direct):
+    buf, r = c._check_range(P.parse_range(h))
+    return {}, bytes(buf.view[r.offset: r.offset + r.size])
+
+
+async def handle_copy_tensor(c: Connection, h, blob, direct):
+    src, rs = c._check_range(P.parse_range(h, "src_"))
+    dst, rd = c._check_range(P.parse_range(h))
+    dst.view[rd.offset: rd.offset + rd.size] = src.view[rs.offset: rs.offset + rs.size]
+    return {}
+
+
+def _input_blob(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, object]:
+    inputs = P.parse_inputs(h, len(blob), len(spec.tensors))
+    given = {i.tensor for i in inputs}
+    for i in inputs:
+        t = spec.tensors[i.tensor]
+        if i.tensor not in spec.inputs:
+            raise ProtocolError(Status.INVALID_REQUEST, f"inputs: tensor {i.tensor} is not an input leaf of the graph")
+        if i.size != t.nbytes:
+            raise ProtocolError(Status.INVALID_REQUEST,
+                                f"inputs: tensor {i.tensor} ({t.name!r}) needs {t.nbytes} bytes, got {i.size}")
+    missing = [i for i in spec.inputs if i not in given]
+    if missing and not c.daemon.config.unsafe_no_validation:
+        t = spec.tensors[missing[0]]
+        raise ProtocolError(Status.INVALID_REQUEST, f"inputs: no data for input tensor {t.index} ({t.name!r})")
+    return [(i.tensor, i.blob_offset, i.size) for i in inputs], blob
+
+
+async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
+    inputs, blob = _input_blob(c, spec, h, blob)
+    outputs = P.parse_outputs(h, len(spec.tensors))
+    bufs = {}
+    for key in spec.buffers:
+        buf = c._buffer(key)
+        bufs[key] = (buf.size, buf.fd)
+    key = c.graph_key(graph_id)
+    try:
+        reply, out = await c.daemon.compute.call(
+            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec)
+    except ComputeFailed as exc:
+        c.daemon.stats["compute_restarts"] += 1
+        return {"status": Status.FAILED, "error": str(exc)}
+    if reply["status"] != 0:
+        return {"status": reply["status"], "error": reply.get("error", "compute failed")}
+    return {"outputs": reply["outputs"]}, out
+
+
+async def handle_graph_compute(c: Connection, h, blob, direct):
+    graph_id = P.field_int(h, "graph_id", 0, default=0)
+    if c.daemon.config.unsafe_no_validation:
+        from rpc_daemon.graph import parse_unchecked
+        spec = parse_unchecked(h, c._buffer_size)
+    else:
+        spec = parse_graph(h, c.limits, c._buffer_size)
+    if graph_id:
+        if graph_id not in c.graphs and len(c.graphs) >= c.limits.max_graphs:
+            raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {c.limits.max_graphs} reached; free one")
+        c.graphs[graph_id] = spec
+    else:
+        graph_id = -1  # one-off graph: cached in the compute process under a throwaway key
+    c.daemon.compute.forget_graph(c.graph_key(graph_id))
+    return await _run_graph(c, graph_id, spec, h, blob)
+
+
+async def handle_graph_recompute(c: Connection, h, blob, direct):
+    graph_id = P.field_int(h, "graph_id", 1)
+    spec = c.graphs.get(graph_id)
+    if spec is None:
+        return {"status": Status.NOT_FOUND, "error": f"graph {graph_id} is not cached; send it with GRAPH_COMPUTE"}
+    for key in spec.buffers:  # a buffer may have been freed since the graph was sent
+        c._buffer(key)
+    return await _run_graph(c, graph_id, spec, h, blob)
+
+
+async def handle_graph_free(c: Connection, h, blob, direct):
+    graph_id = P.field_int(h, "graph_id", 1)
+    if c.graphs.pop(graph_id, None) is not None:
+        c.daemon.compute.forget_graph(c.graph_key(graph_id))
+    return {}
+
+
+HANDLERS = {
+    Command.DEVICE_INFO: handle_device_info,
+    Command.ALLOC_BUFFER: handle_alloc_buffer,
+    Command.FREE_BUFFER: handle_free_buffer,
+    Command.BUFFER_CLEAR: handle_buffer_clear,
+    Command.SET_TENSOR: handle_set_tensor,
+    Command.GET_TENSOR: handle_get_tensor,
+    Command.COPY_TENSOR: handle_copy_tensor,
+    Command.SET_TENSOR_HASH: handle_set_tensor_hash,
+    Command.GRAPH_COMPUTE: handle_graph_compute,
+    Command.GRAPH_RECOMPUTE: handle_graph_recompute,
+    Command.GRAPH_FREE: handle_graph_free,
+}
