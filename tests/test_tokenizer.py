@@ -97,6 +97,11 @@ def pieces(tok: Tokenizer, ids: list[int]) -> list[str]:
     return [tok.tokens[i] for i in ids]
 
 
+# A literal "▁" in the input is indistinguishable from an escaped space (as in
+# llama.cpp and SentencePiece), so it is the one character that cannot round-trip.
+texts_without_escape_char = st.text(max_size=120).map(lambda s: s.replace(SPACE_ESCAPE, ""))
+
+
 # ---------------------------------------------------------------- metadata / vocab facts
 
 def test_metadata_reader_matches_gguf_library(gguf_path, meta):
@@ -225,6 +230,24 @@ def test_parse_special_matches_control_tokens(tok):
     assert tok.decode(plain) == text
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(
+    texts_without_escape_char,
+    st.sampled_from(["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>",
+                     "<unused0>", "<start_of_image>", "\n\n", "    "]),
+), max_size=8))
+def test_parse_special_round_trip_property(tok, parts):
+    text = "".join(parts)
+    ids = tok.encode(text, parse_special=True)
+    # Rendering control tokens back as text reproduces the input exactly.
+    assert tok.decode(ids, special=True) == "<bos>" + text
+    # Every "<...>" control token becomes one id (whitespace parts may fuse into a
+    # longer whitespace token, so they are not checked here).
+    for part in parts:
+        if part.startswith("<") and tok.piece_to_id(part) is not None:
+            assert tok.piece_to_id(part) in ids
+
+
 def test_token_to_piece_kinds(tok):
     assert tok.token_to_piece(tok.piece_to_id("<start_of_turn>")) == b""
     assert tok.token_to_piece(tok.piece_to_id("<start_of_turn>"), special=True) == b"<start_of_turn>"
@@ -268,11 +291,6 @@ ROUND_TRIP_CASES = [
 def test_round_trip(tok, text):
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode(tok.encode(text, add_special=False)) == text
-
-
-# A literal "▁" in the input is indistinguishable from an escaped space (as in
-# llama.cpp and SentencePiece), so it is the one character that cannot round-trip.
-texts_without_escape_char = st.text(max_size=120).map(lambda s: s.replace(SPACE_ESCAPE, ""))
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,0 +1,18 @@
+"""Run one GGUF model split across ggml-rpc-server workers.
+
+    import coordinator
+    with coordinator.Coordinator(endpoints=["host1:50052", "host2:50052"]) as c:
+        print(c.generate("The capital of France is", max_tokens=32))
+"""
+from coordinator.api import (
+    Batch,
+    Coordinator,
+    DecodeError,
+    DecodeResult,
+    EndpointFailure,
+    default_model_path,
+    plan_split,
+)
+
+__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure",
+           "default_model_path", "plan_split"]

@@ -1,0 +1,225 @@
+"""Where a stage runs: in this process (`local`), or on a worker daemon through
+one dispatcher (an RpcClient) per connection. Both run the very same graphs.
+
+Executors raise StageFailed; the coordinator turns it into a decode code.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
+from rpc_daemon.client import PeerFailed, RpcClient, RpcError
+from rpc_daemon.graph_codec import encode_graph
+from rpc_daemon.protocol import Command, Status
+
+ALIGN = 64
+UPLOAD_CHUNK = 16 << 20
+CACHE_MIN_BYTES = 1 << 20  # smaller tensors are cheaper to send than to hash and look up
+
+
+class StageFailed(Exception):
+    """kind: 'endpoint' (unreachable, dead, timed out, protocol) or 'compute'
+    (the worker is fine but the compute failed) or 'alloc'."""
+
+    def __init__(self, kind: str, endpoint: str, message: str):
+        super().__init__(message)
+        self.kind, self.endpoint, self.message = kind, endpoint, message
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(tensors) -> tuple[dict, int]:
+    offsets, total = {}, 0
+    for t in tensors:
+        offsets[t] = total
+        total += align(lib.ggml_nbytes(t))
+    return offsets, total
+
+
+def stage_tensors(stage) -> tuple[list, list]:
+    return list(stage.weights.items()), stage.kv.tensors()
+
+
+class LocalExecutor:
+    """The in-process path: the correctness reference and the local baseline."""
+
+    endpoint = "local"
+
+    def __init__(self, threads: int = 1):
+        self.threads = threads
+        self.backend: CpuBackend | None = None
+        self.galloc: Gallocr | None = None
+        self.buffers = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
+
+    async def open(self) -> dict:
+        self.backend = CpuBackend(self.threads)
+        self.galloc = Gallocr(self.backend)
+        return {"name": "local", "free_memory": 0, "threads": self.threads}
+
+    async def load(self, stage, gguf, progress=None) -> None:
+        weights, kv = stage_tensors(stage)
+        todo = [(n, t) for n, t in weights if t.data == NULL]
+        offsets, total = layout([t for _, t in todo] + kv)
+        buf = self.backend.alloc_buffer(total)
+        lib.ggml_backend_buffer_clear(buf, 0)
+        self.buffers.append(buf)
+        base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buf)))
+        for t, off in offsets.items():
+            lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
+        for name, t in todo:
+            data = gguf.tensor_data(name)
+            ffi.memmove(t.data, ffi.from_buffer(data), len(data))
+            if progress:
+                progress(len(data))
+
+    def _run(self, stage, shape, inputs: dict) -> bytes:
+        g, _ = stage.graph(shape)
+        if not self.galloc.alloc_graph(g.gf):
+            raise StageFailed("alloc", self.endpoint, "cannot allocate the compute buffer")
+        for name, arr in inputs.items():
+            x = g.inputs[name]
+            ffi.memmove(x.data, ffi.from_buffer(arr), arr.nbytes)
+        status = self.backend.compute(g.gf)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise StageFailed("compute", self.endpoint, f"local compute returned ggml status {status}")
+        return bytes(ffi.buffer(g.output.data, lib.ggml_nbytes(g.output)))
+
+    async def run(self, stage, shape, inputs: dict) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs)
+
+    async def close(self) -> None:
+        if self.galloc:
+            self.galloc.close()
+        for buf in self.buffers:
+            lib.ggml_backend_buffer_free(buf)
+        self.buffers.clear()
+        if self.backend:
+            self.backend.close()
+        self._pool.shutdown(wait=False)
+
+
+class RemoteExecutor:
+    """One connection to one worker: weights and KV cache of its stage live in
+    one remote buffer; step graphs are sent once and recomputed by id."""
+
+    def __init__(self, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float = 2.0,
+                 use_cache: bool = True):
+        self.endpoint = endpoint
+        self.connect_timeout = connect_timeout
+        self.liveness_timeout = liveness_timeout
+        self.use_cache = use_cache
+        self.client: RpcClient | None = None
+        self.info: dict = {}
+        self.placement: dict = {}
+        self.sent_graphs: set[int] = set()
+        self.buffer: int | None = None
+
+    async def _request(self, cmd, fields=None, blob=b"", kind_on_error: str = "compute"):
+        try:
+            return await self.client.request(cmd, fields, blob)
+        except PeerFailed as exc:
+            raise StageFailed("endpoint", self.endpoint, exc.message) from None
+        except RpcError as exc:
+            kind = "alloc" if exc.status == Status.ALLOC_FAILED else kind_on_error
+            raise StageFailed(kind, self.endpoint, f"worker {self.endpoint}: {exc}") from None
+
+    async def open(self) -> dict:
+        try:
+            self.client = await RpcClient.connect(self.endpoint, self.connect_timeout, self.liveness_timeout)
+        except PeerFailed as exc:
+            raise StageFailed("endpoint", self.endpoint, exc.message) from None
+        self.info, _ = await self._request(Command.DEVICE_INFO)
+        self.sent_graphs.clear()
+        return self.info
+
+    async def load(self, stage, gguf, progress=None) -> None:
+        weights, kv = stage_tensors(stage)
+        offsets, total = layout([t for _, t in weights] + kv)
+        reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error="alloc")
+        self.buffer = reply["buffer"]
+        self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
+        cached = self.use_cache and self.info.get("tensor_cache")
+        for name, t in weights:
+            data = gguf.tensor_data(name)
+            base = offsets[t]
+            for start in range(0, len(data), UPLOAD_CHUNK):
+                chunk = data[start: start + UPLOAD_CHUNK]
+                where = {"buffer": self.buffer, "offset": base + start, "size": len(chunk)}
+                if cached and len(chunk) >= CACHE_MIN_BYTES:
+                    digest = hashlib.sha256(chunk).hexdigest()
+                    try:
+                        await self.client.request(Command.SET_TENSOR_HASH, dict(where, hash=digest))
+                        if progress:
+                            progress(len(chunk))
+                        continue
+                    except RpcError as exc:
+                        if exc.status != Status.NOT_FOUND:
+                            raise StageFailed("compute", self.endpoint, str(exc)) from None
+                    except PeerFailed as exc:
+                        raise StageFailed("endpoint", self.endpoint, exc.message) from None
+                    where["cache"] = True
+                await self._request(Command.SET_TENSOR, where, chunk)
+                if progress:
+                    progress(len(chunk))
+
+    async def run(self, stage, shape, inputs: dict) -> bytes:
+        g, evicted = stage.graph(shape)
+        for old in evicted:
+            if old.graph_id in self.sent_graphs:
+                self.sent_graphs.discard(old.graph_id)
+                await self._request(Command.GRAPH_FREE, {"graph_id": old.graph_id})
+        if g.wire is None:
+            g.wire = encode_graph(g.gf, self.placement.get)
+        tensors, index_of = g.wire
+        specs, parts, off = [], [], 0
+        for name, arr in inputs.items():
+            specs.append([index_of[g.inputs[name]], off, arr.nbytes])
+            parts.append(arr.tobytes())
+            off += arr.nbytes
+        blob = b"".join(parts)
+        fields = {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[g.output]]}
+        if g.graph_id in self.sent_graphs:
+            try:
+                reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob)
+                return out
+            except RpcError as exc:
+                if exc.status != Status.NOT_FOUND:
+                    raise StageFailed("compute", self.endpoint, f"worker {self.endpoint}: {exc}") from None
+            except PeerFailed as exc:
+                raise StageFailed("endpoint", self.endpoint, exc.message) from None
+        reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
+        self.sent_graphs.add(g.graph_id)
+        return out
+
+    async def ping(self) -> float:
+        try:
+            return await self.client.ping()
+        except PeerFailed as exc:
+            raise StageFailed("endpoint", self.endpoint, exc.message) from None
+
+    async def close(self) -> None:
+        if self.client is not None:
+            if self.client.failed is None and self.buffer is not None:
+                try:
+                    await asyncio.wait_for(self.client.request(Command.FREE_BUFFER, {"buffer": self.buffer}), 2.0)
+                except Exception:
+                    pass
+            await self.client.aclose()
+            self.client = None
+
+
+def make_executor(endpoint: str, threads: int, **opts):
+    if endpoint == "local":
+        return LocalExecutor(threads)
+    return RemoteExecutor(endpoint, **opts)
+
+
+def pack_inputs(arrays: dict) -> dict:
+    return {k: np.ascontiguousarray(v) for k, v in arrays.items()}

@@ -1,0 +1,51 @@
+"""gemma3: llama's blocks plus scaled embeddings, Q/K norms, post-attention and
+post-FFN norms, GELU-gated FFN, and sliding-window layers (every
+`swa_pattern`-th layer is global) with their own RoPE base. The GGUF's norm
+weights already include gemma's +1, and the output embedding is tied."""
+from __future__ import annotations
+
+import math
+
+from ggml_ffi import lib
+from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams
+
+
+def hparams(g) -> HParams:
+    n_embd, n_head = g.require("gemma3.embedding_length"), g.require("gemma3.attention.head_count")
+    head_dim = g.get("gemma3.attention.key_length", n_embd // n_head)
+    n_layer = g.require("gemma3.block_count")
+    factor = g.get("gemma3.rope.scaling.factor")
+    n_swa = g.get("gemma3.attention.sliding_window", 0) or 0
+    # llama.cpp: 1/sqrt(head_dim), except the 27B (62 layers) scales by n_embd/n_head
+    attn_scale = 1.0 / math.sqrt(n_embd / n_head if n_layer == 62 else head_dim)
+    return HParams(
+        arch="gemma3", n_vocab=g.tensor("token_embd.weight").ne[1], n_embd=n_embd, n_layer=n_layer,
+        n_ff=g.require("gemma3.feed_forward_length"), n_head=n_head,
+        n_head_kv=g.get("gemma3.attention.head_count_kv", n_head), head_dim=head_dim,
+        n_rot=g.get("gemma3.rope.dimension_count", head_dim),
+        rms_eps=g.get("gemma3.attention.layer_norm_rms_epsilon", 1e-6), rope_type=ROPE_NEOX,
+        rope_base=g.get("gemma3.rope.freq_base", 1e6), rope_scale=1.0 / factor if factor else 1.0,
+        n_ctx_train=g.get("gemma3.context_length", 32768), n_swa=n_swa,
+        swa_pattern=g.get("gemma3.attention.sliding_window_pattern", 6) if n_swa else 0,
+        rope_base_swa=g.get("gemma3.rope.freq_base_swa", 10000.0),
+        attn_scale=attn_scale, embd_scale=math.sqrt(n_embd))
+
+
+def embed(b: GraphBuilder, tokens):
+    x = lib.ggml_get_rows(b.c, b.w["token_embd.weight"], tokens)
+    return lib.ggml_scale(b.c, x, b.hp.embd_scale)
+
+
+def layer(b: GraphBuilder, il: int, x, pos):
+    c, p = b.c, f"blk.{il}."
+    cur = b.norm(x, b.w[p + "attn_norm.weight"])
+    q, k, v = b.qkv(il, cur)
+    q = b.rope(b.norm(q, b.w[p + "attn_q_norm.weight"]), pos, il)
+    k = b.rope(b.norm(k, b.w[p + "attn_k_norm.weight"]), pos, il)
+    q = lib.ggml_scale(c, q, b.hp.attn_scale)
+    cur = b.attention(il, q, k, v, 1.0)
+    cur = b.norm(lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), b.w[p + "post_attention_norm.weight"])
+    attn_out = lib.ggml_add(c, cur, x)
+    cur = b.gated_ffn(il, b.norm(attn_out, b.w[p + "ffn_norm.weight"]), lib.ggml_geglu_split)
+    cur = b.norm(cur, b.w[p + "post_ffw_norm.weight"])
+    return lib.ggml_add(c, cur, attn_out)

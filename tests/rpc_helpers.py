@@ -1,0 +1,167 @@
+"""Helpers shared by the daemon tests: a raw-socket frame client with timeouts,
+a small reference graph, and the "is a normal client still served" check."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import numpy as np
+
+from ggml_ffi import Context, lib
+from rpc_daemon import protocol as P
+from rpc_daemon.client import RpcClient, RpcError
+from rpc_daemon.graph_codec import encode_graph
+from rpc_daemon.protocol import Command, Status
+
+RECV_TIMEOUT = 10.0
+
+
+# ---------------------------------------------------------------- raw frames
+
+class RawConn:
+    """A blocking socket that speaks frames; every receive has a timeout."""
+
+    def __init__(self, endpoint_port: int, timeout: float = RECV_TIMEOUT):
+        self.sock = socket.create_connection(("127.0.0.1", endpoint_port), timeout=timeout)
+        self.sock.settimeout(timeout)
+        self._ids = 0
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, header: dict, blob: bytes = b"") -> None:
+        self.sock.sendall(P.encode_frame(header, len(blob)) + bytes(blob))
+
+    def request(self, cmd: int, fields: dict | None = None, blob: bytes = b"") -> int:
+        """Send one request; returns its id."""
+        self._ids += 1
+        self.send(dict(fields or {}, cmd=int(cmd), id=self._ids), blob)
+        return self._ids
+
+    def _recv_exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError(f"peer closed after {len(buf)} of {n} bytes")
+            buf += chunk
+        return bytes(buf)
+
+    def recv_frame(self) -> tuple[dict, bytes]:
+        """One reply frame. Raises EOFError if the daemon closed, socket.timeout
+        if nothing arrived in time."""
+        header_len, blob_len = P.parse_prefix(self._recv_exactly(P.PREFIX.size), P.Limits())
+        header = P.decode_header(self._recv_exactly(header_len), P.Limits())
+        blob = self._recv_exactly(blob_len) if blob_len else b""
+        return header, blob
+
+    def call(self, cmd: int, fields: dict | None = None, blob: bytes = b"") -> tuple[dict, bytes]:
+        req_id = self.request(cmd, fields, blob)
+        header, out = self.recv_frame()
+        assert header.get("id") == req_id, header
+        return header, out
+
+    def hello(self) -> dict:
+        header, _ = self.call(Command.HELLO, {"version": P.PROTOCOL_VERSION})
+        assert header["status"] == Status.SUCCESS, header
+        return header
+
+    def wait_closed(self, timeout: float = 5.0) -> list[dict]:
+        """Read until the daemon closes the connection; returns the frames read.
+        Fails if it is still open after `timeout` seconds."""
+        frames = []
+        deadline = time.monotonic() + timeout
+        self.sock.settimeout(timeout)
+        while time.monotonic() < deadline:
+            try:
+                frames.append(self.recv_frame()[0])
+            except (EOFError, ConnectionResetError, BrokenPipeError):
+                return frames
+            except socket.timeout:
+                break
+        raise AssertionError(f"daemon did not close the connection within {timeout} s (got {frames})")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------- graphs
+
+def small_graph(buf: int, offset: int = 0, x_data=None, y_data=None):
+    """z = (x + y) * y on f32 [4, 3]: x lives in client buffer `buf` at `offset`,
+    y is an inline input. Returns (wire tensors, {name: index}, request fields,
+    input blob, expected z)."""
+    x_data = np.arange(12, dtype=np.float32) if x_data is None else x_data
+    y_data = np.full(12, 2, np.float32) if y_data is None else y_data
+    ctx = Context(16)
+    try:
+        x = ctx.new_tensor(lib.GGML_TYPE_F32, [4, 3], "x")
+        y = ctx.new_tensor(lib.GGML_TYPE_F32, [4, 3], "y")
+        lib.ggml_set_input(y)
+        s = lib.ggml_add(ctx.ptr, x, y)
+        z = lib.ggml_mul(ctx.ptr, s, y)
+        lib.ggml_set_output(z)
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, z)
+        tensors, index_of = encode_graph(gf, lambda t: (buf, offset) if t == x else None)
+        idx = {"x": index_of[x], "y": index_of[y], "s": index_of[s], "z": index_of[z]}
+    finally:
+        ctx.close()
+    yb = y_data.tobytes()
+    fields = {"tensors": tensors, "inputs": [[idx["y"], 0, len(yb)]], "outputs": [idx["z"]]}
+    return tensors, idx, fields, yb, (x_data + y_data) * y_data
+
+
+async def check_compute(c: RpcClient, buf: int, offset: int, x_data: np.ndarray, graph_id: int = 0) -> None:
+    """Run the small graph on data `x_data` already at (buf, offset); check the numbers."""
+    y_data = np.linspace(-1, 1, 12, dtype=np.float32)
+    _, idx, fields, yb, expect = small_graph(buf, offset, x_data, y_data)
+    h, out = await c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=graph_id), yb)
+    assert h["status"] == Status.SUCCESS
+    assert h["outputs"] == [[idx["z"], 0, 48]]
+    np.testing.assert_array_equal(np.frombuffer(out, np.float32), expect)
+
+
+async def normal_session(endpoint: str, seed: int = 0) -> None:
+    """HELLO, ALLOC_BUFFER, SET/GET round trip and a small GRAPH_COMPUTE, all checked."""
+    c = await RpcClient.connect(endpoint, liveness_timeout=10.0)
+    try:
+        assert c.server_hello["status"] == Status.SUCCESS and c.server_hello["version"] == P.PROTOCOL_VERSION
+        h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
+        buf = h["buffer"]
+        assert h["size"] == 4096
+        data = (np.arange(12, dtype=np.float32) + seed).astype(np.float32)
+        await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 128, "size": 48}, data.tobytes())
+        _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 128, "size": 48})
+        assert out == data.tobytes()
+        await check_compute(c, buf, 128, data)
+        await c.request(Command.FREE_BUFFER, {"buffer": buf})
+    finally:
+        await c.aclose()
+
+
+def assert_served(d, seed: int = 0, timeout: float = 30.0) -> None:
+    """The daemon process is alive and a normal client gets correct answers."""
+    assert d.alive(), "daemon died:\n" + "".join(d.log_lines[-30:])
+    asyncio.run(asyncio.wait_for(normal_session(d.endpoint, seed), timeout))
+    assert d.alive(), "daemon died:\n" + "".join(d.log_lines[-30:])
+
+
+async def expect_error(coro, status: Status, *fragments: str) -> str:
+    """Await an RpcClient request that must fail with `status`; the error
+    message must contain every fragment."""
+    try:
+        await coro
+    except RpcError as exc:
+        assert exc.status == status, f"expected {status.name}, got {exc}"
+        for f in fragments:
+            assert f in exc.message, f"{f!r} not in {exc.message!r}"
+        return exc.message
+    raise AssertionError(f"request succeeded, expected {status.name}")
