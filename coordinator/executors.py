@@ -54,13 +54,14 @@ class LocalExecutor:
     def __init__(self, threads: int = 1):
         self.threads = threads
         self.backend: CpuBackend | None = None
-        self.galloc: Gallocr | None = None
+        # one allocator per graph: a shared one re-plans on every switch, and
+        # reused plans across graphs of equal topology but other sizes corrupt memory
+        self.gallocs: dict[int, Gallocr] = {}
         self.buffers = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
 
     async def open(self) -> dict:
         self.backend = CpuBackend(self.threads)
-        self.galloc = Gallocr(self.backend)
         return {"name": "local", "free_memory": 0, "threads": self.threads}
 
     async def load(self, stage, gguf, progress=None) -> None:
@@ -80,8 +81,15 @@ class LocalExecutor:
                 progress(len(data))
 
     def _run(self, stage, shape, inputs: dict) -> bytes:
-        g, _ = stage.graph(shape)
-        if not self.galloc.alloc_graph(g.gf):
+        g, evicted = stage.graph(shape)
+        for old in evicted:
+            galloc = self.gallocs.pop(id(old), None)
+            if galloc:
+                galloc.close()
+        galloc = self.gallocs.get(id(g))
+        if galloc is None:
+            galloc = self.gallocs[id(g)] = Gallocr(self.backend)
+        if not galloc.alloc_graph(g.gf):
             raise StageFailed("alloc", self.endpoint, "cannot allocate the compute buffer")
         for name, arr in inputs.items():
             x = g.inputs[name]
@@ -95,8 +103,9 @@ class LocalExecutor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs)
 
     async def close(self) -> None:
-        if self.galloc:
-            self.galloc.close()
+        for galloc in self.gallocs.values():
+            galloc.close()
+        self.gallocs.clear()
         for buf in self.buffers:
             lib.ggml_backend_buffer_free(buf)
         self.buffers.clear()

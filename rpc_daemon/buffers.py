@@ -27,8 +27,11 @@ class SharedBuffer:
 
     def close(self) -> None:
         self.view.release()
-        self.mm.close()
         os.close(self.fd)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a slice of the view is still alive somewhere: the mapping goes with it
 
 
 class BufferRegistry:

@@ -42,6 +42,7 @@ class ComputeProcess:
         self.pending_drops: set[str] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self._lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def _start(self) -> None:
@@ -83,6 +84,12 @@ class ComputeProcess:
         self.restarts += 1
 
     def close(self) -> None:
+        self._closed = True
+        proc = self.proc
+        if proc is not None and self._lock.locked():
+            # a call is in flight; its client is gone with the daemon, so do not wait
+            # (up to the compute timeout) for a result nobody can receive
+            proc.kill()
         with self._lock:
             if self.sock is not None:
                 self.sock.close()
@@ -94,7 +101,7 @@ class ComputeProcess:
                     self.proc.kill()
                     self.proc.wait()
                 self.proc = None
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ calls
     def forget_buffer(self, key: int) -> None:
@@ -112,6 +119,8 @@ class ComputeProcess:
     def _call(self, header: dict, blob, buffers: dict, spec) -> tuple[dict, bytes]:
         """Blocking. `buffers` maps key -> (size, fd) for every buffer the graph uses."""
         with self._lock:
+            if self._closed:
+                raise ComputeFailed("the daemon is shutting down")
             if self.proc is None:
                 self._start()
             maps, fds = [], []

@@ -22,10 +22,11 @@ from rpc_daemon.graph_codec import build_graph, context_size
 class ComputeState:
     def __init__(self, n_threads: int):
         self.backend = CpuBackend(n_threads)
-        self.galloc = Gallocr(self.backend)
         self.buffers: dict[int, tuple] = {}  # key -> (mmap, cdata ptr, ggml buffer)
-        self.graphs: dict[str, tuple] = {}  # key -> (ctx, ptrs, gf, spec)
-        self.last_graph = None
+        # key -> (ctx, ptrs, gf, allocator). One allocator per graph: a shared one
+        # re-plans on every switch, and a plan kept across graphs of equal
+        # topology but other sizes overruns its buffer.
+        self.graphs: dict[str, tuple] = {}
 
     def map_buffer(self, key: int, size: int, fd: int) -> None:
         mm = mmap.mmap(fd, size)
@@ -39,12 +40,15 @@ class ComputeState:
         if entry:
             mm, ptr, buf = entry
             lib.ggml_backend_buffer_free(buf)
-            del ptr
+            # `entry` still references ptr, so `del ptr` alone left the export open
+            # and mm.close() raised BufferError, killing this process
+            ffi.release(ptr)
             mm.close()
 
     def drop_graph(self, key: str) -> None:
         entry = self.graphs.pop(key, None)
         if entry:
+            entry[3].close()
             lib.ggml_free(entry[0])
 
     def buffer_table(self) -> dict:
@@ -59,9 +63,9 @@ class ComputeState:
                              {"mem_size": context_size(len(spec.tensors)), "mem_buffer": NULL, "no_alloc": True})
             ctx = lib.ggml_init(params[0])
             ptrs, gf = build_graph(ctx, spec, self.buffer_table())
-            self.graphs[key] = (ctx, ptrs, gf, spec)
-        ctx, ptrs, gf, spec = self.graphs[key]
-        if not self.galloc.alloc_graph(gf):
+            self.graphs[key] = (ctx, ptrs, gf, Gallocr(self.backend))
+        ctx, ptrs, gf, galloc = self.graphs[key]
+        if not galloc.alloc_graph(gf):
             return {"status": int(lib.GGML_STATUS_ALLOC_FAILED), "error": "cannot allocate the graph's compute buffer"}, b""
         src = ffi.from_buffer(blob) if blob else None
         for tensor, off, size in header["inputs"]:
@@ -101,7 +105,6 @@ def serve(sock: socket.socket, n_threads: int) -> None:
     finally:
         for key in list(state.graphs):
             state.drop_graph(key)
-        state.galloc.close()
         state.backend.close()
 
 

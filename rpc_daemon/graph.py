@@ -214,6 +214,10 @@ def check_placement(t: TensorSpec, earlier: list[TensorSpec], buffer_size) -> No
         if t.offset + t.nbytes > size:
             raise _bad(t.index, f"data [{t.offset}, {t.offset + t.nbytes}) runs past the end of buffer "
                                 f"{t.buffer} ({size} bytes)")
+    if not t.is_contiguous():
+        # kernels write their results as contiguous rows; only views may have other strides
+        raise _bad(t.index, f"nb {list(t.nb)} are not the contiguous strides of a {type_traits(t.type).name} "
+                            f"tensor of ne {list(t.ne)}; only views may have other strides")
 
 
 # ---------------------------------------------------------------- per-op rules
@@ -256,6 +260,8 @@ def rule_none(t, tensors):
 def rule_binary(t, tensors):
     a, b = _srcs(t, tensors, 2)
     _types(t, a, FLOAT_TYPES, "src0"); _types(t, b, FLOAT_TYPES, "src1")
+    # the CPU kernels take src1 of src0's type or f32 (f32 + f16 aborts)
+    _need(b.type in (a.type, F32), t, "src1 type must equal src0 type or be f32")
     _need(t.type == a.type, t, "result type must equal src0 type")
     _same_shape(t, a)
     _need(all(a.ne[i] % b.ne[i] == 0 for i in range(4)), t, f"src1 ne {list(b.ne)} does not broadcast to {list(a.ne)}")
@@ -271,6 +277,7 @@ def rule_unary_like(t, tensors):
 
 def rule_scale(t, tensors):
     rule_unary_like(t, tensors)
+    _types(t, tensors[t.src[0]], (F32,), "src0")  # the CPU kernel aborts on anything else
     _need(len(t.params) >= 4, t, "params must hold the scale")
 
 
@@ -283,13 +290,14 @@ def rule_norm(t, tensors):
 
 def rule_unary(t, tensors):
     rule_unary_like(t, tensors)
+    _types(t, tensors[t.src[0]], (F32, F16), "src0")  # gelu, silu... abort on bf16
     _need(0 <= t.param_i32(0) < lib.GGML_UNARY_OP_COUNT, t, "unknown unary op")
 
 
 def rule_glu(t, tensors):
     srcs = _srcs(t, tensors, 1, 2)
     a = srcs[0]
-    _types(t, a, FLOAT_TYPES, "src0")
+    _types(t, a, (F32, F16), "src0")  # the CPU kernels abort on bf16
     _need(0 <= t.param_i32(0) < lib.GGML_GLU_OP_COUNT, t, "unknown glu op")
     if len(srcs) == 2 and srcs[1] is not None:
         b = srcs[1]
@@ -319,11 +327,13 @@ def rule_get_rows(t, tensors):
 
 
 def rule_set_rows(t, tensors):
-    dst, src, ids = _srcs(t, tensors, 3)
-    _types(t, dst, KV_TYPES, "dst"); _types(t, src, (F32,), "src1"); _types(t, ids, (I64, I32), "row ids")
+    src, ids, dst = _srcs(t, tensors, 3)  # ggml_set_rows(a=dst, b=src, c=ids) stores src[] = {b, c, a}
+    _types(t, dst, KV_TYPES, "dst"); _types(t, src, (F32,), "src"); _types(t, ids, (I64, I32), "row ids")
     _is_view_of(t, dst)
     _need(t.ne == dst.ne and t.type == dst.type, t, "result is a view of dst")
     _need(src.ne[0] == dst.ne[0] and ids.ne[0] == src.ne[1], t, "src rows do not match dst rows / ids")
+    # the CPU kernel writes src plane (i2, i3) into dst plane (i2, i3): fewer dst planes = write past dst
+    _need(src.ne[2] == dst.ne[2] and src.ne[3] == dst.ne[3], t, "src and dst batch dims must be equal")
     _need(src.ne[2] % ids.ne[1] == 0 and src.ne[3] % ids.ne[2] == 0 and ids.ne[3] == 1, t, "ids batch dims")
 
 

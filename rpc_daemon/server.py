@@ -198,7 +198,9 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         idle = time.monotonic() - self.last_activity
-        limit = self.daemon.config.idle_timeout if self.hello_done else self.daemon.config.hello_timeout
+        limit = self.daemon.config.idle_timeout
+        if not self.hello_done:
+            limit = min(limit, self.daemon.config.hello_timeout)
         if idle > limit and self.queue.empty() and not self.worker_busy:
             self.log.info("closing idle client", idle_s=round(idle, 1))
             self.abort("idle timeout")
@@ -219,6 +221,11 @@ class Connection(asyncio.BufferedProtocol):
             self._release()
 
     def _release(self) -> None:
+        # drop views into client buffers (a half-read SET_TENSOR blob, queued requests)
+        # so the buffers can be unmapped now
+        self._reset_frame()
+        while not self.queue.empty():
+            self.queue.get_nowait()
         for gid in list(self.graphs):
             self.daemon.compute.forget_graph(self.graph_key(gid))
         self.graphs.clear()
@@ -243,6 +250,7 @@ class Connection(asyncio.BufferedProtocol):
                     self.worker_busy = False
                     self.last_activity = time.monotonic()
         finally:
+            item = header = blob = None  # a direct SET_TENSOR's blob is a view into its buffer
             self._release()
 
     # ------------------------------------------------------------ replies

@@ -36,7 +36,7 @@ class RawConn:
     def request(self, cmd: int, fields: dict | None = None, blob: bytes = b"") -> int:
         """Send one request; returns its id."""
         self._ids += 1
-        self.send(dict(fields or {}, cmd=int(cmd), id=self._ids), blob)
+        self.send(dict(fields or {}, cmd=int(cmd) if isinstance(cmd, Command) else cmd, id=self._ids), blob)
         return self._ids
 
     def _recv_exactly(self, n: int) -> bytes:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -46,6 +46,7 @@ WEIGHT_TYPES = (F32, F16, Q8_0, Q5_0, Q4_0, Q4_K, Q6_K)
 # KV cache types set_rows / cpy may write
 CACHE_TYPES = (F32, F16, Q8_0, Q4_0)
 TNAME = {t: type_traits(t).name for t in WEIGHT_TYPES + (I32, I64)}
+
 
 # ---------------------------------------------------------------- data
 
@@ -120,7 +121,6 @@ class Case:
     op: int  # the GGML_OP this case covers
     name: str
     build: Callable[[Builder], None]
-    marks: tuple = field(default=())
 
 
 CASES: list[Case] = []
@@ -579,3 +579,56 @@ def test_every_weight_type_is_covered():
     names = {c.name for c in CASES}
     for t in WEIGHT_TYPES:
         assert f"MUL_MAT-{TNAME[t]}" in names and f"GET_ROWS-{TNAME[t]}" in names
+
+
+def test_set_rows_with_more_src_planes_than_dst_is_refused():
+    """The CPU kernel writes src plane (i2, i3) into dst plane (i2, i3); a dst
+    with fewer planes than src would be written past its end."""
+    from rpc_daemon.graph import parse_graph
+    from rpc_daemon.protocol import Limits, ProtocolError
+
+    with Context(16) as ctx:
+        dst = ctx.new_tensor(F32, [64, 16, 2], "dst")
+        src = ctx.new_tensor(F32, [64, 3, 2], "src")
+        ids = ctx.new_tensor(I64, [3, 1], "ids")
+        lib.ggml_set_input(src)
+        lib.ggml_set_input(ids)
+        r = lib.ggml_set_rows(ctx.ptr, dst, src, ids)
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, r)
+        tensors, index_of = encode_graph(gf, lambda x: (1, 0) if x == dst else None)
+    buffer_size = lambda key: 64 * 16 * 2 * 4 if key == 1 else None  # noqa: E731
+    parse_graph({"tensors": tensors}, Limits(), buffer_size)  # as built by ggml: accepted
+    for i in (index_of[dst], index_of[r]):  # dst (and its view) shrunk to one plane
+        tensors[i]["ne"][2] = 1
+    with pytest.raises(ProtocolError, match="batch dims"):
+        parse_graph({"tensors": tensors}, Limits(), buffer_size)
+
+
+
+BF16 = lib.GGML_TYPE_BF16
+ABORTING = {  # graphs libggml's CPU backend aborts on (SIGABRT in the compute process): refuse them
+    "SCALE-f16": (lambda c, i: lib.ggml_scale(c, i(F16, [64]), 2.0), "SCALE: src0 type f16"),
+    "ADD-f32-f16": (lambda c, i: lib.ggml_add(c, i(F32, [64]), i(F16, [64])), "ADD: src1 type must equal"),
+    "MUL-f32-bf16": (lambda c, i: lib.ggml_mul(c, i(F32, [64]), i(BF16, [64])), "MUL: src1 type must equal"),
+    "UNARY-gelu-bf16": (lambda c, i: lib.ggml_gelu(c, i(BF16, [64])), "UNARY: src0 type bf16"),
+    "GLU-swiglu-bf16": (lambda c, i: lib.ggml_swiglu(c, i(BF16, [64])), "GLU: src0 type bf16"),
+}
+
+
+@pytest.mark.parametrize("name", ABORTING)
+def test_validator_refuses_what_the_cpu_backend_aborts_on(name):
+    from rpc_daemon.graph import parse_graph
+    from rpc_daemon.protocol import Limits, ProtocolError
+
+    make, message = ABORTING[name]
+    with Context(16) as ctx:
+        def inp(t, ne):
+            x = ctx.new_tensor(t, ne, "x")
+            lib.ggml_set_input(x)
+            return x
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, make(ctx.ptr, inp))
+        tensors, _ = encode_graph(gf, lambda t: None)
+    with pytest.raises(ProtocolError, match=message):
+        parse_graph({"tensors": tensors}, Limits(), lambda key: None)

@@ -1,0 +1,151 @@
+"""`ggml-coordinator`: generate text or benchmark over ggml-rpc-server workers.
+
+Without --endpoints it starts --local-workers daemons on free loopback ports,
+uses them and stops them at exit.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+EXIT_DECODE_FAILED = 2
+EXIT_CONNECT_FAILED = 3
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
+    p.add_argument("--local-workers", type=int, default=2, help="workers to start when --endpoints is not given")
+    p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
+    p.add_argument("-t", "--threads", type=int, default=1, help="compute threads per worker")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048)
+    p.add_argument("--split", default=None, help="comma-separated layer proportions, e.g. 1,2")
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _common(g)
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-n", "--n-predict", type=int, default=64)
+    g.add_argument("--temp", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=None)
+    b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
+    _common(b)
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--pp", type=int, default=64)
+    b.add_argument("--tg", type=int, default=32)
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def endpoints_for(args):
+    if args.endpoints:
+        yield [e.strip() for e in args.endpoints.split(",") if e.strip()]
+        return
+    from coordinator.local_workers import LocalWorkers
+
+    with LocalWorkers(args.local_workers, args.threads) as workers:
+        yield workers.endpoints
+
+
+def _split(args):
+    return [float(x) for x in args.split.split(",")] if args.split else None
+
+
+def cmd_generate(args) -> int:
+    from coordinator import Coordinator, DecodeError
+
+    with endpoints_for(args) as endpoints:
+        try:
+            c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size,
+                            threads=args.threads, progress=sys.stderr.isatty())
+        except (ConnectionError, OSError, ValueError) as exc:
+            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            return EXIT_CONNECT_FAILED
+        with c:
+            started, n = time.perf_counter(), 0
+            decodes0 = c.stats["decodes"]
+            try:
+                for piece in c.stream(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except DecodeError as exc:
+                print(f"\nggml-coordinator: generation failed: {exc}", file=sys.stderr)
+                return EXIT_DECODE_FAILED
+            elapsed = time.perf_counter() - started
+            n = c.stats["decodes"] - decodes0
+            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1}" for e in c.endpoints())
+            print(f"\n[{n} decode steps in {elapsed:.2f} s, {n / elapsed:.1f} steps/s; {share}]", file=sys.stderr)
+    return 0
+
+
+def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float]:
+    from coordinator import Batch, DecodeError
+
+    rng = __import__("numpy").random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(10, 1000, n_pp)]
+    c.kv_clear()
+    t = time.perf_counter()
+    code = c.decode(Batch.single(prompt, 0))
+    pp = n_pp / (time.perf_counter() - t)
+    if code != 0:
+        raise DecodeError(code, None, "prompt decode failed")
+    tok, pos = int(c.logits(-1).argmax()), n_pp
+    t = time.perf_counter()
+    for _ in range(n_tg):
+        code = c.decode(Batch.single([tok], pos))
+        if code != 0:
+            raise DecodeError(code, None, "decode failed")
+        tok, pos = int(c.logits(-1).argmax()), pos + 1
+    return pp, n_tg / (time.perf_counter() - t)
+
+
+def cmd_bench(args) -> int:
+    from coordinator import Coordinator
+
+    results = {}
+    with endpoints_for(args) as endpoints:
+        setups = {"local": ["local"], f"rpc x{len(endpoints)}": endpoints}
+        coords = {name: Coordinator(eps, model=args.model, split=_split(args) if name != "local" else None,
+                                    n_ctx=max(args.ctx_size, args.pp + args.tg + 1), threads=args.threads)
+                  for name, eps in setups.items()}
+        try:
+            for c in coords.values():
+                _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
+            for _ in range(args.reps):  # interleaved, so both see the same machine load
+                for name, c in coords.items():
+                    results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
+        finally:
+            for c in coords.values():
+                c.close()
+    print(f"{'setup':<12} {'pp' + str(args.pp) + ' t/s':>12} {'tg' + str(args.tg) + ' t/s':>12}")
+    med = {}
+    for name, rs in results.items():
+        med[name] = (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+        print(f"{name:<12} {med[name][0]:>12.1f} {med[name][1]:>12.1f}")
+    base, rpc = med["local"], med[[k for k in med if k != "local"][0]]
+    print(f"{'ratio':<12} {rpc[0] / base[0]:>12.3f} {rpc[1] / base[1]:>12.3f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    args = parse_args(argv)
+    from rpc_daemon import logs
+
+    logs.configure(args.log_format, args.log_level)
+    return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Start ggml-rpc-server processes on free loopback ports and stop them again:
+what `ggml-coordinator` does when no --endpoints are given."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+# the daemon's "listening" log line, console or JSON format
+_PORT = re.compile(r'\bport"?[=:] ?(\d+)')
+
+
+class LocalWorker:
+    def __init__(self, threads: int = 1, extra_args=(), startup_timeout: float = 30.0):
+        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", "0", "-t", str(threads),
+               "--log-format", "json", *extra_args]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.port = None
+        deadline = time.monotonic() + startup_timeout
+        while self.port is None:
+            left = deadline - time.monotonic()
+            # never block on a silent daemon: wait for a line at most until the deadline
+            if left <= 0 or not select.select([self.proc.stderr], [], [], left)[0]:
+                break
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            m = _PORT.search(line) if "listening" in line else None
+            if m:
+                self.port = int(m.group(1))
+        if self.port is None:
+            self.stop()
+            raise RuntimeError("local worker did not start: " + "".join(self.lines[-5:]))
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            del self.lines[:-200]
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class LocalWorkers:
+    def __init__(self, n: int, threads: int = 1, extra_args=()):
+        self.workers: list[LocalWorker] = []
+        try:
+            for _ in range(n):
+                self.workers.append(LocalWorker(threads, extra_args))
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [w.endpoint for w in self.workers]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

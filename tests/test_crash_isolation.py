@@ -1,0 +1,290 @@
+"""libggml aborting or segfaulting costs the client one FAILED reply, nothing
+more: buffers live in the daemon's shared memory, the compute process is
+restarted, the connection, the daemon and other clients carry on."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ggml_ffi import Context, lib
+from rpc_daemon.client import RpcClient
+from rpc_daemon.graph_codec import encode_graph
+from rpc_daemon.protocol import Command, Status
+from rpc_helpers import RawConn, expect_error, normal_session
+
+A_OFF, B_OFF, BUF_SIZE = 0, 256, 4096
+
+
+def run(coro, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def mul_mat_graph(buf: int):
+    """z = mul_mat(a, b), a f32 [8, 4] at A_OFF and b f32 [8, 2] at B_OFF of `buf`.
+    Returns (wire tensors, index of a, of b, of z)."""
+    ctx = Context(16)
+    try:
+        a = ctx.new_tensor(lib.GGML_TYPE_F32, [8, 4], "a")
+        b = ctx.new_tensor(lib.GGML_TYPE_F32, [8, 2], "b")
+        z = lib.ggml_mul_mat(ctx.ptr, a, b)
+        lib.ggml_set_output(z)
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, z)
+        place = {a: (buf, A_OFF), b: (buf, B_OFF)}
+        tensors, idx = encode_graph(gf, lambda t: place.get(t))
+        return tensors, idx[a], idx[b], idx[z]
+    finally:
+        ctx.close()
+
+
+def asserting_graph(tensors, ia, ib, iz):
+    """The result claims ne [5, 2] while src0 has 4 rows: the CPU kernel's
+    GGML_ASSERT(ne0 == ne01) fires and aborts."""
+    bad = copy.deepcopy(tensors)
+    bad[iz].update(ne=[5, 2, 1, 1], nb=[4, 20, 40, 40])
+    return bad
+
+
+def segfaulting_graph(tensors, ia, ib, iz):
+    """src0 claims to live 1 TiB past the start of its 4 KiB buffer: the kernel
+    reads unmapped memory."""
+    bad = copy.deepcopy(tensors)
+    bad[ia]["offset"] = 1 << 40
+    return bad
+
+
+CRASHES = [
+    pytest.param(asserting_graph, "SIGABRT", "GGML_ASSERT(ne0 == ne01) failed",
+                 (Status.INVALID_REQUEST, "MUL_MAT", "result must be f32 [4, 2, 1, 1]"), id="abort"),
+    pytest.param(segfaulting_graph, "SIGSEGV", None,
+                 (Status.INVALID_REQUEST, "runs past the end of buffer"), id="segfault"),
+]
+
+
+def known_data():
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((4, 8)).astype(np.float32)  # numpy order: ne [8, 4]
+    b = rng.standard_normal((2, 8)).astype(np.float32)
+    tail = rng.integers(0, 256, BUF_SIZE - 512, dtype=np.uint8).tobytes()
+    data = bytearray(BUF_SIZE)
+    data[A_OFF:A_OFF + a.nbytes] = a.tobytes()
+    data[B_OFF:B_OFF + b.nbytes] = b.tobytes()
+    data[512:] = tail
+    return bytes(data), b @ a.T  # result ne [4, 2] = numpy (2, 4)
+
+
+async def check_mul_mat(c: RpcClient, tensors, iz, expect, graph_id: int = 0, recompute: bool = False):
+    cmd = Command.GRAPH_RECOMPUTE if recompute else Command.GRAPH_COMPUTE
+    fields = {"graph_id": graph_id, "outputs": [iz]}
+    if not recompute:
+        fields["tensors"] = tensors
+    h, out = await c.request(cmd, fields)
+    assert h["status"] == Status.SUCCESS and h["outputs"] == [[iz, 0, 32]]
+    np.testing.assert_allclose(np.frombuffer(out, np.float32).reshape(2, 4), expect, rtol=1e-5, atol=1e-5)
+
+
+def eventually(cond, timeout: float = 3.0) -> bool:
+    """Poll `cond` (e.g. over log lines, read by a thread) until true or `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def compute_pids(d) -> list[int]:
+    return [int(m.group(1)) for line in d.log_lines
+            if "compute process started" in line and (m := re.search(r"pid=(\d+)", line))]
+
+
+@pytest.mark.parametrize("make_bad, signame, log_fragment, _rejected", CRASHES)
+def test_compute_crash_is_contained(start_daemon, make_bad, signame, log_fragment, _rejected):
+    d = start_daemon("-t", "1", "--unsafe-no-validation")
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint, liveness_timeout=10.0)
+        other = await RpcClient.connect(d.endpoint, liveness_timeout=10.0)
+        try:
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": BUF_SIZE})
+            buf = h["buffer"]
+            data, expect = known_data()
+            await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": BUF_SIZE}, data)
+            h, _ = await other.request(Command.ALLOC_BUFFER, {"size": 64})
+            other_buf = h["buffer"]
+            await other.request(Command.SET_TENSOR, {"buffer": other_buf, "offset": 0, "size": 64}, b"\x42" * 64)
+            tensors, ia, ib, iz = mul_mat_graph(buf)
+            await check_mul_mat(c, tensors, iz, expect, graph_id=1)  # cached in the compute process
+            bad = make_bad(tensors, ia, ib, iz)
+            for attempt in range(2):  # the restarted compute process dies just the same
+                await expect_error(c.request(Command.GRAPH_COMPUTE, {"graph_id": 2, "tensors": bad, "outputs": [iz]}),
+                                   Status.FAILED, f"compute process died of {signame}")
+                assert d.alive()
+                # the client's data survived in the daemon's shared memory
+                h, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": BUF_SIZE})
+                assert out == data
+                # a valid graph computes on the same connection: a new one, and the cached
+                # one, which the new compute process has never seen
+                await check_mul_mat(c, tensors, iz, expect)
+                await check_mul_mat(c, tensors, iz, expect, graph_id=1, recompute=True)
+            # the bad graph stays cached under its id; recomputing it crashes again, harmlessly
+            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 2, "outputs": [iz]}),
+                               Status.FAILED, f"compute process died of {signame}")
+            await c.request(Command.GRAPH_FREE, {"graph_id": 2})
+            await check_mul_mat(c, tensors, iz, expect, graph_id=1, recompute=True)
+            # the other client: its buffer is intact and it is served
+            _, out = await other.request(Command.GET_TENSOR, {"buffer": other_buf, "offset": 0, "size": 64})
+            assert out == b"\x42" * 64
+            await normal_session(d.endpoint)
+        finally:
+            await c.aclose()
+            await other.aclose()
+
+    run(scenario())
+    assert d.alive()
+    # the first compute process, and one restart after each of the 3 deaths
+    assert eventually(lambda: len(compute_pids(d)) == 4), compute_pids(d)
+    if log_fragment:
+        assert eventually(lambda: any(log_fragment in line for line in d.log_lines)), "".join(d.log_lines[-20:])
+
+
+@pytest.mark.parametrize("make_bad, _signame, _log, rejected", CRASHES)
+def test_validation_rejects_crashing_graphs(start_daemon, make_bad, _signame, _log, rejected):
+    d = start_daemon("-t", "1")
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": BUF_SIZE})
+            buf = h["buffer"]
+            data, expect = known_data()
+            await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": BUF_SIZE}, data)
+            tensors, ia, ib, iz = mul_mat_graph(buf)
+            bad = make_bad(tensors, ia, ib, iz)
+            status, *fragments = rejected
+            await expect_error(c.request(Command.GRAPH_COMPUTE, {"tensors": bad, "outputs": [iz]}),
+                               status, *fragments)
+            await check_mul_mat(c, tensors, iz, expect)
+            _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": BUF_SIZE})
+            assert out == data
+        finally:
+            await c.aclose()
+
+    run(scenario())
+    # refused before compute: the one compute process never died
+    assert len(compute_pids(d)) == 1
+    assert not any("compute process lost" in line for line in d.log_lines)
+
+
+# ---------------------------------------------------------------- long computes
+
+N = 1024
+
+
+def chain_graph(buf: int, steps: int):
+    """x_{k+1} = mul_mat(a, x_k), `steps` times: a f32 [N, N] at 0, x_0 f32 [N, N]
+    right after it in `buf`. Returns (wire tensors, index of the result)."""
+    ctx = Context(steps + 8)
+    try:
+        a = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "a")
+        x0 = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "x0")
+        x = x0
+        for _ in range(steps):
+            x = lib.ggml_mul_mat(ctx.ptr, a, x)
+        lib.ggml_set_output(x)
+        gf = ctx.new_graph(steps + 8)
+        lib.ggml_build_forward_expand(gf, x)
+        place = {a: (buf, 0), x0: (buf, N * N * 4)}
+        tensors, idx = encode_graph(gf, lambda t: place.get(t))
+        return tensors, idx[x]
+    finally:
+        ctx.close()
+
+
+def load_chain(conn: RawConn, steps: int):
+    """Allocate and fill the chain's buffer: a = identity, so the result is x0."""
+    h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 2 * N * N * 4})
+    assert h["status"] == Status.SUCCESS
+    buf = h["buffer"]
+    x0 = np.random.default_rng(3).standard_normal((N, N)).astype(np.float32)
+    data = np.eye(N, dtype=np.float32).tobytes() + x0.tobytes()
+    h, _ = conn.call(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": len(data)}, data)
+    assert h["status"] == Status.SUCCESS
+    tensors, iz = chain_graph(buf, steps)
+    return tensors, iz, x0
+
+
+def test_ping_answered_during_long_compute(start_daemon):
+    d = start_daemon("-t", "1")
+    with RawConn(d.port, timeout=30) as conn:
+        conn.hello()
+        tensors, iz, x0 = load_chain(conn, steps=24)
+        t0 = time.monotonic()
+        compute_id = conn.request(Command.GRAPH_COMPUTE, {"tensors": tensors, "outputs": [iz]})
+        ping_id = conn.request(Command.PING)
+        h1, _ = conn.recv_frame()
+        t_ping = time.monotonic() - t0
+        h2, out = conn.recv_frame()
+        t_done = time.monotonic() - t0
+    assert h1["id"] == ping_id and h1["status"] == Status.SUCCESS, (h1, h2)
+    assert h2["id"] == compute_id and h2["status"] == Status.SUCCESS, h2
+    assert np.array_equal(np.frombuffer(out, np.float32).reshape(N, N), x0)
+    # the compute really was long, and the PING did not wait for it
+    assert t_done > 0.5 and t_done - t_ping > 0.4, (t_ping, t_done)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_exits_promptly(start_daemon):
+    d = start_daemon("-t", "1")
+    conn = RawConn(d.port)
+    conn.hello()
+    h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 4096})
+    buf = h["buffer"]
+    data, expect = known_data()
+    conn.call(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": BUF_SIZE}, data)
+    tensors, ia, ib, iz = mul_mat_graph(buf)
+    h, _ = conn.call(Command.GRAPH_COMPUTE, {"graph_id": 1, "tensors": tensors, "outputs": [iz]})
+    assert h["status"] == Status.SUCCESS  # the compute process is up
+    half = RawConn(d.port)
+    half.send_raw(b"\x10\x00")  # and someone is in the middle of a frame
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=10) == 0
+    assert time.monotonic() - t0 < 3
+    assert conn.wait_closed(timeout=2) == []
+    half.close()
+    conn.close()
+    assert compute_pids(d)
+    assert eventually(lambda: all(_gone(p) for p in compute_pids(d))), "compute process outlived the daemon"
+
+
+def test_sigterm_during_long_compute(start_daemon):
+    """The compute in flight is abandoned, not waited for: its client is being
+    disconnected anyway."""
+    d = start_daemon("-t", "1")
+    conn = RawConn(d.port, timeout=30)
+    conn.hello()
+    tensors, iz, _ = load_chain(conn, steps=100)  # seconds of work with one thread
+    conn.request(Command.GRAPH_COMPUTE, {"tensors": tensors, "outputs": [iz]})
+    h, _ = conn.call(Command.PING)  # the compute has started
+    assert h["status"] == Status.SUCCESS
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 2
+    conn.close()
+    assert compute_pids(d)
+    assert eventually(lambda: all(_gone(p) for p in compute_pids(d))), "compute process outlived the daemon"

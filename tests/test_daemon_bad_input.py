@@ -1,0 +1,570 @@
+"""A live daemon against hostile and broken clients. After every case the daemon
+process must still be alive and serve a normal client correctly."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import socket
+import struct
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess
+from ggml_ffi import lib
+from rpc_daemon import protocol as P
+from rpc_daemon.client import RpcClient
+from rpc_daemon.protocol import Command, Status
+from rpc_helpers import RawConn, assert_served, check_compute, expect_error, normal_session, small_graph
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One daemon for the cases that need no special flags: it must survive them all."""
+    d = DaemonProcess("-t", "1")
+    yield d
+    d.stop()
+    d.kill()
+
+
+@pytest.fixture
+def d(shared):
+    assert_served(shared)
+    yield shared
+    assert_served(shared)
+
+
+def run(coro, timeout: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def raw_session(d) -> RawConn:
+    """A raw connection that has said HELLO."""
+    conn = RawConn(d.port)
+    conn.hello()
+    return conn
+
+
+# ---------------------------------------------------------------- framing abuse
+
+def test_random_bytes(d):
+    rng = np.random.default_rng(1234)
+    junk = rng.integers(0, 256, MiB, dtype=np.uint8).tobytes()
+    header_len, blob_len = P.PREFIX.unpack(junk[:12])
+    assert header_len > P.Limits().max_header or blob_len > P.Limits().max_blob  # the seed makes it so
+    with RawConn(d.port) as conn:
+        try:
+            conn.send_raw(junk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon hung up mid-send: fine
+        frames = conn.wait_closed()
+    # the reply, if it was not lost to the reset, names the broken limit
+    for f in frames:
+        assert f["id"] is None and f["status"] == Status.LIMIT_EXCEEDED, f
+
+
+@pytest.mark.parametrize("header_len, blob_len, fragment", [
+    (10, 2**64 - 1, f"blob_len {2**64 - 1}"),
+    (0, 0, "header_len 0"),
+    (2**32 - 1, 0, f"header_len {2**32 - 1}"),
+])
+def test_bad_length_prefix(d, header_len, blob_len, fragment):
+    with RawConn(d.port) as conn:
+        conn.send_raw(P.encode_prefix(header_len, blob_len))
+        frames = conn.wait_closed()
+    assert len(frames) == 1, frames
+    assert frames[0]["status"] == Status.LIMIT_EXCEEDED and fragment in frames[0]["error"], frames
+
+
+def test_bad_length_prefix_after_hello(d):
+    with raw_session(d) as conn:
+        conn.send_raw(P.encode_prefix(10, 2**64 - 1))
+        frames = conn.wait_closed()
+    assert [f["status"] for f in frames] == [Status.LIMIT_EXCEEDED]
+
+
+@pytest.mark.parametrize("first", [
+    {"cmd": int(Command.DEVICE_INFO), "id": 1},
+    {"cmd": int(Command.PING), "id": 1},
+    {"cmd": int(Command.ALLOC_BUFFER), "id": 1, "size": 4096},
+    {"cmd": 999, "id": 1},
+    {"id": 1},
+])
+def test_first_command_not_hello(d, first):
+    with RawConn(d.port) as conn:
+        conn.send(first)
+        frames = conn.wait_closed()
+    assert len(frames) == 1, frames
+    assert frames[0]["id"] == 1 and frames[0]["status"] == Status.INVALID_REQUEST
+    assert "first command must be HELLO" in frames[0]["error"]
+
+
+def test_bad_msgpack_header_is_not_fatal(d):
+    with raw_session(d) as conn:
+        body = b"\xc1\xc1\xc1"
+        conn.send_raw(P.encode_prefix(len(body), 5) + body + b"12345")  # the blob is skipped
+        h, _ = conn.recv_frame()
+        assert h["id"] is None and h["status"] == Status.INVALID_REQUEST and "msgpack" in h["error"]
+        body = msgpack.packb([1, 2])
+        conn.send_raw(P.encode_prefix(len(body), 0) + body)
+        h, _ = conn.recv_frame()
+        assert h["status"] == Status.INVALID_REQUEST and "must be a msgpack map" in h["error"]
+        h, _ = conn.call(Command.DEVICE_INFO)
+        assert h["status"] == Status.SUCCESS and h["name"] == "CPU"
+
+
+@pytest.mark.parametrize("cut", ["prefix", "header", "blob"])
+def test_truncated_frame_then_close(d, cut):
+    conn = raw_session(d)
+    h, _ = conn.call(Command.ALLOC_BUFFER, {"size": MiB})
+    frame = P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 9, "buffer": h["buffer"], "offset": 0,
+                            "size": MiB}, MiB)
+    part = {"prefix": frame[:5], "header": frame[:len(frame) - 3], "blob": frame + b"\1" * 1000}[cut]
+    conn.send_raw(part)
+    time.sleep(0.05)
+    conn.close()
+
+
+def test_truncated_frames_without_hello(d):
+    for part in (b"\x01", P.encode_prefix(100, 0) + b"\x80" * 10, P.encode_prefix(5, 2**20) + b"\x81\xa1a\x01\x01"):
+        conn = RawConn(d.port)
+        conn.send_raw(part)
+        conn.close()
+
+
+# ---------------------------------------------------------------- bad requests, connection stays usable
+
+@pytest.mark.parametrize("cmd", [99, -1, 2**40, "HELLO", None, [1], 1.5, True])
+def test_unknown_command(d, cmd):
+    with raw_session(d) as conn:
+        h, _ = conn.call(cmd, {})
+        assert h["status"] == Status.UNKNOWN_COMMAND and "unknown command" in h["error"], h
+        h, _ = conn.call(Command.DEVICE_INFO)
+        assert h["status"] == Status.SUCCESS and h["name"] == "CPU"
+        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 64})
+        assert h["status"] == Status.SUCCESS and h["size"] == 64
+
+
+def test_set_tensor_out_of_bounds(d):
+    with raw_session(d) as conn:
+        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 4096})
+        buf = h["buffer"]
+        good = bytes(range(16))
+        cases = [
+            ({"offset": 4000, "size": 200}, b"\xee" * 200, "range [4000, 4200) runs past the end of buffer"),
+            ({"offset": 4096, "size": 1}, b"\xee", "runs past the end"),
+            ({"offset": 2**63 - 1, "size": 2}, b"\xee\xee", "runs past the end"),
+            ({"offset": -1, "size": 1}, b"\xee", "'offset'=-1"),
+            ({"offset": 0, "size": 10}, b"\xee" * 20, "size 10 != blob length 20"),
+            ({"offset": 0}, b"\xee", "'size' is required"),
+            ({"offset": 0, "size": "1"}, b"\xee", "'size' must be an integer"),
+        ]
+        for fields, blob, msg in cases:
+            h, _ = conn.call(Command.SET_TENSOR, dict(fields, buffer=buf), blob)
+            assert h["status"] == Status.INVALID_REQUEST and msg in h["error"], (fields, h)
+        # pipelined: the bad one is checked on the queued (not direct) path too
+        conn.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": 16}, good)
+        conn.request(Command.SET_TENSOR, {"buffer": buf, "offset": 4090, "size": 16}, b"\xee" * 16)
+        conn.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": 8}, b"\xee" * 16)
+        conn.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 4096})
+        replies = [conn.recv_frame() for _ in range(4)]
+        assert [r[0]["status"] for r in replies] == [Status.SUCCESS, Status.INVALID_REQUEST,
+                                                     Status.INVALID_REQUEST, Status.SUCCESS]
+        assert replies[3][1] == good + bytes(4096 - 16)  # nothing of the refused writes landed
+        for cmd, fields in [(Command.GET_TENSOR, {"offset": 4095, "size": 2}),
+                            (Command.COPY_TENSOR, {"offset": 0, "size": 16, "src_buffer": buf, "src_offset": 4090}),
+                            (Command.COPY_TENSOR, {"offset": 4090, "size": 16, "src_buffer": buf, "src_offset": 0})]:
+            h, _ = conn.call(cmd, dict(fields, buffer=buf))
+            assert h["status"] == Status.INVALID_REQUEST and "runs past the end" in h["error"], h
+        h, _ = conn.call(Command.SET_TENSOR, {"buffer": buf, "offset": 4080, "size": 16}, good)
+        assert h["status"] == Status.SUCCESS
+        h, out = conn.call(Command.GET_TENSOR, {"buffer": buf, "offset": 4080, "size": 16})
+        assert h["status"] == Status.SUCCESS and out == good
+
+
+def test_other_clients_buffer_is_out_of_reach(d):
+    async def scenario():
+        a = await RpcClient.connect(d.endpoint)
+        b = await RpcClient.connect(d.endpoint)
+        try:
+            h, _ = await a.request(Command.ALLOC_BUFFER, {"size": 4096})
+            abuf = h["buffer"]
+            secret = np.arange(1024, dtype=np.float32)
+            await a.request(Command.SET_TENSOR, {"buffer": abuf, "offset": 0, "size": 4096}, secret.tobytes())
+            h, _ = await b.request(Command.ALLOC_BUFFER, {"size": 4096})
+            bbuf = h["buffer"]
+            assert bbuf != abuf
+            not_yours = f"buffer {abuf} is not a buffer of this connection"
+            await expect_error(b.request(Command.SET_TENSOR, {"buffer": abuf, "offset": 0, "size": 16}, b"\xff" * 16),
+                               Status.INVALID_REQUEST, not_yours)
+            await expect_error(b.request(Command.GET_TENSOR, {"buffer": abuf, "offset": 0, "size": 16}),
+                               Status.INVALID_REQUEST, not_yours)
+            await expect_error(b.request(Command.COPY_TENSOR, {"buffer": bbuf, "offset": 0, "size": 16,
+                                                               "src_buffer": abuf, "src_offset": 0}),
+                               Status.INVALID_REQUEST, not_yours)
+            await expect_error(b.request(Command.COPY_TENSOR, {"buffer": abuf, "offset": 0, "size": 16,
+                                                               "src_buffer": bbuf, "src_offset": 0}),
+                               Status.INVALID_REQUEST, not_yours)
+            await expect_error(b.request(Command.BUFFER_CLEAR, {"buffer": abuf, "value": 1}),
+                               Status.INVALID_REQUEST, not_yours)
+            await expect_error(b.request(Command.FREE_BUFFER, {"buffer": abuf}), Status.INVALID_REQUEST, not_yours)
+            # a graph reading A's buffer
+            _, idx, fields, yb, _ = small_graph(abuf, 0)
+            await expect_error(b.request(Command.GRAPH_COMPUTE, fields, yb), Status.INVALID_REQUEST,
+                               f"tensors[{idx['x']}]", not_yours)
+            # a graph writing its result into A's buffer
+            _, idx, fields, yb, _ = small_graph(bbuf, 0)
+            fields = copy.deepcopy(fields)
+            fields["tensors"][idx["z"]].update(buffer=abuf, offset=0)
+            await expect_error(b.request(Command.GRAPH_COMPUTE, fields, yb), Status.INVALID_REQUEST,
+                               f"tensors[{idx['z']}]", not_yours)
+            # ... and a view into A's buffer
+            fields = copy.deepcopy(fields)
+            fields["tensors"][idx["z"]].update(buffer=abuf, offset=0, view_src=idx["x"], view_offs=0)
+            await expect_error(b.request(Command.GRAPH_COMPUTE, fields, yb), Status.INVALID_REQUEST)
+            # A's data is unchanged, and B still works
+            _, out = await a.request(Command.GET_TENSOR, {"buffer": abuf, "offset": 0, "size": 4096})
+            assert out == secret.tobytes()
+            await check_compute(a, abuf, 0, secret[:12])
+            await b.request(Command.SET_TENSOR, {"buffer": bbuf, "offset": 0, "size": 48}, secret[100:112].tobytes())
+            await check_compute(b, bbuf, 0, secret[100:112])
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    run(scenario())
+
+
+def _cycle(t, idx):
+    t[idx["s"]]["src"] = [idx["s"], idx["y"]]
+    return idx["s"], "src index"
+
+
+def _cycle_forward(t, idx):
+    t[idx["s"]]["src"] = [idx["x"], idx["z"]]
+    return idx["s"], "must name an earlier tensor"
+
+
+def _src_out_of_range(t, idx):
+    t[idx["z"]]["src"] = [idx["s"], 1000]
+    return idx["z"], "src index 1000"
+
+
+def _src_negative(t, idx):
+    t[idx["z"]]["src"] = [-7, idx["y"]]
+    return idx["z"], "src index -7"
+
+
+def _invalid_op(t, idx):
+    t[idx["z"]]["op"] = lib.GGML_OP_COUNT + 5
+    return idx["z"], "is not a ggml op"
+
+
+def _unsupported_op(t, idx):
+    t[idx["z"]]["op"] = lib.GGML_OP_CONV_TRANSPOSE_1D
+    return idx["z"], "CONV_TRANSPOSE_1D is not supported"
+
+
+def _invalid_type(t, idx):
+    t[idx["y"]]["type"] = 4  # removed Q4_2
+    return idx["y"], "type 4 is not a ggml type"
+
+
+def _invalid_type_big(t, idx):
+    t[idx["s"]]["type"] = 10**9
+    return idx["s"], "is not a ggml type"
+
+
+def _huge_ne(t, idx):
+    t[idx["y"]]["ne"] = [4, 1 << 41, 1, 1]
+    return idx["y"], "ne value"
+
+
+def _huge_elements(t, idx):
+    t[idx["y"]]["ne"] = [1 << 20, 1 << 20, 1 << 20, 1]
+    return idx["y"], "elements"
+
+
+def _huge_ne_overflow(t, idx):
+    t[idx["s"]]["ne"] = [2**64 - 1, 1, 1, 1]
+    return idx["s"], "ne value"
+
+
+@pytest.mark.parametrize("mutate", [_cycle, _cycle_forward, _src_out_of_range, _src_negative, _invalid_op,
+                                    _unsupported_op, _invalid_type, _invalid_type_big, _huge_ne, _huge_elements,
+                                    _huge_ne_overflow])
+def test_bad_graph(d, mutate):
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
+            buf = h["buffer"]
+            x = np.arange(12, dtype=np.float32) * 3
+            await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": 48}, x.tobytes())
+            _, idx, fields, yb, _ = small_graph(buf, 0)
+            fields = copy.deepcopy(fields)
+            bad_index, fragment = mutate(fields["tensors"], idx)
+            for graph_id in (0, 5):
+                await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=graph_id), yb),
+                                   Status.INVALID_REQUEST, f"tensors[{bad_index}]", fragment)
+            # a refused graph is not cached
+            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 5, "inputs": fields["inputs"],
+                                                                   "outputs": fields["outputs"]}, yb),
+                               Status.NOT_FOUND)
+            await check_compute(c, buf, 0, x)
+            await check_compute(c, buf, 0, x, graph_id=5)
+        finally:
+            await c.aclose()
+
+    run(scenario())
+
+
+def test_graph_input_errors(d):
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
+            buf = h["buffer"]
+            _, idx, fields, yb, _ = small_graph(buf, 0)
+            cases = [
+                (dict(fields, inputs=[]), yb, f"no data for input tensor {idx['y']}"),
+                (dict(fields, inputs=[[idx["y"], 0, 48]]), yb[:40], "outside the blob of 40 bytes"),
+                (dict(fields, inputs=[[idx["y"], 0, 44]]), yb, "needs 48 bytes, got 44"),
+                (dict(fields, inputs=[[idx["x"], 0, 48]]), yb, f"tensor {idx['x']} is not an input leaf"),
+                (dict(fields, outputs=[99]), yb, "outputs[0]=99"),
+                (dict(fields, tensors="nope"), yb, "'tensors' must be a list"),
+                (dict(fields, graph_id=-1), yb, "'graph_id'=-1"),
+            ]
+            for f, blob, msg in cases:
+                await expect_error(c.request(Command.GRAPH_COMPUTE, f, blob), Status.INVALID_REQUEST, msg)
+            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 77}), Status.NOT_FOUND)
+            await check_compute(c, buf, 0, np.zeros(12, np.float32))
+        finally:
+            await c.aclose()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("version", [P.PROTOCOL_VERSION + 1, 0, "1", None])
+def test_hello_wrong_version(d, version):
+    with RawConn(d.port, timeout=5) as conn:
+        fields = {} if version is None else {"version": version}
+        h, _ = conn.call(Command.HELLO, fields)
+        assert h["status"] == Status.VERSION_MISMATCH, h
+        assert h["version"] == P.PROTOCOL_VERSION and "not supported" in h["error"]
+        assert conn.wait_closed() == []
+
+
+def test_client_leaves_without_reading_reply(d):
+    """GET_TENSOR of 64 MiB, then close at once: the daemon's write fails (EPIPE or
+    ECONNRESET), which must not kill it (no SIGPIPE) nor wedge it."""
+    for linger in (False, True, False):
+        conn = raw_session(d)
+        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 64 * MiB})
+        assert h["status"] == Status.SUCCESS, h
+        buf = h["buffer"]
+        h, _ = conn.call(Command.BUFFER_CLEAR, {"buffer": buf, "value": 0x5A})
+        assert h["status"] == Status.SUCCESS, h
+        if linger:  # close with RST instead of FIN
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 64 * MiB})
+        conn.close()
+        assert d.alive()
+
+
+def test_fifty_clients_at_once(d):
+    async def all_of_them():
+        await asyncio.gather(*(normal_session(d.endpoint, seed=i) for i in range(50)))
+
+    t = time.monotonic()
+    run(all_of_them(), timeout=60)
+    assert time.monotonic() - t < 30
+
+
+# ---------------------------------------------------------------- idle clients
+
+def test_idle_clients_are_dropped(start_daemon):
+    d = start_daemon("-t", "1", "--idle-timeout", "1")
+    t0 = time.monotonic()
+    silent = RawConn(d.port)  # never says anything
+    quiet = raw_session(d)  # says HELLO, then nothing
+    assert_served(d)  # meanwhile others are served
+    assert silent.wait_closed(timeout=6) == []
+    t_silent = time.monotonic() - t0
+    assert quiet.wait_closed(timeout=6) == []
+    t_quiet = time.monotonic() - t0
+    assert 0.9 < t_silent < 4.5 and 0.9 < t_quiet < 4.5, (t_silent, t_quiet)
+    silent.close()
+    quiet.close()
+    assert_served(d)
+
+
+def test_active_client_is_not_dropped(start_daemon):
+    d = start_daemon("-t", "1", "--idle-timeout", "1")
+    with raw_session(d) as conn:
+        for _ in range(7):  # 2 s of activity, longer than the idle timeout
+            h, _ = conn.call(Command.PING)
+            assert h["status"] == Status.SUCCESS
+            time.sleep(0.3)
+        h, _ = conn.call(Command.DEVICE_INFO)
+        assert h["status"] == Status.SUCCESS
+
+
+# ---------------------------------------------------------------- memory cap
+
+async def free_memory(c: RpcClient) -> int:
+    h, _ = await c.request(Command.DEVICE_INFO)
+    assert h["total_memory"] == h["max_buffer_size"]
+    return h["free_memory"]
+
+
+async def wait_free_memory(c: RpcClient, want: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < deadline:
+        got = await free_memory(c)
+        if got == want:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"free_memory {got}, expected {want}")
+
+
+def test_mem_cap(start_daemon):
+    d = start_daemon("-t", "1", "-m", "1")
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            h, _ = await c.request(Command.DEVICE_INFO)
+            assert h["total_memory"] == MiB and h["free_memory"] == MiB
+            await expect_error(c.request(Command.ALLOC_BUFFER, {"size": 2 * MiB}), Status.ALLOC_FAILED,
+                               f"cannot allocate {2 * MiB} bytes")
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB // 2})
+            b1 = h["buffer"]
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB // 2})
+            b2 = h["buffer"]
+            assert await free_memory(c) == 0
+            await expect_error(c.request(Command.ALLOC_BUFFER, {"size": 1}), Status.ALLOC_FAILED)
+            await c.request(Command.FREE_BUFFER, {"buffer": b1})
+            assert await free_memory(c) == MiB // 2
+            await expect_error(c.request(Command.ALLOC_BUFFER, {"size": MiB // 2 + 1}), Status.ALLOC_FAILED)
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB // 2})
+            b3 = h["buffer"]
+            await expect_error(c.request(Command.FREE_BUFFER, {"buffer": b1}), Status.INVALID_REQUEST)  # twice
+            for b in (b2, b3):
+                await c.request(Command.FREE_BUFFER, {"buffer": b})
+            assert await free_memory(c) == MiB
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB})
+            x = np.arange(12, dtype=np.float32)
+            await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": MiB - 48, "size": 48}, x.tobytes())
+            await check_compute(c, h["buffer"], MiB - 48, x)
+        finally:
+            await c.aclose()
+
+    run(scenario())
+    run(_served_when_free(d))
+
+
+async def _served_when_free(d):
+    """A normal session needs 4 KiB: it fits once the last client's 1 MiB is freed."""
+    c = await RpcClient.connect(d.endpoint)
+    try:
+        await wait_free_memory(c, MiB)
+    finally:
+        await c.aclose()
+    await normal_session(d.endpoint)
+
+
+def _disconnect_after_alloc(port):
+    conn = raw_session_port(port)
+    conn.call(Command.ALLOC_BUFFER, {"size": MiB // 2})
+    conn.call(Command.ALLOC_BUFFER, {"size": MiB // 4})
+    conn.close()
+
+
+def _disconnect_after_set_tensor(port):
+    conn = raw_session_port(port)
+    h, _ = conn.call(Command.ALLOC_BUFFER, {"size": MiB})
+    h, _ = conn.call(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": 4096}, b"\x11" * 4096)
+    assert h["status"] == Status.SUCCESS
+    conn.close()
+
+
+def _disconnect_mid_set_tensor(port):
+    conn = raw_session_port(port)
+    h, _ = conn.call(Command.ALLOC_BUFFER, {"size": MiB})
+    conn.send_raw(P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 50, "buffer": h["buffer"], "offset": 0,
+                                  "size": MiB}, MiB) + b"\x22" * 5000)
+    time.sleep(0.05)
+    conn.close()
+
+
+def _disconnect_after_compute(port):
+    async def scenario():
+        c = await RpcClient.connect(f"127.0.0.1:{port}")
+        h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB})
+        x = np.ones(12, np.float32)
+        await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": 48}, x.tobytes())
+        await check_compute(c, h["buffer"], 0, x, graph_id=3)
+        await c.aclose()
+
+    run(scenario())
+
+
+def _disconnect_without_reading(port):
+    conn = raw_session_port(port)
+    h, _ = conn.call(Command.ALLOC_BUFFER, {"size": MiB})
+    conn.request(Command.GET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": MiB})
+    conn.close()
+
+
+def raw_session_port(port) -> RawConn:
+    conn = RawConn(port)
+    conn.hello()
+    return conn
+
+
+def open_memfds(pid: int) -> int:
+    """Client buffers (memfds) the daemon process still holds open."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += "ggml-rpc-" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("leave", [_disconnect_after_alloc, _disconnect_after_set_tensor, _disconnect_mid_set_tensor,
+                                   _disconnect_after_compute, _disconnect_without_reading])
+def test_disconnect_frees_buffers(start_daemon, leave):
+    """Every way of leaving frees the client's buffers and its connection slot:
+    with --max-clients 2 and a watcher connected, a leaked connection would lock
+    the next client out."""
+    d = start_daemon("-t", "1", "-m", "1", "--max-clients", "2")
+
+    async def watch():
+        watcher = await RpcClient.connect(d.endpoint)
+        try:
+            assert await free_memory(watcher) == MiB
+            for _ in range(3):
+                await asyncio.get_running_loop().run_in_executor(None, leave, d.port)
+                await wait_free_memory(watcher, MiB)
+            # and the memory really is usable again
+            h, _ = await watcher.request(Command.ALLOC_BUFFER, {"size": MiB})
+            await watcher.request(Command.FREE_BUFFER, {"buffer": h["buffer"]})
+            deadline = time.monotonic() + 5
+            while open_memfds(d.proc.pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert open_memfds(d.proc.pid) == 0, "freed buffers are still mapped"
+        finally:
+            await watcher.aclose()
+
+    run(watch())
+    assert_served(d)
+    assert not any("Traceback" in line for line in d.log_lines), "".join(d.log_lines[-30:])
