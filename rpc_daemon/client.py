@@ -14,6 +14,7 @@ import time
 
 from rpc_daemon import protocol as P
 from rpc_daemon.protocol import Command, Status
+from rpc_daemon.sockets import tune_socket
 
 
 class RpcError(Exception):
@@ -62,6 +63,7 @@ class RpcClient:
             raise PeerFailed("timeout", f"worker {endpoint} did not accept a connection within {connect_timeout:g} s") from None
         except OSError as exc:
             raise PeerFailed("unreachable", f"worker {endpoint} unreachable: {exc.strerror or exc}") from None
+        tune_socket(writer.get_extra_info("socket"))
         client = cls(reader, writer, endpoint, liveness_timeout, ping_interval or liveness_timeout / 4, limits)
         try:
             hello, _ = await client.request(Command.HELLO, {"version": P.PROTOCOL_VERSION,

@@ -1,27 +1,28 @@
 """The daemon side of the compute process: start it, feed it, survive its death.
 
-Calls are serialized on one thread, so the event loop never blocks on compute
-and the child computes one graph at a time with all its threads. When the child
-dies (abort, segfault) or overruns its deadline, the call fails with a message
-that says so, the child is reaped, and the next call starts a fresh one that
-maps every live buffer again: no buffer contents are lost.
+Calls are serialized by a lock on the event loop (the child computes one graph
+at a time with all its threads) and the link is driven by the loop itself, so
+the loop never blocks on compute and pays no thread hop per call. When the
+child dies (abort, segfault) or overruns its deadline, the call fails with a
+message that says so, the child is reaped, and the next call starts a fresh one
+that maps every live buffer again: no buffer contents are lost.
 """
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
 from rpc_daemon import compute_link
 
 log = structlog.get_logger("compute")
+LINK_BUFFER = 8 << 20
 
 
 class ComputeFailed(Exception):
@@ -40,20 +41,28 @@ class ComputeProcess:
         self.known_graphs: set[str] = set()
         self.pending_unmaps: set[int] = set()
         self.pending_drops: set[str] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
-        self._lock = threading.Lock()
+        self._lock: asyncio.Lock | None = None
+        # outputs come back through this shared area, not through the link: a
+        # megabyte of logits per step costs a memcpy instead of a socket round
+        self.arena: mmap.mmap | None = None
+        self.arena_fd: int | None = None
+        self.arena_generation = 0  # the child generation that has it mapped
+        self._busy = False
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (parent, child):  # a whole logits reply fits: no ping-pong of partial reads
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LINK_BUFFER)
         env = dict(os.environ, GGML_NO_BACKTRACE="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rpc_daemon.compute_worker", str(child.fileno()), str(self.n_threads)],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
         self.sock = parent
-        self.sock.settimeout(self.timeout)
+        self.sock.setblocking(False)
         self.generation += 1
         self.mapped.clear()
         self.known_graphs.clear()
@@ -61,10 +70,13 @@ class ComputeProcess:
         self.pending_drops.clear()
         log.info("compute process started", pid=self.proc.pid, threads=self.n_threads, generation=self.generation)
 
-    def _death_cause(self) -> str:
-        try:
-            code = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+    async def _death_cause(self) -> str:
+        for _ in range(100):  # the link closed, so the child is gone or going: up to 1 s
+            code = self.proc.poll()
+            if code is not None:
+                break
+            await asyncio.sleep(0.01)
+        else:
             self.proc.kill()
             code = self.proc.wait()
         if code < 0:
@@ -84,75 +96,108 @@ class ComputeProcess:
         self.restarts += 1
 
     def close(self) -> None:
+        """Stop the child now: at shutdown every client is gone, so a compute in
+        flight has nobody to deliver to."""
         self._closed = True
-        proc = self.proc
-        if proc is not None and self._lock.locked():
-            # a call is in flight; its client is gone with the daemon, so do not wait
-            # (up to the compute timeout) for a result nobody can receive
-            proc.kill()
-        with self._lock:
-            if self.sock is not None:
-                self.sock.close()
-                self.sock = None
-            if self.proc is not None:
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-                self.proc = None
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.arena is not None:
+            self.arena.close()
+            os.close(self.arena_fd)
+            self.arena = None
+        if self.proc is not None:
+            if self._busy:
+                self.proc.kill()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
 
     # ------------------------------------------------------------ calls
     def forget_buffer(self, key: int) -> None:
-        with self._lock:
-            if key in self.mapped:
-                self.mapped.discard(key)
-                self.pending_unmaps.add(key)
+        if key in self.mapped:
+            self.mapped.discard(key)
+            self.pending_unmaps.add(key)
 
     def forget_graph(self, key: str) -> None:
-        with self._lock:
-            if key in self.known_graphs:
-                self.known_graphs.discard(key)
-                self.pending_drops.add(key)
+        if key in self.known_graphs:
+            self.known_graphs.discard(key)
+            self.pending_drops.add(key)
 
-    def _call(self, header: dict, blob, buffers: dict, spec) -> tuple[dict, bytes]:
-        """Blocking. `buffers` maps key -> (size, fd) for every buffer the graph uses."""
-        with self._lock:
+    def _arena_for(self, size: int) -> tuple[int, int] | None:
+        """(size, fd) of the output area if the child must map it anew, else None."""
+        if self.arena is not None and len(self.arena) >= size:
+            if self.arena_generation == self.generation:
+                return None
+            self.arena_generation = self.generation
+            return len(self.arena), self.arena_fd
+        if self.arena is not None:
+            self.arena.close()
+            os.close(self.arena_fd)
+        size = max(size, 1 << 20, 2 * len(self.arena) if self.arena is not None else 0)
+        self.arena_fd = os.memfd_create("compute-outputs", os.MFD_CLOEXEC)
+        os.ftruncate(self.arena_fd, size)
+        self.arena = mmap.mmap(self.arena_fd, size)
+        self.arena_generation = self.generation
+        return size, self.arena_fd
+
+    async def call(self, header: dict, blob=b"", buffers: dict | None = None, spec=None,
+                   out_size: int = 0) -> tuple[dict, bytes]:
+        """Run one request in the child. `buffers` maps key -> (size, fd) for every
+        buffer the graph uses; `spec` is sent only if the child lacks the graph."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
             if self._closed:
                 raise ComputeFailed("the daemon is shutting down")
             if self.proc is None:
                 self._start()
+            loop = asyncio.get_running_loop()
             maps, fds = [], []
-            for key, (size, fd) in buffers.items():
+            for key, (size, fd) in (buffers or {}).items():
                 if key not in self.mapped:
                     maps.append((key, size))
                     fds.append(fd)
             header = dict(header, maps=maps, unmaps=sorted(self.pending_unmaps),
                           drop_graphs=sorted(self.pending_drops))
+            arena = self._arena_for(out_size) if out_size else None
+            if arena is not None:
+                header["arena"] = arena[0]
+                fds.append(arena[1])
             key = header.get("graph_key")
             if key is not None and key not in self.known_graphs:
                 header["graph"] = spec
+            self._busy = True
             try:
-                compute_link.send(self.sock, header, blob, fds)
+                await compute_link.asend(loop, self.sock, header, blob, fds)
                 self.mapped.update(k for k, _ in maps)
                 self.pending_unmaps.clear()
                 self.pending_drops.clear()
                 if key is not None:
                     self.known_graphs.add(key)
-                reply, out, _ = compute_link.recv(self.sock)
-            except socket.timeout:
+                reply, out = await asyncio.wait_for(compute_link.arecv(loop, self.sock), self.timeout)
+            except asyncio.TimeoutError:
                 self.proc.kill()
                 cause = f"compute did not finish within {self.timeout:g} s; compute process killed"
-                self._death_cause()
+                await self._death_cause()
                 self._discard(cause)
                 raise ComputeFailed(cause) from None
+            except asyncio.CancelledError:
+                # the link is mid-message and cannot be resynchronized
+                self.proc.kill()
+                self._discard("call cancelled")
+                raise
             except (compute_link.LinkClosed, OSError):
-                cause = self._death_cause()
+                if self._closed:
+                    raise ComputeFailed("the daemon is shutting down") from None
+                cause = await self._death_cause()
                 self._discard(cause)
                 raise ComputeFailed(cause) from None
+            finally:
+                self._busy = False
+            if reply.get("arena_bytes"):
+                out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
             return reply, out
-
-    async def call(self, header: dict, blob=b"", buffers: dict | None = None, spec=None) -> tuple[dict, bytes]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, header, blob, buffers or {}, spec)

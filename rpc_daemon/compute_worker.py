@@ -13,6 +13,7 @@ import mmap
 import os
 import socket
 import sys
+import time
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
 from rpc_daemon import compute_link
@@ -23,6 +24,8 @@ class ComputeState:
     def __init__(self, n_threads: int):
         self.backend = CpuBackend(n_threads)
         self.buffers: dict[int, tuple] = {}  # key -> (mmap, cdata ptr, ggml buffer)
+        self.arena: mmap.mmap | None = None  # outputs go here when the daemon provides it
+        self.arena_ptr = None
         # key -> (ctx, ptrs, gf, allocator). One allocator per graph: a shared one
         # re-plans on every switch, and a plan kept across graphs of equal
         # topology but other sizes overruns its buffer.
@@ -34,6 +37,14 @@ class ComputeState:
         ptr = ffi.from_buffer(mm)
         buf = lib.ggml_backend_cpu_buffer_from_ptr(ptr, size)
         self.buffers[key] = (mm, ptr, buf)
+
+    def map_arena(self, size: int, fd: int) -> None:
+        if self.arena is not None:
+            ffi.release(self.arena_ptr)
+            self.arena.close()
+        self.arena = mmap.mmap(fd, size)
+        os.close(fd)
+        self.arena_ptr = ffi.from_buffer(self.arena)
 
     def unmap_buffer(self, key: int) -> None:
         entry = self.buffers.pop(key, None)
@@ -70,17 +81,23 @@ class ComputeState:
         src = ffi.from_buffer(blob) if blob else None
         for tensor, off, size in header["inputs"]:
             ffi.memmove(ptrs[tensor].data, src + off, size)
+        started = time.perf_counter()
         status = self.backend.compute(gf)
+        compute_us = int((time.perf_counter() - started) * 1e6)
         if status != lib.GGML_STATUS_SUCCESS:
             return {"status": int(status), "error": f"ggml_backend_graph_compute returned {status}"}, b""
-        parts, outputs, off = [], [], 0
-        for i in header["outputs"]:
-            x = ptrs[i]
-            n = lib.ggml_nbytes(x)
-            parts.append(ffi.buffer(x.data, n)[:])
+        sizes = [lib.ggml_nbytes(ptrs[i]) for i in header["outputs"]]
+        outputs, off = [], 0
+        for i, n in zip(header["outputs"], sizes):
             outputs.append([i, off, n])
             off += n
-        return {"status": 0, "outputs": outputs}, b"".join(parts)
+        reply = {"status": 0, "outputs": outputs, "compute_us": compute_us}
+        if self.arena is not None and off <= len(self.arena):
+            for (i, o, n) in outputs:
+                ffi.memmove(self.arena_ptr + o, ptrs[i].data, n)
+            reply["arena_bytes"] = off
+            return reply, b""
+        return reply, b"".join(ffi.buffer(ptrs[i].data, n)[:] for (i, o, n) in outputs)
 
 
 def serve(sock: socket.socket, n_threads: int) -> None:
@@ -91,8 +108,11 @@ def serve(sock: socket.socket, n_threads: int) -> None:
                 header, blob, fds = compute_link.recv(sock)
             except compute_link.LinkClosed:
                 return
-            for (key, size), fd in zip(header.get("maps", ()), fds):
+            maps = header.get("maps", ())
+            for (key, size), fd in zip(maps, fds):
                 state.map_buffer(key, size, fd)
+            if "arena" in header:
+                state.map_arena(header["arena"], fds[len(maps)])
             for key in header.get("unmaps", ()):
                 state.unmap_buffer(key)
             for key in header.get("drop_graphs", ()):

@@ -22,6 +22,7 @@ from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer
 from rpc_daemon.compute import ComputeFailed, ComputeProcess
 from rpc_daemon.graph import GraphSpec, parse_graph
 from rpc_daemon.protocol import Command, ProtocolError, Status
+from rpc_daemon.sockets import tune_socket
 from rpc_daemon.tensor_cache import TensorCache
 
 log = structlog.get_logger("rpc")
@@ -107,6 +108,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        tune_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         self.log = log.bind(peer=f"{peer[0]}:{peer[1]}" if peer else "?", client=self.client_id)
         if len(self.daemon.connections) >= self.daemon.config.max_clients:
@@ -440,13 +442,14 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
     key = c.graph_key(graph_id)
     try:
         reply, out = await c.daemon.compute.call(
-            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec)
+            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,
+            out_size=sum(spec.tensors[i].nbytes for i in outputs))
     except ComputeFailed as exc:
         c.daemon.stats["compute_restarts"] += 1
         return {"status": Status.FAILED, "error": str(exc)}
     if reply["status"] != 0:
         return {"status": reply["status"], "error": reply.get("error", "compute failed")}
-    return {"outputs": reply["outputs"]}, out
+    return {"outputs": reply["outputs"], "compute_us": reply.get("compute_us", 0)}, out
 
 
 async def handle_graph_compute(c: Connection, h, blob, direct):
