@@ -1,20 +1,39 @@
 """asyncio client of the worker protocol, with a deadline on everything.
 
-No receive waits forever: connecting has a timeout, and while a request is
-outstanding the client pings the daemon; if nothing at all arrives from it for
-`liveness_timeout` seconds the connection is declared dead. A slow but alive
-worker keeps answering pings from its event loop while it computes, so a long
-compute is not mistaken for a dead peer.
+No receive waits forever:
+
+* connecting, and the HELLO exchange that follows, are bounded by
+  `connect_timeout`;
+* while a request is outstanding a watchdog timer pings the daemon every
+  `ping_interval` seconds of silence, and declares the connection dead once
+  nothing at all (no reply, no pong, no byte of a large reply, no progress in
+  sending a large request) has been seen for `liveness_timeout` seconds. A
+  slow but alive worker answers pings from its event loop while it computes, so
+  a long compute is not mistaken for a dead peer;
+* a request may carry an overall `deadline` as well.
+
+`liveness_timeout=None` turns the pings and the liveness bound off. That exists
+to measure what the mechanism costs (bench/bench_faults.py), not for use.
+
+The watchdog is one timer per connection, armed only while requests are
+pending, so a request that is answered within `ping_interval` costs no ping
+and no extra task.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import os
 import time
 
 from rpc_daemon import protocol as P
 from rpc_daemon.protocol import Command, Status
-from rpc_daemon.sockets import tune_socket
+
+# replies larger than this are read in chunks, so a large transfer in progress
+# counts as a sign of life (a pong queued behind it cannot arrive earlier)
+CHUNKED_READ_THRESHOLD = 4 << 20
+READ_CHUNK = 1 << 20
 
 
 class RpcError(Exception):
@@ -36,44 +55,71 @@ class PeerFailed(Exception):
         self.message = message
 
 
+def _oserror_text(exc: OSError) -> str:
+    if exc.errno == errno.ECONNREFUSED or isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is the daemon running on that port?)"
+    if exc.errno is not None:
+        return os.strerror(exc.errno).lower()
+    return str(exc)
+
+
 class RpcClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, endpoint: str,
-                 liveness_timeout: float, ping_interval: float, limits: P.Limits):
+                 liveness_timeout: float | None, ping_interval: float | None, limits: P.Limits):
         self.reader, self.writer, self.endpoint = reader, writer, endpoint
+        if liveness_timeout is not None and liveness_timeout <= 0:
+            raise ValueError("liveness_timeout must be positive (or None to disable liveness pings)")
         self.liveness_timeout = liveness_timeout
-        self.ping_interval = ping_interval
+        self.ping_interval = (ping_interval or liveness_timeout / 4) if liveness_timeout is not None else None
         self.limits = limits
+        self._loop = asyncio.get_running_loop()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._deadlines: dict[int, tuple[float, float]] = {}  # id -> (absolute deadline, seconds)
+        self._pings: set[int] = set()
         self._failure: PeerFailed | None = None
-        self.last_rx = time.monotonic()
+        self._watch: asyncio.TimerHandle | None = None
+        self._last_ping = 0.0
+        self._wbuf = 0  # transport write-buffer size after our last write
+        self.last_rx = time.monotonic()  # last sign of life: a byte received or sent-progress
         self.rtt: float | None = None
         self.server_hello: dict = {}
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        self.frames_sent = 0  # every frame written, pings included (tests: "no network traffic")
+        self.pings_sent = 0
+        self._reader_task = self._loop.create_task(self._read_loop())
 
     # ------------------------------------------------------------ connect
     @classmethod
-    async def connect(cls, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float = 2.0,
+    async def connect(cls, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
                       ping_interval: float | None = None, limits: P.Limits = P.Limits()) -> "RpcClient":
+        """Open a connection and exchange HELLO, all within `connect_timeout`."""
         host, port = parse_endpoint(endpoint)
+        started = time.monotonic()
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20),
                                                     connect_timeout)
         except asyncio.TimeoutError:
-            raise PeerFailed("timeout", f"worker {endpoint} did not accept a connection within {connect_timeout:g} s") from None
+            raise PeerFailed("timeout", f"worker {endpoint} unreachable: no connection within "
+                                        f"{connect_timeout:g} s") from None
         except OSError as exc:
-            raise PeerFailed("unreachable", f"worker {endpoint} unreachable: {exc.strerror or exc}") from None
-        tune_socket(writer.get_extra_info("socket"))
-        client = cls(reader, writer, endpoint, liveness_timeout, ping_interval or liveness_timeout / 4, limits)
+            raise PeerFailed("unreachable", f"worker {endpoint} unreachable: {_oserror_text(exc)}") from None
+        client = cls(reader, writer, endpoint, liveness_timeout, ping_interval, limits)
+        left = max(0.05, connect_timeout - (time.monotonic() - started))
         try:
             hello, _ = await client.request(Command.HELLO, {"version": P.PROTOCOL_VERSION,
-                                                           "features": list(P.FEATURES)})
+                                                           "features": list(P.FEATURES)}, deadline=left)
         except RpcError as exc:
             client.close()
             if exc.status == Status.VERSION_MISMATCH:
                 raise PeerFailed("protocol", f"worker {endpoint} speaks another protocol version: {exc.message}") from None
             raise PeerFailed("protocol", f"worker {endpoint} refused HELLO: {exc.message}") from None
-        except PeerFailed:
+        except PeerFailed as exc:
+            client.close()
+            if exc.kind == "timeout":
+                raise PeerFailed("timeout", f"worker {endpoint} accepted the connection but did not answer "
+                                            f"HELLO in time ({exc.message})") from None
+            raise
+        except BaseException:
             client.close()
             raise
         client.server_hello = hello
@@ -81,110 +127,185 @@ class RpcClient:
 
     # ------------------------------------------------------------ reading
     async def _read_loop(self) -> None:
+        reader = self.reader
         try:
             while True:
-                prefix = await self.reader.readexactly(P.PREFIX.size)
-                header_len, blob_len = P.parse_prefix(prefix, self.limits)
-                header = P.decode_header(await self.reader.readexactly(header_len), self.limits)
-                blob = await self.reader.readexactly(blob_len) if blob_len else b""
+                prefix = await reader.readexactly(P.PREFIX.size)
                 self.last_rx = time.monotonic()
-                fut = self._pending.pop(header.get("id"), None)
-                if fut is not None and not fut.done():
-                    fut.set_result((header, blob))
-                elif header.get("id") is None and header.get("status", 0) != 0:
+                header_len, blob_len = P.parse_prefix(prefix, self.limits)
+                header = P.decode_header(await reader.readexactly(header_len), self.limits)
+                if not blob_len:
+                    blob = b""
+                elif blob_len <= CHUNKED_READ_THRESHOLD:
+                    blob = await reader.readexactly(blob_len)
+                else:
+                    blob = await self._read_blob(blob_len)
+                self.last_rx = time.monotonic()
+                req_id = header.get("id")
+                fut = self._pending.pop(req_id, None)
+                if fut is not None:
+                    if not fut.done():
+                        fut.set_result((header, blob))
+                elif req_id in self._pings:
+                    self._pings.discard(req_id)
+                elif req_id is None and header.get("status", 0) != 0:
                     # the daemon refused something at the framing level and will hang up
-                    raise PeerFailed("protocol", f"worker {self.endpoint}: {header.get('error', 'protocol error')}")
-        except asyncio.IncompleteReadError:
-            self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection"))
+                    raise PeerFailed("protocol", f"worker {self.endpoint} refused the connection: "
+                                                 f"{header.get('error', 'protocol error')}")
+        except asyncio.IncompleteReadError as exc:
+            where = " in the middle of a reply" if exc.partial else ""
+            self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
+                                            f"(crashed, killed or restarted?)"))
         except (ConnectionError, OSError) as exc:
-            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {exc}"))
+            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"))
         except P.ProtocolError as exc:
-            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a bad frame: {exc.message}"))
+            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a bad frame ({exc.message}); "
+                                              f"is it a ggml-rpc-server speaking protocol {P.PROTOCOL_VERSION}?"))
         except PeerFailed as exc:
             self._fail(exc)
         except asyncio.CancelledError:
             self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed"))
             raise
 
-    def _fail(self, failure: PeerFailed) -> None:
+    async def _read_blob(self, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            chunk = await self.reader.read(min(n - got, READ_CHUNK))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"".join(parts), n)
+            parts.append(chunk)
+            got += len(chunk)
+            self.last_rx = time.monotonic()
+        return b"".join(parts)
+
+    def _fail(self, failure: PeerFailed, abort: bool = True) -> None:
         if self._failure is None:
             self._failure = failure
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(self._failure)
         self._pending.clear()
-        self.writer.close()
+        self._deadlines.clear()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if abort:  # abort, not close: close() would wait to flush what a stopped peer never reads
+            self.writer.transport.abort()
 
     @property
     def failed(self) -> PeerFailed | None:
         return self._failure
 
+    # ------------------------------------------------------------ watchdog
+    def _arm(self) -> None:
+        if self._watch is not None or self._failure is not None or not self._pending:
+            return
+        now = time.monotonic()
+        at = float("inf")
+        if self.liveness_timeout is not None:
+            at = min(self.last_rx + self.liveness_timeout, max(self.last_rx, self._last_ping) + self.ping_interval)
+        if self._deadlines:
+            at = min(at, min(d for d, _ in self._deadlines.values()))
+        if at != float("inf"):
+            self._watch = self._loop.call_later(max(0.0, at - now), self._tick)
+
+    def _tick(self) -> None:
+        self._watch = None
+        if self._failure is not None or not self._pending:
+            return
+        now = time.monotonic()
+        transport = self.writer.transport
+        wbuf = transport.get_write_buffer_size()
+        if wbuf < self._wbuf:  # the peer took some of a large request since we last looked
+            self.last_rx = now
+        self._wbuf = wbuf
+        overdue = [seconds for deadline, seconds in self._deadlines.values() if now >= deadline]
+        if overdue:
+            self._fail(PeerFailed("timeout", f"worker {self.endpoint} timed out: no answer within "
+                                             f"{min(overdue):g} s"))
+            return
+        if self.liveness_timeout is not None:
+            silent = now - self.last_rx
+            if silent >= self.liveness_timeout:
+                doing = "took nothing of our request" if wbuf else "sent nothing"
+                self._fail(PeerFailed("timeout", f"worker {self.endpoint} timed out: it {doing} for {silent:.1f} s "
+                                                 f"(liveness bound {self.liveness_timeout:g} s); stopped, hung or "
+                                                 f"cut off"))
+                return
+            if silent >= self.ping_interval and now - self._last_ping >= self.ping_interval:
+                self._send_ping(now)
+        self._arm()
+
+    def _send_ping(self, now: float) -> None:
+        req_id = next(self._ids)
+        self._pings.add(req_id)
+        if len(self._pings) > 64:  # pongs that never came back while other bytes did: forget old ids
+            self._pings = set(sorted(self._pings)[-32:])
+        self._write(P.encode_frame({"cmd": int(Command.PING), "id": req_id}, 0), b"")
+        self._last_ping = now
+        self.pings_sent += 1
+
     # ------------------------------------------------------------ requests
-    def _send(self, cmd: int, fields: dict, blob) -> asyncio.Future:
+    def _write(self, frame: bytes, blob) -> None:
+        self.writer.write(frame)
+        if len(blob):
+            self.writer.write(blob)
+        self.frames_sent += 1
+        self._wbuf = self.writer.transport.get_write_buffer_size()
+
+    def _send(self, cmd: int, fields: dict, blob) -> tuple[int, asyncio.Future]:
         if self._failure is not None:
             raise self._failure
         req_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._loop.create_future()
+        if not self._pending:
+            # the connection may have been quiet for long: silence counts from now
+            self.last_rx = max(self.last_rx, time.monotonic())
         self._pending[req_id] = fut
         header = dict(fields, cmd=int(cmd), id=req_id)
-        self.writer.write(P.encode_frame(header, len(blob)))
-        if len(blob):
-            self.writer.write(blob)
-        return fut
+        self._write(P.encode_frame(header, len(blob)), blob)
+        return req_id, fut
 
     async def request(self, cmd: int, fields: dict | None = None, blob=b"",
                       deadline: float | None = None) -> tuple[dict, bytes]:
         """Send one request and wait for its reply, pinging while waiting.
-        Raises RpcError for an error status, PeerFailed if the peer is gone."""
-        fut = self._send(cmd, fields or {}, blob)
+        Raises RpcError for an error status, PeerFailed if the peer is gone,
+        timed out (liveness or `deadline` seconds), or spoke garbage."""
         started = time.monotonic()
-        self.last_rx = max(self.last_rx, started)
+        req_id, fut = self._send(cmd, fields or {}, blob)
+        if deadline is not None:
+            self._deadlines[req_id] = (started + deadline, deadline)
+        self._arm()
         try:
-            await self._drain()
-            while True:
-                try:
-                    header, out = await asyncio.wait_for(asyncio.shield(fut), self.ping_interval)
-                    break
-                except asyncio.TimeoutError:
-                    now = time.monotonic()
-                    if now - self.last_rx > self.liveness_timeout:
-                        self._fail(PeerFailed("timeout", f"worker {self.endpoint} sent nothing for "
-                                                         f"{now - self.last_rx:.1f} s (liveness bound "
-                                                         f"{self.liveness_timeout:g} s)"))
-                        raise self._failure from None
-                    if deadline is not None and now - started > deadline:
-                        self._fail(PeerFailed("timeout", f"worker {self.endpoint} did not answer within {deadline:g} s"))
-                        raise self._failure from None
-                    self._send(Command.PING, {}, b"")
+            try:
+                await self.writer.drain()
+            except (ConnectionError, OSError) as exc:
+                self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"))
+            if self._failure is not None and not fut.done():
+                raise self._failure
+            header, out = await fut
         except asyncio.CancelledError:
             self._fail(PeerFailed("closed", "request cancelled; connection closed to keep replies in order"))
             raise
+        finally:
+            self._deadlines.pop(req_id, None)
         if cmd == Command.PING:
             self.rtt = time.monotonic() - started
         status = header.get("status")
-        if status not in (Status.SUCCESS,):
+        if status != Status.SUCCESS:
             raise RpcError(status if isinstance(status, int) else Status.FAILED, str(header.get("error", "")))
         return header, out
-
-    async def _drain(self) -> None:
-        try:
-            await asyncio.wait_for(self.writer.drain(), max(self.liveness_timeout * 4, 10.0))
-        except asyncio.TimeoutError:
-            self._fail(PeerFailed("timeout", f"worker {self.endpoint} stopped reading"))
-            raise self._failure from None
-        except (ConnectionError, OSError) as exc:
-            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {exc}"))
-            raise self._failure from None
 
     async def ping(self) -> float:
         await self.request(Command.PING)
         return self.rtt
 
     def close(self) -> None:
-        if self._failure is None:
-            self._failure = PeerFailed("closed", f"connection to worker {self.endpoint} closed by us")
+        flushed = not self.writer.transport.get_write_buffer_size()
+        self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed by us"), abort=not flushed)
         self._reader_task.cancel()
-        self.writer.close()
+        if flushed:
+            self.writer.close()
 
     async def aclose(self) -> None:
         self.close()
