@@ -20,6 +20,7 @@ class Sampler:
         z = logits[top].astype(np.float64) / self.temperature
         p = np.exp(z - z.max())
         p /= p.sum()
-        keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
+        # the smallest prefix reaching top_p (rounding can leave the total a hair under 1)
+        keep = min(int(np.searchsorted(np.cumsum(p), self.top_p) + 1), k)
         p = p[:keep] / p[:keep].sum()
         return int(top[self.rng.choice(keep, p=p)])

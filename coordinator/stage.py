@@ -62,7 +62,7 @@ class Stage:
             names.append("token_embd.weight")
         if last:
             names += ["output_norm.weight", "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"]
-        if "rope_freqs.weight" in gguf.tensors:
+        if hp.arch == "llama" and "rope_freqs.weight" in gguf.tensors:  # llama 3.x RoPE frequency factors
             names.append("rope_freqs.weight")
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
         return cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx))

@@ -110,10 +110,6 @@ def tensor_name(x) -> str:
     return ffi.string(x.name).decode(errors="replace")
 
 
-def tensor_nbytes(x) -> int:
-    return lib.ggml_nbytes(x)
-
-
 def tensor_array(x) -> np.ndarray:
     """A numpy view of an allocated, contiguous host tensor (shape in numpy order)."""
     dtype = NUMPY_DTYPES.get(x.type)

@@ -134,10 +134,10 @@ class ComputeProcess:
                 return None
             self.arena_generation = self.generation
             return len(self.arena), self.arena_fd
+        size = max(size, 1 << 20, 2 * len(self.arena) if self.arena is not None else 0)
         if self.arena is not None:
             self.arena.close()
             os.close(self.arena_fd)
-        size = max(size, 1 << 20, 2 * len(self.arena) if self.arena is not None else 0)
         self.arena_fd = os.memfd_create("compute-outputs", os.MFD_CLOEXEC)
         os.ftruncate(self.arena_fd, size)
         self.arena = mmap.mmap(self.arena_fd, size)

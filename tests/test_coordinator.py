@@ -1,0 +1,456 @@
+"""The coordinator end to end: real ggml-rpc-server daemons, real libggml.
+
+The in-process path (`Coordinator(["local"])`) is the reference: spreading the
+layers over workers must not change a single greedy token, and with the same
+thread count (1 everywhere here) the logits are bitwise equal.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess
+from coordinator import Batch, Coordinator, DecodeError, DecodeResult, default_model_path
+from tiny_llama import write_tiny_llama
+
+OK = DecodeResult.OK
+N_GREEDY = 64
+N_CTX = 256
+PROMPTS = {
+    "gemma3": "Once upon a time, in a small village by the sea, there lived",
+    "tiny": "The capital of France is",
+}
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def daemons():
+    ds: list[DaemonProcess] = []
+    try:
+        for _ in range(3):
+            ds.append(DaemonProcess("-t", "1"))
+        yield ds
+    finally:
+        for d in ds:
+            d.stop()
+            d.kill()
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory):
+    return {"gemma3": default_model_path(),
+            "tiny": write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)}
+
+
+@pytest.fixture(scope="module")
+def local(model_paths):
+    """One in-process coordinator per model, shared (every test clears the KV first)."""
+    cs = {name: Coordinator(["local"], model=path, n_ctx=N_CTX) for name, path in model_paths.items()}
+    yield cs
+    for c in cs.values():
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def remote(daemons, model_paths):
+    """One coordinator per model over two workers (split 1:1), shared, made on first use."""
+    cs: dict[str, Coordinator] = {}
+
+    def get(model: str) -> Coordinator:
+        if model not in cs:
+            cs[model] = Coordinator([d.endpoint for d in daemons[:2]], model=model_paths[model], split=[1, 1],
+                                    n_ctx=N_CTX)
+        return cs[model]
+
+    yield get
+    for c in cs.values():
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(local):
+    """In-process greedy run per model: (prompt logits, 64 tokens, last step logits)."""
+    cache = {}
+
+    def get(model: str):
+        if model not in cache:
+            c = local[model]
+            c.kv_clear()
+            cache[model] = greedy(c, c.tokenize(PROMPTS[model]), N_GREEDY)
+        return cache[model]
+
+    return get
+
+
+@pytest.fixture(params=["local", "2 workers"])
+def gemma(request, local):
+    """The shared Gemma 3 coordinator, in process or over two workers."""
+    c = local["gemma3"] if request.param == "local" else request.getfixturevalue("remote")("gemma3")
+    c.kv_clear()
+    return c
+
+
+# ---------------------------------------------------------------- helpers
+def ok(c: Coordinator, batch: Batch) -> None:
+    code = c.decode(batch)
+    assert code is OK, f"decode returned {code!r}: {getattr(c, 'last_error', None)}"
+
+
+def greedy(c: Coordinator, ids, n: int, seq: int = 0, pos0: int = 0):
+    """Decode `ids` then n-1 greedy steps (argmax) on `seq`: (logits after the
+    prompt, the n tokens, logits of the last step)."""
+    ok(c, Batch.single(ids, pos0, seq))
+    first = c.logits(-1).copy()
+    tok, pos, out = int(first.argmax()), pos0 + len(ids), []
+    out.append(tok)
+    for _ in range(n - 1):
+        ok(c, Batch.single([tok], pos, seq))
+        tok, pos = int(c.logits(-1).argmax()), pos + 1
+        out.append(tok)
+    return first, out, c.logits(-1).copy()
+
+
+def endpoints_for(daemons, workers):
+    return ["local", "local"] if workers == "local x2" else [d.endpoint for d in daemons[:workers]]
+
+
+# ---------------------------------------------------------------- split == in process
+# 1:3 gives gemma3's first stage layers 0-3, all sliding-window: that stage's graph
+# never uses the global mask input (it used to crash the in-process path and make the
+# remote one raise KeyError). "local x2" is two in-process stages.
+SPLITS = [("local x2", [1, 3]), (2, [1, 1]), (2, [1, 3]), (3, [3, 1, 1]), (3, [1, 1, 1])]
+
+
+@pytest.mark.parametrize("workers,split", SPLITS, ids=[f"{w}-{':'.join(map(str, s))}" for w, s in SPLITS])
+@pytest.mark.parametrize("model", ["gemma3", "tiny"])
+def test_split_greedy_equals_in_process(model, workers, split, daemons, model_paths, reference):
+    ref_first, ref_tokens, ref_last = reference(model)
+    with Coordinator(endpoints_for(daemons, workers), model=model_paths[model], split=split, n_ctx=N_CTX) as c:
+        bounds = [e["layers"] for e in c.endpoints()]
+        assert len(bounds) == len(split)
+        starts, stops = [b[0] for b in bounds], [b[1] for b in bounds]
+        assert starts[0] == 0 and stops[-1] == c.hp.n_layer and starts[1:] == stops[:-1]
+        assert all(a < b for a, b in bounds)
+        first, tokens, last = greedy(c, c.tokenize(PROMPTS[model]), N_GREEDY)
+    assert tokens == ref_tokens
+    assert np.abs(first - ref_first).max() <= 1e-4
+    assert np.abs(last - ref_last).max() <= 1e-4
+    # same thread count (1) on both sides: the very same kernels on the very same data
+    assert np.array_equal(first, ref_first) and np.array_equal(last, ref_last), \
+        f"not bitwise: max abs diff {np.abs(first - ref_first).max()}, {np.abs(last - ref_last).max()}"
+
+
+def test_tiny_llama_is_not_degenerate(reference, local):
+    first, tokens, _ = reference("tiny")
+    assert local["tiny"].hp.n_head_kv < local["tiny"].hp.n_head  # GQA
+    assert len(set(tokens)) >= 8, tokens
+    assert 0.5 < float(first.std()) < 20
+
+
+def test_gemma3_knows_paris(local):
+    c = local["gemma3"]
+    c.kv_clear()
+    text = c.generate("The capital of France is", max_tokens=16)
+    assert re.search(r"paris|france", text, re.IGNORECASE), text
+    assert text.strip(), text
+    assert sum(ch.isascii() for ch in text) >= 0.95 * len(text), text
+    assert len(re.findall(r"[A-Za-z]{2,}", text)) >= 3, text
+
+
+# ---------------------------------------------------------------- batched decode
+BATCH_PROMPTS = ["The capital of France is",
+                 "Water boils at",
+                 "In 1492, Christopher Columbus sailed across the Atlantic Ocean and",
+                 "My favourite food is"]
+N_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def alone(local):
+    """Each batch prompt decoded alone on a fresh KV (in process): tokens, logits per step."""
+    cache = {}
+
+    def get(model: str):
+        if model in cache:
+            return cache[model]
+        c = local[model]
+        out = []
+        for s, prompt in enumerate(BATCH_PROMPTS):
+            c.kv_clear()
+            ids = c.tokenize(prompt)
+            ok(c, Batch.single(ids, 0, s))
+            logits = [c.logits(-1).copy()]
+            tok, pos, toks = int(logits[-1].argmax()), len(ids), []
+            for _ in range(N_STEPS):
+                toks.append(tok)
+                ok(c, Batch.single([tok], pos, s))
+                logits.append(c.logits(-1).copy())
+                tok, pos = int(logits[-1].argmax()), pos + 1
+            out.append((toks, logits))
+        cache[model] = out
+        return out
+
+    return get
+
+
+# gemma3: the 4 prompts make a 50-token batch, the tiny llama's make 118 tokens. From
+# 64 query rows on, libggml's CPU flash attention takes another (tiled) kernel whose
+# results differ from the per-row kernel's by ~1e-3 relative (f16 intermediates), so
+# only below that are the batched logits bitwise those of a sequence decoded alone.
+BATCH_TOLERANCE = {"gemma3": 1e-4, "tiny": 0.1}
+
+
+@pytest.mark.parametrize("where", ["local", "2 workers"])
+@pytest.mark.parametrize("model", ["gemma3", "tiny"])
+def test_batched_sequences_equal_alone(model, where, local, remote, alone):
+    ref = alone(model)
+    c = local[model] if where == "local" else remote(model)
+    c.kv_clear()
+    prompts = [c.tokenize(p) for p in BATCH_PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    tokens, pos, seqs, want, last = [], [], [], [], []
+    for s, ids in enumerate(prompts):
+        tokens += ids
+        pos += range(len(ids))
+        seqs += [[s]] * len(ids)
+        want += [False] * (len(ids) - 1) + [True]
+        last.append(len(tokens) - 1)
+    ok(c, Batch(tokens, pos, seqs, want))
+    step_logits = [[c.logits(i).copy() for i in last]]
+    with pytest.raises(IndexError):
+        c.logits(0)  # token 0 did not ask for logits
+    nxt = [int(l.argmax()) for l in step_logits[0]]
+    got = [[] for _ in prompts]
+    for step in range(N_STEPS):
+        for s in range(len(prompts)):
+            got[s].append(nxt[s])
+        ok(c, Batch(nxt, [len(p) + step for p in prompts], [[s] for s in range(len(prompts))],
+                    [True] * len(prompts)))
+        step_logits.append([c.logits(i).copy() for i in range(len(prompts))])
+        nxt = [int(l.argmax()) for l in step_logits[-1]]
+    worst = 0.0
+    for s, (ref_toks, ref_logits) in enumerate(ref):
+        assert got[s] == ref_toks, f"sequence {s}: batched {got[s]} != alone {ref_toks}"
+        for k in range(N_STEPS + 1):
+            worst = max(worst, float(np.abs(step_logits[k][s] - ref_logits[k]).max()))
+    assert worst <= BATCH_TOLERANCE[model], worst
+
+
+# ---------------------------------------------------------------- KV full, invalid batches
+@pytest.fixture(params=["local", "2 workers"])
+def tiny_small(request, daemons, model_paths):
+    eps = ["local"] if request.param == "local" else [d.endpoint for d in daemons[:2]]
+    with Coordinator(eps, model=model_paths["tiny"], split=None if len(eps) == 1 else [1, 1],
+                     n_ctx=32, n_batch=20) as c:
+        yield c
+
+
+def test_context_full_returns_no_kv_slot(tiny_small):
+    c = tiny_small
+    ids = c.tokenize("The capital of France is")
+    ok(c, Batch.single(ids, 0))
+    first = c.logits(-1).copy()
+    tok, pos = int(first.argmax()), len(ids)
+    codes = []
+    for _ in range(c.n_ctx + 4):  # bounded: the cache must fill long before this
+        code = c.decode(Batch.single([tok], pos))
+        codes.append(code)
+        if code is not OK:
+            break
+        tok, pos = int(c.logits(-1).argmax()), pos + 1
+    assert codes[-1] is DecodeResult.NO_KV_SLOT, codes
+    assert codes[:-1] == [OK] * (c.n_ctx - len(ids)), codes
+    assert c.kv_seq_pos_max(0) == c.n_ctx - 1
+    with pytest.raises(RuntimeError):
+        c.logits(-1)
+    # it stays NO_KV_SLOT, writes nothing, latches nothing
+    for batch in (Batch.single([tok], pos), Batch.single([tok, tok], pos), Batch.single([1], 0, seq=1)):
+        assert c.decode(batch) is DecodeResult.NO_KV_SLOT
+        assert c.kv_seq_pos_max(0) == c.n_ctx - 1 and c.kv_seq_pos_max(1) == -1
+    assert c.failed_endpoints() == []
+    with pytest.raises(DecodeError) as info:
+        c.generate("The capital of France is", max_tokens=c.n_ctx)
+    assert info.value.code is DecodeResult.NO_KV_SLOT
+    # a batch that does not fit is refused whole, not written in part
+    c.kv_clear()
+    ok(c, Batch.single(ids, 0))
+    assert np.array_equal(c.logits(-1), first)
+    ok(c, Batch.single(list(range(3, 3 + c.n_ctx - len(ids) - 2)), len(ids)))
+    assert c.decode(Batch.single([5, 6, 7], c.n_ctx - 2)) is DecodeResult.NO_KV_SLOT
+    assert c.kv_seq_pos_max(0) == c.n_ctx - 3
+    ok(c, Batch.single([5, 6], c.n_ctx - 2))
+    assert c.kv_seq_pos_max(0) == c.n_ctx - 1
+    c.kv_clear()
+    assert c.generate("The capital of France is", max_tokens=8) == local_text(c, "The capital of France is", 8)
+
+
+def local_text(c: Coordinator, prompt: str, n: int) -> str:
+    c.kv_clear()
+    ids = c.tokenize(prompt)
+    _, toks, _ = greedy(c, ids, n)
+    if c.tokenizer.eos_id in toks:
+        toks = toks[:toks.index(c.tokenizer.eos_id)]
+    c.kv_clear()
+    return c.detokenize(toks)
+
+
+def invalid_batches(n_vocab: int, n_batch: int):
+    return {
+        "empty": Batch([], []),
+        "token == n_vocab": Batch([1, n_vocab], [0, 1]),
+        "negative token": Batch([1, -1], [0, 1]),
+        "float token": Batch([1.5], [0]),
+        "negative pos": Batch([1, 2], [-1, 0]),
+        "pos too short": Batch([1, 2], [0]),
+        "seq_ids too short": Batch([1, 2], [0, 1], [[0]]),
+        "logits too long": Batch([1, 2], [0, 1], [[0], [0]], [True, True, True]),
+        "empty seq ids": Batch([1], [0], [[]]),
+        "seq id 64": Batch([1], [0], [[64]]),
+        "negative seq id": Batch([1], [0], [[-1]]),
+        "too large": Batch.single([1] * (n_batch + 1), 0),
+    }
+
+
+def test_invalid_batches_are_refused(tiny_small):
+    c = tiny_small
+    ids = c.tokenize("The capital of France is")
+    ok(c, Batch.single(ids, 0))
+    first = c.logits(-1).copy()
+    for name, batch in invalid_batches(c.hp.n_vocab, c.n_batch).items():
+        code = c.decode(batch)
+        assert code is DecodeResult.INVALID_BATCH, f"{name}: {code!r}"
+        with pytest.raises(RuntimeError):
+            c.logits(-1)
+        assert c.kv_seq_pos_max(0) == len(ids) - 1, name
+        assert c.kv_seq_pos_max(1) == -1, name
+    assert c.failed_endpoints() == []
+    # still usable, KV untouched: the continuation equals a fresh run's
+    _, toks, _ = greedy(c, [int(first.argmax())], 4, pos0=len(ids))
+    c.kv_clear()
+    first2, toks2, _ = greedy(c, ids, 5)
+    assert np.array_equal(first2, first)
+    assert toks2[1:] == toks
+    # exactly n_batch tokens is fine
+    c.kv_clear()
+    ok(c, Batch.single([3] * c.n_batch, 0))
+
+
+# ---------------------------------------------------------------- KV management
+def test_seq_rm_tail_then_redecode(gemma):
+    c = gemma
+    ids = c.tokenize("The quick brown fox jumps over the lazy dog because")
+    p = len(ids) // 2
+    ok(c, Batch.single(ids[:p], 0))
+    ok(c, Batch.single(ids[p:], p))
+    l1 = c.logits(-1).copy()
+    greedy(c, [int(l1.argmax())], 6, pos0=len(ids))  # a continuation that will be removed
+    assert c.kv_seq_pos_max(0) == len(ids) + 5
+    c.kv_seq_rm(0, p, -1)
+    assert c.kv_seq_pos_max(0) == p - 1
+    ok(c, Batch.single(ids[p:], p))
+    assert np.array_equal(c.logits(-1), l1)
+    # and the one-shot prompt gives the same logits (within float reordering)
+    c.kv_clear()
+    ok(c, Batch.single(ids, 0))
+    assert np.abs(c.logits(-1) - l1).max() < 1e-2
+
+
+def test_seq_cp_continues_from_prefix(gemma, reference):
+    c = gemma
+    ids = c.tokenize(PROMPTS["gemma3"])
+    ref_first, ref_tokens, _ = reference("gemma3")
+    ok(c, Batch.single(ids, 0, seq=0))
+    first = c.logits(-1).copy()
+    assert np.array_equal(first, ref_first)
+    c.kv_seq_cp(0, 1)
+    assert c.kv_seq_pos_max(1) == len(ids) - 1
+    n = 10
+    _, toks1, last1 = greedy(c, [int(first.argmax())], n, seq=1, pos0=len(ids))
+    _, toks0, last0 = greedy(c, [int(first.argmax())], n, seq=0, pos0=len(ids))
+    assert toks1 == toks0 == ref_tokens[1:n + 1]
+    assert np.abs(last1 - last0).max() <= 1e-4
+    assert np.array_equal(last1, last0)
+    # a partial copy: seq 2 gets the first half of the prompt and re-feeds the rest
+    p = len(ids) // 2
+    c.kv_seq_cp(0, 2, 0, p)
+    assert c.kv_seq_pos_max(2) == p - 1
+    ok(c, Batch.single(ids[p:], p, seq=2))
+    assert np.abs(c.logits(-1) - first).max() < 1e-2
+    assert int(c.logits(-1).argmax()) == int(first.argmax())
+    # dropping seq 1 does not disturb seq 0
+    c.kv_seq_rm(1)
+    assert c.kv_seq_pos_max(1) == -1 and c.kv_seq_pos_max(0) == len(ids) + n - 1
+
+
+# ---------------------------------------------------------------- async face
+def test_async_face_matches_sync(gemma):
+    c = gemma
+    prompt = "The capital of France is"
+    text = c.generate(prompt, max_tokens=8)
+    c.kv_clear()
+    ids = c.tokenize(prompt)
+    ok(c, Batch.single(ids, 0))
+    sync_logits = c.logits(-1).copy()
+    c.kv_clear()
+
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        code = await c.adecode(Batch.single(ids, 0))
+        logits = c.logits(-1).copy()
+        pieces = [piece async for piece in c.astream(prompt, max_tokens=8)]
+        stop.set()
+        await t
+        return code, logits, pieces, ticks
+
+    code, logits, pieces, ticks = asyncio.run(asyncio.wait_for(main(), 60))
+    assert code is OK
+    assert np.array_equal(logits, sync_logits)
+    assert "".join(pieces) == text
+    assert len(pieces) >= 2
+    assert ticks > 1  # the caller's loop kept running while the coordinator worked
+
+
+# ---------------------------------------------------------------- CLI
+def _cli() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "ggml-coordinator")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "coordinator"]
+
+
+def test_cli_generate_with_local_workers(local):
+    prompt = "The capital of France is"
+    r = subprocess.run(_cli() + ["generate", "-p", prompt, "-n", "8"], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), r.stdout
+    assert re.search(r"\[\d+ decode steps in [\d.]+ s, [\d.]+ steps/s; .*layers 0-\d+.*layers \d+-17\]", r.stderr), \
+        r.stderr
+    c = local["gemma3"]
+    c.kv_clear()
+    assert r.stdout == c.generate(prompt, max_tokens=8)
+
+
+def test_cli_unreachable_endpoint_fails_fast():
+    started = time.monotonic()
+    r = subprocess.run(_cli() + ["generate", "-p", "hi", "-n", "4", "--endpoints", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    elapsed = time.monotonic() - started
+    assert r.returncode != 0
+    assert "127.0.0.1:1" in r.stderr and "unreachable" in r.stderr.lower(), r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert elapsed < 10, elapsed
