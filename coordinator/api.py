@@ -3,7 +3,9 @@
 `decode` returns llama_decode-style codes (DecodeResult) and never raises for a
 failure of a worker; `generate`/`stream` raise DecodeError. Any endpoint
 failure latches that endpoint: later decodes fail fast without network traffic
-until `reconnect()` opens a new connection. A failed decode leaves no logits.
+until `reconnect()` opens a new connection (or, with `auto_reconnect`, a
+background task does, with backoff). A failed decode leaves no logits.
+docs/failure-semantics.md has the whole table.
 
 All network work runs on one private event loop thread; the sync methods and
 the async face (`adecode`, `astream`) both submit to it.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -29,6 +32,7 @@ from coordinator.models.common import StepShape
 from coordinator.sampling import Sampler
 from coordinator.stage import Stage
 from coordinator.tokenizer import Detokenizer, Tokenizer
+from rpc_daemon.auth import load_secret
 
 log = structlog.get_logger("coordinator")
 
@@ -43,9 +47,22 @@ class DecodeResult(enum.IntEnum):
 
 
 class DecodeError(RuntimeError):
-    def __init__(self, code: DecodeResult, endpoint: str | None, message: str):
+    """A failed decode step of generate/stream. `cause` is one of 'unreachable',
+    'timeout', 'closed', 'protocol' (ENDPOINT_FAILED), 'compute', 'alloc',
+    'internal' (COMPUTE_FAILED), 'context_full' (NO_KV_SLOT), 'invalid_batch'."""
+
+    def __init__(self, code: DecodeResult, endpoint: str | None, message: str, cause: str | None = None):
         super().__init__(f"{DecodeResult(code).name}: {message}")
-        self.code, self.endpoint, self.message = DecodeResult(code), endpoint, message
+        self.code, self.endpoint, self.message, self.cause = DecodeResult(code), endpoint, message, cause
+
+
+class EndpointUnavailable(ConnectionError):
+    """Connecting to (or loading weights onto) a worker failed: raised by the
+    constructor and by reconnect(). `kind` as in EndpointFailure."""
+
+    def __init__(self, endpoint: str, kind: str, message: str):
+        super().__init__(message)
+        self.endpoint, self.kind, self.message = endpoint, kind, message
 
 
 @dataclass
@@ -66,10 +83,16 @@ class Batch:
 
 @dataclass
 class EndpointFailure:
+    """Why an endpoint is latched failed. `cause` is the message; `kind` one of
+    'unreachable', 'timeout', 'closed', 'protocol' (what the connection saw),
+    'reconnect' (retired by an explicit reconnect()) or 'alloc'/'load' (the
+    weights could not be placed while reconnecting)."""
     endpoint: str
     cause: str
     kind: str
-    since: float  # unix time
+    since: float  # unix time of the failure
+    attempts: int = 0  # automatic reconnection attempts so far
+    next_attempt: float | None = None  # unix time of the next automatic attempt, if one is scheduled
 
 
 @dataclass
@@ -79,6 +102,8 @@ class _Placement:
     executor: object = None
     stage: Stage | None = None
     failure: EndpointFailure | None = None
+    reconnect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    auto_task: asyncio.Task | None = None
 
 
 def default_model_path() -> str:
@@ -107,17 +132,39 @@ def plan_split(n_layer: int, weights: Sequence[float]) -> list[range]:
 class Coordinator:
     def __init__(self, endpoints: Sequence[str] = ("local",), model: str | None = None,
                  split: Sequence[float] | None = None, n_ctx: int = 2048, n_batch: int = 512,
-                 threads: int = 1, connect_timeout: float = 5.0, liveness_timeout: float = 2.0,
-                 use_cache: bool = True, progress: bool = False):
+                 threads: int = 1, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
+                 use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
+                 auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] = (0.25, 8.0),
+                 secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None):
+        """Fault handling: `connect_timeout` bounds connecting plus HELLO;
+        `liveness_timeout` is the detection bound for a stopped, hung or cut-off
+        worker while a request is outstanding (None disables the liveness pings:
+        for measurements only); `request_timeout` bounds any single request even
+        from a worker that keeps answering pings. `auto_reconnect` reconnects a
+        failed endpoint in the background, waiting `reconnect_backoff[0]` seconds
+        before the first attempt and doubling up to `reconnect_backoff[1]`.
+
+        Security (docs/security.md): `secret` or `secret_file` (else the
+        environment variable GGML_RPC_SECRET) is the workers' shared secret,
+        proven in both directions at HELLO; `tls_ca` (a PEM CA bundle) turns on
+        TLS and verifies each worker's certificate against it."""
         if not endpoints:
             raise ValueError("at least one endpoint is required")
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
         self.threads = threads
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
-                           "use_cache": use_cache}
+                           "use_cache": use_cache, "request_timeout": request_timeout,
+                           # security (docs/security.md): the workers' shared secret (else $GGML_RPC_SECRET), TLS CA
+                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
+        self.auto_reconnect = bool(auto_reconnect)
+        self.reconnect_backoff = tuple(reconnect_backoff)
+        self._needs_refeed: set[int] = set()
+        self.last_error: str | None = None
+        self.last_failed_endpoint: str | None = None
+        self.last_cause: str | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="coordinator-loop", daemon=True)
+        self._thread = threading.Thread(target=self._loop_main, name="coordinator-loop", daemon=True)
         self._thread.start()
         self._lock = asyncio.Lock()
         self._logits: np.ndarray | None = None
@@ -139,7 +186,20 @@ class Coordinator:
             raise
 
     # ------------------------------------------------------------ plumbing
+    def _loop_main(self) -> None:
+        # All network I/O runs on this thread. With SIGPIPE blocked here a write to
+        # a socket the worker reset fails with EPIPE instead of killing the process,
+        # even if the host program restored SIGPIPE's default action.
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
+        except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+            pass
+        self._loop.run_forever()
+
     def _run(self, coro):
+        if getattr(self, "_closed", False):
+            coro.close()
+            raise RuntimeError("the coordinator is closed")
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result()
 
@@ -153,7 +213,7 @@ class Coordinator:
         try:
             infos = await asyncio.gather(*(p.executor.open() for p in self._places))
         except StageFailed as exc:
-            raise ConnectionError(exc.message) from None
+            raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
         if split is None:
             free = [i.get("free_memory", 0) for i in infos]
             split = free if all(f > 0 for f in free) else [1.0] * len(endpoints)
@@ -182,7 +242,7 @@ class Coordinator:
                 except StageFailed as exc:
                     if exc.kind == "endpoint":
                         self._latch(p, exc)
-                    raise ConnectionError(exc.message) from None
+                    raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
         finally:
             if bar:
                 bar.close()
@@ -193,12 +253,48 @@ class Coordinator:
                  "failed": p.failure is not None} for p in self._places]
 
     def failed_endpoints(self) -> list[EndpointFailure]:
+        """One entry per endpoint latched failed: endpoint, cause, kind, since."""
         return [p.failure for p in self._places if p.failure is not None]
+
+    def health(self) -> dict:
+        """What a health check should report: "ok" when no endpoint is latched
+        failed, else "reconnecting" (auto_reconnect on) or "failed", with the
+        failures. Decodes fail fast with ENDPOINT_FAILED unless it is "ok"."""
+        failed = self.failed_endpoints()
+        status = "ok" if not failed else ("reconnecting" if self.auto_reconnect else "failed")
+        return {"status": status,
+                "endpoints": [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
+                               "ok": p.failure is None,
+                               **({"kind": p.failure.kind, "cause": p.failure.cause, "since": p.failure.since,
+                                   "attempts": p.failure.attempts, "next_attempt": p.failure.next_attempt}
+                                  if p.failure is not None else {})}
+                              for p in self._places],
+                "needs_refeed": sorted(self._needs_refeed)}
+
+    def needs_refeed(self) -> list[int]:
+        """Sequences whose KV cache was lost with a failed endpoint and that have
+        not been re-fed (from position 0) or removed since."""
+        return sorted(self._needs_refeed)
 
     def _latch(self, p: _Placement, exc: StageFailed) -> None:
         if p.failure is None:
-            p.failure = EndpointFailure(p.endpoint, exc.message, exc.kind, time.time())
-            log.error("endpoint latched failed", endpoint=p.endpoint, cause=exc.message)
+            self._set_failure(p, EndpointFailure(p.endpoint, exc.message, exc.cause, time.time()))
+
+    def _set_failure(self, p: _Placement, failure: EndpointFailure) -> None:
+        """Latch `p` failed. Its worker freed our buffers with the connection, so
+        every sequence's KV cache is gone: the bookkeeping is cleared and the
+        sequences remembered for needs_refeed()/reconnect()."""
+        first = p.failure is None
+        if not first:
+            failure.attempts = p.failure.attempts
+        p.failure = failure
+        self._needs_refeed |= self.kv.seqs_present()
+        self.kv.clear()
+        self._logits, self._logit_rows = None, {}  # they continued sequences that are gone
+        if first:
+            log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)
+        if self.auto_reconnect and not getattr(self, "_closed", False):
+            self._schedule_auto_reconnect(p)
 
     # ------------------------------------------------------------ decode
     def decode(self, batch: Batch) -> DecodeResult:
@@ -227,6 +323,25 @@ class Coordinator:
                 return f"every token needs sequence ids in 0..{MAX_SEQ - 1}"
         return None
 
+    def _failed(self, code: DecodeResult, message: str, cause: str, endpoint: str | None = None) -> DecodeResult:
+        self.last_error, self.last_cause, self.last_failed_endpoint = message, cause, endpoint
+        return code
+
+    def _refeed_problem(self, batch: Batch) -> str | None:
+        """A batch that continues a sequence whose KV cache was lost would attend
+        to nothing and produce a wrong token: refuse it."""
+        seq_ids = batch.seq_ids or [[0]] * len(batch.tokens)
+        first: dict[int, int] = {}
+        for ids, pos in zip(seq_ids, batch.pos):
+            for s in ids:
+                if s in self._needs_refeed:
+                    first[s] = min(first.get(s, pos), pos)
+        for s, pos in first.items():
+            if pos != 0 and self.kv.seq_pos_max(s) < 0:
+                return (f"sequence {s} lost its KV cache when an endpoint failed; re-feed it from position 0 "
+                        f"(this batch starts it at {pos})")
+        return None
+
     async def _decode(self, batch: Batch) -> DecodeResult:
         async with self._lock:
             self._logits = None
@@ -234,18 +349,23 @@ class Coordinator:
             problem = self._check_batch(batch)
             if problem:
                 log.warning("invalid batch", error=problem)
-                self.last_error = problem
-                return DecodeResult.INVALID_BATCH
-            failed = self.failed_endpoints()
-            if failed:
-                self.last_error = f"endpoint {failed[0].endpoint} is latched failed: {failed[0].cause}"
-                self.last_failed_endpoint = failed[0].endpoint
-                return DecodeResult.ENDPOINT_FAILED
+                return self._failed(DecodeResult.INVALID_BATCH, problem, "invalid_batch")
+            for p in self._places:  # latched: fail fast, no network traffic
+                if p.failure is not None:
+                    f = p.failure
+                    return self._failed(DecodeResult.ENDPOINT_FAILED,
+                                        f"{f.cause} [latched {time.time() - f.since:.1f} s ago; reconnect() "
+                                        f"to recover]", f.kind, f.endpoint)
+            if self._needs_refeed:
+                problem = self._refeed_problem(batch)
+                if problem:
+                    return self._failed(DecodeResult.INVALID_BATCH, problem, "invalid_batch")
             n = len(batch.tokens)
             rows = self.kv.find_slot(n)
             if rows is None:
-                self.last_error = f"KV cache full ({self.kv.used()} of {self.n_ctx} rows used)"
-                return DecodeResult.NO_KV_SLOT
+                return self._failed(DecodeResult.NO_KV_SLOT,
+                                    f"context full: no room for {n} tokens in the KV cache ({self.kv.used()} of "
+                                    f"{self.n_ctx} cells used)", "context_full")
             tok_pos = np.asarray(batch.pos, dtype=np.int64)
             seq_ids = batch.seq_ids or [[0]] * n
             tok_seq = np.array([sum(1 << s for s in ids) for ids in seq_ids], dtype=np.uint64)
@@ -257,13 +377,20 @@ class Coordinator:
                 logits = await self._forward(batch, rows, tok_pos, tok_seq, out_rows)
             except StageFailed as exc:
                 self.kv.rollback(saved)
-                self.last_error, self.last_failed_endpoint = exc.message, exc.endpoint
                 if exc.kind == "endpoint":
                     for p in self._places:
                         if p.endpoint == exc.endpoint:
                             self._latch(p, exc)
-                    return DecodeResult.ENDPOINT_FAILED
-                return DecodeResult.COMPUTE_FAILED
+                    return self._failed(DecodeResult.ENDPOINT_FAILED, exc.message, exc.cause, exc.endpoint)
+                return self._failed(DecodeResult.COMPUTE_FAILED, exc.message, exc.cause, exc.endpoint)
+            except asyncio.CancelledError:
+                self.kv.rollback(saved)
+                raise
+            except Exception as exc:  # a bug of ours: still a code, never an exception out of decode
+                self.kv.rollback(saved)
+                log.exception("decode failed unexpectedly")
+                return self._failed(DecodeResult.COMPUTE_FAILED, f"internal error in the coordinator: "
+                                    f"{type(exc).__name__}: {exc}", "internal")
             except BaseException:
                 self.kv.rollback(saved)
                 raise
@@ -272,7 +399,9 @@ class Coordinator:
             self.stats["decode_seconds"] += time.perf_counter() - started
             self._logits = logits
             self._logit_rows = {int(i): k for k, i in enumerate(out_rows)}
-            self.last_error = None
+            if self._needs_refeed:
+                self._needs_refeed.difference_update(s for ids in seq_ids for s in ids)
+            self.last_error = self.last_cause = self.last_failed_endpoint = None
             return DecodeResult.OK
 
     async def _forward(self, batch, rows, tok_pos, tok_seq, out_rows) -> np.ndarray:
@@ -295,12 +424,13 @@ class Coordinator:
             out = await p.executor.run(p.stage, shape, inputs)
             expect = p.stage.output_size(shape)
             if len(out) != expect:
-                raise StageFailed("compute", p.endpoint, f"worker {p.endpoint} returned {len(out)} bytes, "
-                                                         f"expected {expect}")
+                raise StageFailed("compute", p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
+                                                         f"{len(out)} bytes, expected {expect}")
             hidden = out
         logits = np.frombuffer(hidden, dtype=np.float32).reshape(len(out_rows), self.hp.n_vocab)
         if not np.isfinite(logits).all():
-            raise StageFailed("compute", self._places[-1].endpoint, "logits contain NaN or infinity")
+            raise StageFailed("compute", self._places[-1].endpoint,
+                              f"compute failed on worker {self._places[-1].endpoint}: logits contain NaN or infinity")
         return logits
 
     def logits(self, i: int = -1) -> np.ndarray:
@@ -320,9 +450,15 @@ class Coordinator:
     # ------------------------------------------------------------ KV management
     def kv_clear(self) -> None:
         self.kv.clear()
+        self._needs_refeed.clear()
 
     def kv_seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.seq_rm(seq, p0, p1)
+        if p0 <= 0 and p1 < 0:  # the whole sequence: nothing left to re-feed
+            if seq < 0:
+                self._needs_refeed.clear()
+            else:
+                self._needs_refeed.discard(seq)
 
     def kv_seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.seq_cp(src, dst, p0, p1)
@@ -332,34 +468,112 @@ class Coordinator:
 
     # ------------------------------------------------------------ recovery
     def reconnect(self, endpoint: str | None = None) -> list[int]:
-        """Open a new connection (clearing the latch) to `endpoint`, or to every
-        failed endpoint; restore weights. Returns the sequences whose KV cache was
-        lost and must be re-fed by the caller."""
+        """Open a new connection and dispatcher to `endpoint` (even a healthy
+        one), or to every failed endpoint, and restore its weights (from the
+        worker's tensor cache where it has them); this clears the latch.
+        Returns the sequences whose KV cache was lost (needs_refeed()): re-feed
+        them from position 0 before continuing them. Raises EndpointUnavailable
+        (a ConnectionError) if the worker cannot be reached or loaded; the
+        endpoint then stays latched, with the new cause."""
         return self._run(self._reconnect(endpoint))
 
     async def areconnect(self, endpoint: str | None = None) -> list[int]:
         return await self._call(self._reconnect(endpoint))
 
     async def _reconnect(self, endpoint):
-        async with self._lock:
-            places = [p for p in self._places
-                      if (endpoint is None and p.failure is not None) or p.endpoint == endpoint]
-            for p in places:
-                await p.executor.close()
-                p.executor = make_executor(p.endpoint, self.threads, **self._exec_opts)
-                try:
-                    await p.executor.open()
-                except StageFailed as exc:
-                    p.failure = EndpointFailure(p.endpoint, exc.message, exc.kind, time.time())
-                    raise ConnectionError(exc.message) from None
-                p.stage.graphs.clear()
+        if endpoint is not None and endpoint not in [p.endpoint for p in self._places]:
+            raise ValueError(f"{endpoint!r} is not an endpoint of this coordinator")
+        for p in self._places:
+            if endpoint is None and p.failure is not None:
+                await self._reconnect_place(p, only_if_failed=True)
+            elif p.endpoint == endpoint:
+                await self._reconnect_place(p, only_if_failed=False)
+        return sorted(self._needs_refeed)
+
+    async def _reconnect_place(self, p: _Placement, only_if_failed: bool) -> None:
+        async with p.reconnect_lock:
+            async with self._lock:
+                if p.failure is None:
+                    if only_if_failed:
+                        return  # someone else reconnected it meanwhile
+                    # retire the healthy connection first: its buffers are freed before
+                    # the new ones are allocated, and decodes fail fast in between
+                    self._set_failure(p, EndpointFailure(p.endpoint, f"worker {p.endpoint}: connection being "
+                                                         f"replaced by reconnect()", "reconnect", time.time()))
+                old, p.executor = p.executor, None
+            if old is not None:
+                await old.close()
+            # connect and upload outside the decode lock: decodes keep failing fast meanwhile
+            ex = make_executor(p.endpoint, self.threads, **self._exec_opts)
+            try:
+                await ex.open()
+                await ex.load(p.stage, self.gguf)
+            except StageFailed as exc:
+                await ex.close()
+                async with self._lock:
+                    self._set_failure(p, EndpointFailure(p.endpoint, exc.message, exc.cause, time.time()))
+                raise EndpointUnavailable(p.endpoint, exc.cause, exc.message) from None
+            except BaseException:
+                await ex.close()
+                raise
+            async with self._lock:
+                p.stage.graphs.clear()  # their wire form names the old connection's buffer
+                p.executor = ex
                 p.failure = None
-            if places:
-                await self._load_all(False, places)
-            lost = sorted(self.kv.seqs_present()) if places else []
-            if places:
-                self.kv.clear()  # the new connections hold no KV cache
-            return lost
+                log.info("endpoint reconnected", endpoint=p.endpoint, needs_refeed=sorted(self._needs_refeed))
+
+    def set_auto_reconnect(self, enabled: bool, backoff: tuple[float, float] | None = None) -> None:
+        """Turn the automatic reconnection policy on or off (see __init__). When
+        on, every failed endpoint is retried in the background with exponential
+        backoff until it is back; decodes meanwhile fail fast with
+        ENDPOINT_FAILED, and afterwards needs_refeed() lists what to re-feed."""
+        def apply():
+            self.auto_reconnect = bool(enabled)
+            if backoff is not None:
+                self.reconnect_backoff = tuple(backoff)
+            for p in self._places:
+                if enabled and p.failure is not None:
+                    self._schedule_auto_reconnect(p)
+                elif not enabled and p.auto_task is not None:
+                    p.auto_task.cancel()
+                    p.auto_task = None
+                    if p.failure is not None:
+                        p.failure.next_attempt = None
+        self._loop.call_soon_threadsafe(apply)
+
+    def _schedule_auto_reconnect(self, p: _Placement) -> None:
+        if p.auto_task is None or p.auto_task.done():
+            p.auto_task = self._loop.create_task(self._auto_reconnect(p))
+
+    async def _auto_reconnect(self, p: _Placement) -> None:
+        delay, cap = self.reconnect_backoff
+        while p.failure is not None and self.auto_reconnect and not getattr(self, "_closed", False):
+            p.failure.next_attempt = time.time() + delay
+            await asyncio.sleep(delay)
+            if p.failure is None:
+                return
+            attempt = p.failure.attempts + 1
+            p.failure.attempts = attempt
+            p.failure.next_attempt = None
+            try:
+                await self._reconnect_place(p, only_if_failed=True)
+                log.info("endpoint reconnected automatically", endpoint=p.endpoint, attempts=attempt)
+                return
+            except EndpointUnavailable as exc:
+                log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt, cause=exc.message)
+            except Exception:
+                log.exception("automatic reconnect failed", endpoint=p.endpoint)
+            delay = min(delay * 2, cap)
+
+    def wait_healthy(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until no endpoint is latched failed,
+        e.g. while auto_reconnect brings one back. True if healthy."""
+        deadline = time.monotonic() + timeout
+        while self.failed_endpoints():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     # ------------------------------------------------------------ text
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -371,20 +585,30 @@ class Coordinator:
     def stream(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
         agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop)
-        while True:
-            try:
-                yield self._run(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        try:
+            while True:
+                try:
+                    piece = self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield piece
+        finally:
+            if not getattr(self, "_closed", False):
+                self._run(agen.aclose())
 
     async def astream(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                       top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> AsyncIterator[str]:
         agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop)
-        while True:
-            try:
-                yield await self._call(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        try:
+            while True:
+                try:
+                    piece = await self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield piece
+        finally:
+            if not getattr(self, "_closed", False):
+                await self._call(agen.aclose())
 
     def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                  top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> str:
@@ -393,10 +617,10 @@ class Coordinator:
     async def _astream(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop):
         ids = self.tokenize(prompt)
         if len(ids) + max_tokens > self.n_ctx:
-            raise DecodeError(DecodeResult.NO_KV_SLOT, None,
-                              f"prompt of {len(ids)} tokens plus {max_tokens} new ones exceeds n_ctx {self.n_ctx}")
+            raise DecodeError(DecodeResult.NO_KV_SLOT, None, f"context full: prompt of {len(ids)} tokens plus "
+                              f"{max_tokens} new ones exceeds n_ctx {self.n_ctx}", "context_full")
         sampler = Sampler(temperature, top_k, top_p, seed)
-        self.kv.seq_rm(0)
+        self.kv_seq_rm(0)
         detok = Detokenizer(self.tokenizer)
         text, emitted = "", 0
         pos = 0
@@ -405,10 +629,8 @@ class Coordinator:
             for start in range(0, len(pending), self.n_batch):
                 chunk = pending[start: start + self.n_batch]
                 code = await self._decode(Batch.single(chunk, pos))
-                if code != DecodeResult.OK:
-                    raise DecodeError(code, getattr(self, "last_failed_endpoint", None)
-                                      if code == DecodeResult.ENDPOINT_FAILED else None,
-                                      self.last_error or code.name)
+                if code != DecodeResult.OK:  # nothing of this step is emitted
+                    raise DecodeError(code, self.last_failed_endpoint, self.last_error or code.name, self.last_cause)
                 pos += len(chunk)
             if _ == max_tokens:
                 break
@@ -438,6 +660,9 @@ class Coordinator:
         self._closed = True
 
         async def shutdown():
+            for p in getattr(self, "_places", []):
+                if p.auto_task is not None:
+                    p.auto_task.cancel()
             for p in getattr(self, "_places", []):
                 if p.executor is not None:
                     try:

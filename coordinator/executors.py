@@ -15,6 +15,7 @@ from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
 from rpc_daemon.graph_codec import encode_graph
 from rpc_daemon.protocol import Command, Status
+from rpc_daemon.tls import client_context
 
 ALIGN = 64
 UPLOAD_CHUNK = 16 << 20
@@ -22,12 +23,31 @@ CACHE_MIN_BYTES = 1 << 20  # smaller tensors are cheaper to send than to hash an
 
 
 class StageFailed(Exception):
-    """kind: 'endpoint' (unreachable, dead, timed out, protocol) or 'compute'
-    (the worker is fine but the compute failed) or 'alloc'."""
+    """kind: 'endpoint' (the connection is gone: unreachable, dead, timed out,
+    protocol) or 'compute' (the worker is fine but the compute failed) or
+    'alloc' (the worker is fine but out of memory) or 'load' (the worker
+    refused a weight upload request). `cause` refines it: for
+    'endpoint' the PeerFailed kind ('unreachable', 'timeout', 'closed',
+    'protocol'), otherwise the kind itself."""
 
-    def __init__(self, kind: str, endpoint: str, message: str):
+    def __init__(self, kind: str, endpoint: str, message: str, cause: str | None = None):
         super().__init__(message)
         self.kind, self.endpoint, self.message = kind, endpoint, message
+        self.cause = cause or kind
+
+
+def peer_failed(endpoint: str, exc: PeerFailed) -> StageFailed:
+    return StageFailed("endpoint", endpoint, exc.message, exc.kind)
+
+
+def rpc_failed(endpoint: str, exc: RpcError, kind: str = "compute") -> StageFailed:
+    if exc.status == Status.ALLOC_FAILED:
+        return StageFailed("alloc", endpoint, f"worker {endpoint} is out of memory: {exc.message}")
+    if kind == "compute":
+        return StageFailed(kind, endpoint, f"compute failed on worker {endpoint}: {exc}")
+    if kind == "load":
+        return StageFailed(kind, endpoint, f"loading weights onto worker {endpoint} failed: {exc}")
+    return StageFailed(kind, endpoint, f"worker {endpoint} refused the request: {exc}")
 
 
 def align(n: int) -> int:
@@ -93,6 +113,8 @@ class LocalExecutor:
             raise StageFailed("alloc", self.endpoint, "cannot allocate the compute buffer")
         for name, arr in inputs.items():
             x = g.inputs[name]
+            if x.data == NULL:  # not used by this stage's layers (e.g. mask of a stage without global layers)
+                continue
             ffi.memmove(x.data, ffi.from_buffer(arr), arr.nbytes)
         status = self.backend.compute(g.gf)
         if status != lib.GGML_STATUS_SUCCESS:
@@ -118,33 +140,38 @@ class RemoteExecutor:
     """One connection to one worker: weights and KV cache of its stage live in
     one remote buffer; step graphs are sent once and recomputed by id."""
 
-    def __init__(self, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float = 2.0,
-                 use_cache: bool = True):
+    def __init__(self, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
+                 use_cache: bool = True, request_timeout: float | None = 900.0, secret: bytes | None = None,
+                 tls_ca: str | None = None):
         self.endpoint = endpoint
+        self.secret = secret  # shared secret for HELLO's challenge-response (rpc_daemon/auth.py)
+        self.ssl_context = client_context(tls_ca) if tls_ca else None  # TLS, verifying the worker against tls_ca
         self.connect_timeout = connect_timeout
-        self.liveness_timeout = liveness_timeout
+        self.liveness_timeout = liveness_timeout  # None: no liveness pings (measurements only)
+        self.request_timeout = request_timeout  # overall bound on one request, even from a live worker
         self.use_cache = use_cache
         self.client: RpcClient | None = None
         self.info: dict = {}
         self.placement: dict = {}
         self.sent_graphs: set[int] = set()
         self.buffer: int | None = None
+        self.compute_us = 0  # worker-side compute time, summed
 
     async def _request(self, cmd, fields=None, blob=b"", kind_on_error: str = "compute"):
         try:
-            return await self.client.request(cmd, fields, blob)
+            return await self.client.request(cmd, fields, blob, self.request_timeout)
         except PeerFailed as exc:
-            raise StageFailed("endpoint", self.endpoint, exc.message) from None
+            raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:
-            kind = "alloc" if exc.status == Status.ALLOC_FAILED else kind_on_error
-            raise StageFailed(kind, self.endpoint, f"worker {self.endpoint}: {exc}") from None
+            raise rpc_failed(self.endpoint, exc, kind_on_error) from None
 
     async def open(self) -> dict:
         try:
-            self.client = await RpcClient.connect(self.endpoint, self.connect_timeout, self.liveness_timeout)
+            self.client = await RpcClient.connect(self.endpoint, self.connect_timeout, self.liveness_timeout,
+                                                  secret=self.secret, ssl_context=self.ssl_context)
         except PeerFailed as exc:
-            raise StageFailed("endpoint", self.endpoint, exc.message) from None
-        self.info, _ = await self._request(Command.DEVICE_INFO)
+            raise peer_failed(self.endpoint, exc) from None
+        self.info, _ = await self._request(Command.DEVICE_INFO, kind_on_error="endpoint")
         self.sent_graphs.clear()
         return self.info
 
@@ -164,17 +191,18 @@ class RemoteExecutor:
                 if cached and len(chunk) >= CACHE_MIN_BYTES:
                     digest = hashlib.sha256(chunk).hexdigest()
                     try:
-                        await self.client.request(Command.SET_TENSOR_HASH, dict(where, hash=digest))
+                        await self.client.request(Command.SET_TENSOR_HASH, dict(where, hash=digest),
+                                                  deadline=self.request_timeout)
                         if progress:
                             progress(len(chunk))
                         continue
                     except RpcError as exc:
                         if exc.status != Status.NOT_FOUND:
-                            raise StageFailed("compute", self.endpoint, str(exc)) from None
+                            raise rpc_failed(self.endpoint, exc, "load") from None
                     except PeerFailed as exc:
-                        raise StageFailed("endpoint", self.endpoint, exc.message) from None
+                        raise peer_failed(self.endpoint, exc) from None
                     where["cache"] = True
-                await self._request(Command.SET_TENSOR, where, chunk)
+                await self._request(Command.SET_TENSOR, where, chunk, kind_on_error="load")
                 if progress:
                     progress(len(chunk))
 
@@ -189,6 +217,8 @@ class RemoteExecutor:
         tensors, index_of = g.wire
         specs, parts, off = [], [], 0
         for name, arr in inputs.items():
+            if g.inputs[name] not in index_of:  # not used by this stage's layers
+                continue
             specs.append([index_of[g.inputs[name]], off, arr.nbytes])
             parts.append(arr.tobytes())
             off += arr.nbytes
@@ -196,13 +226,14 @@ class RemoteExecutor:
         fields = {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[g.output]]}
         if g.graph_id in self.sent_graphs:
             try:
-                reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob)
+                reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout)
+                self.compute_us += reply.get("compute_us", 0)
                 return out
             except RpcError as exc:
                 if exc.status != Status.NOT_FOUND:
-                    raise StageFailed("compute", self.endpoint, f"worker {self.endpoint}: {exc}") from None
+                    raise rpc_failed(self.endpoint, exc) from None
             except PeerFailed as exc:
-                raise StageFailed("endpoint", self.endpoint, exc.message) from None
+                raise peer_failed(self.endpoint, exc) from None
         reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
         self.sent_graphs.add(g.graph_id)
         return out
@@ -211,7 +242,7 @@ class RemoteExecutor:
         try:
             return await self.client.ping()
         except PeerFailed as exc:
-            raise StageFailed("endpoint", self.endpoint, exc.message) from None
+            raise peer_failed(self.endpoint, exc) from None
 
     async def close(self) -> None:
         if self.client is not None:

@@ -7,6 +7,8 @@ import signal
 
 import structlog
 
+from rpc_daemon import systemd
+
 from rpc_daemon.server import Connection, Daemon, DaemonConfig
 
 log = structlog.get_logger("rpc")
@@ -23,24 +25,40 @@ def is_loopback(host: str) -> bool:
 
 async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
+    ssl_context = None
+    if config.tls_cert:
+        from rpc_daemon.tls import server_context
+        ssl_context = server_context(config.tls_cert, config.tls_key)
     daemon = Daemon(config)
-    server = await loop.create_server(lambda: Connection(daemon), config.host, config.port, reuse_address=True)
+    server = await loop.create_server(lambda: Connection(daemon), config.host, config.port, reuse_address=True,
+                                      ssl=ssl_context,
+                                      ssl_handshake_timeout=config.hello_timeout if ssl_context else None)
     port = server.sockets[0].getsockname()[1]
     if not is_loopback(config.host):
-        log.warning("listening on a non-loopback address: anyone who can reach it can use this worker",
-                    host=config.host)
+        if config.secret is None:
+            log.warning("listening on a non-loopback address WITHOUT a shared secret (--insecure): anyone who "
+                        "can reach it can use this worker", host=config.host)
+        elif ssl_context is None:
+            log.warning("listening on a non-loopback address without TLS: clients must authenticate, but "
+                        "traffic is neither encrypted nor integrity-protected", host=config.host)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("listening", host=config.host, port=port, threads=config.threads,
              mem_bytes=daemon.buffers.max_bytes, cache=config.cache_dir,
+             auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,
              unsafe_no_validation=config.unsafe_no_validation or None)
+    # systemd: ready once listening; the watchdog is petted from this event loop
+    watchdog = systemd.start()
     if ready is not None:
         ready.set()
     try:
         await stop.wait()
     finally:
         log.info("shutting down")
+        systemd.stopping()
+        if watchdog is not None:
+            watchdog.cancel()
         server.close()
         daemon.close()
         await server.wait_closed()

@@ -10,6 +10,7 @@ import os
 import pathlib
 import sys
 
+from rpc_daemon import security_cli
 from rpc_daemon.server import DaemonConfig
 
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
@@ -31,6 +32,9 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     p.add_argument("--compute-timeout", type=float, default=600.0, help="seconds one graph compute may take")
     p.add_argument("--max-clients", type=int, default=64)
     p.add_argument("--unsafe-no-validation", action="store_true", help=argparse.SUPPRESS)
+    # tests only: misbehave on purpose at a chosen point (see rpc_daemon/faults.py)
+    p.add_argument("--test-fault", action="append", default=[], metavar="SPEC", help=argparse.SUPPRESS)
+    security_cli.add_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error("--port must be 0..65535")
@@ -39,7 +43,15 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
-                          unsafe_no_validation=args.unsafe_no_validation)
+                          unsafe_no_validation=args.unsafe_no_validation, test_faults=tuple(args.test_fault))
+    config = security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
+    if args.test_fault:
+        from rpc_daemon.faults import FaultSpec, FaultSpecError
+        try:
+            for spec in args.test_fault:
+                FaultSpec.parse(spec)
+        except FaultSpecError as exc:
+            p.error(str(exc))
     return config, args
 
 

@@ -25,10 +25,13 @@ import asyncio
 import errno
 import itertools
 import os
+import ssl
 import time
 
 from rpc_daemon import protocol as P
+from rpc_daemon.auth import AuthFailed, ClientAuth
 from rpc_daemon.protocol import Command, Status
+from rpc_daemon.sockets import tune_socket
 
 # replies larger than this are read in chunks, so a large transfer in progress
 # counts as a sign of life (a pong queued behind it cannot arrive earlier)
@@ -39,10 +42,11 @@ READ_CHUNK = 1 << 20
 class RpcError(Exception):
     """The daemon answered with an error status; the connection is still usable."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, header: dict | None = None):
         super().__init__(f"{Status(status).name if status in Status._value2member_map_ else status}: {message}")
         self.status = status
         self.message = message
+        self.header = header or {}  # the whole reply (e.g. the auth challenge of a pending HELLO)
 
 
 class PeerFailed(Exception):
@@ -91,25 +95,37 @@ class RpcClient:
     # ------------------------------------------------------------ connect
     @classmethod
     async def connect(cls, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
-                      ping_interval: float | None = None, limits: P.Limits = P.Limits()) -> "RpcClient":
-        """Open a connection and exchange HELLO, all within `connect_timeout`."""
+                      ping_interval: float | None = None, limits: P.Limits = P.Limits(),
+                      secret: bytes | None = None, ssl_context=None) -> "RpcClient":
+        """Open a connection and exchange HELLO, all within `connect_timeout`.
+        With `secret`, HELLO authenticates both sides (rpc_daemon/auth.py); with
+        `ssl_context` (rpc_daemon.tls.client_context) the connection is TLS."""
         host, port = parse_endpoint(endpoint)
         started = time.monotonic()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20),
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20,
+                                                                            ssl=ssl_context),
                                                     connect_timeout)
         except asyncio.TimeoutError:
             raise PeerFailed("timeout", f"worker {endpoint} unreachable: no connection within "
                                         f"{connect_timeout:g} s") from None
+        except ssl.SSLError as exc:  # before OSError, its base: the worker is reachable, TLS failed
+            raise PeerFailed("protocol", f"worker {endpoint}: TLS handshake failed: "
+                                         f"{getattr(exc, 'verify_message', None) or exc.reason or exc}") from None
         except OSError as exc:
             raise PeerFailed("unreachable", f"worker {endpoint} unreachable: {_oserror_text(exc)}") from None
+        tune_socket(writer.get_extra_info("socket"))
         client = cls(reader, writer, endpoint, liveness_timeout, ping_interval, limits)
-        left = max(0.05, connect_timeout - (time.monotonic() - started))
         try:
-            hello, _ = await client.request(Command.HELLO, {"version": P.PROTOCOL_VERSION,
-                                                           "features": list(P.FEATURES)}, deadline=left)
+            hello = await _hello(client, secret, started + connect_timeout)
+        except AuthFailed as exc:
+            client.close()
+            raise PeerFailed("protocol", f"worker {endpoint}: authentication failed: {exc}") from None
         except RpcError as exc:
             client.close()
+            if exc.status == Status.NOT_AUTHORIZED:
+                raise PeerFailed("protocol", f"worker {endpoint} refused the connection: not authorized: "
+                                             f"{exc.message}") from None
             if exc.status == Status.VERSION_MISMATCH:
                 raise PeerFailed("protocol", f"worker {endpoint} speaks another protocol version: {exc.message}") from None
             raise PeerFailed("protocol", f"worker {endpoint} refused HELLO: {exc.message}") from None
@@ -118,6 +134,9 @@ class RpcClient:
             if exc.kind == "timeout":
                 raise PeerFailed("timeout", f"worker {endpoint} accepted the connection but did not answer "
                                             f"HELLO in time ({exc.message})") from None
+            if exc.kind == "closed" and ssl_context is None:
+                raise PeerFailed("closed", f"{exc.message}; if the worker serves TLS, give its CA "
+                                           f"(tls_ca / --tls-ca)") from None
             raise
         except BaseException:
             client.close()
@@ -293,7 +312,7 @@ class RpcClient:
             self.rtt = time.monotonic() - started
         status = header.get("status")
         if status != Status.SUCCESS:
-            raise RpcError(status if isinstance(status, int) else Status.FAILED, str(header.get("error", "")))
+            raise RpcError(status if isinstance(status, int) else Status.FAILED, str(header.get("error", "")), header)
         return header, out
 
     async def ping(self) -> float:
@@ -313,6 +332,25 @@ class RpcClient:
             await self._reader_task
         except (asyncio.CancelledError, Exception):
             pass
+
+
+async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> dict:
+    """HELLO, and with a secret the AUTH round that completes it (protocol in
+    rpc_daemon/auth.py). Returns the daemon's final HELLO reply."""
+    state = ClientAuth(secret) if secret else None
+    fields = {"version": P.PROTOCOL_VERSION, "features": list(P.FEATURES)}
+    if state is not None:
+        fields.update(state.hello_fields())
+    try:
+        hello, _ = await client.request(Command.HELLO, fields, deadline=max(0.05, deadline - time.monotonic()))
+    except RpcError as exc:
+        if state is None or exc.status != Status.NOT_AUTHORIZED or "auth" not in exc.header:
+            raise
+        answer = state.answer(exc.header)
+        hello, _ = await client.request(Command.AUTH, answer, deadline=max(0.05, deadline - time.monotonic()))
+    if state is not None:
+        state.verify_server(hello)
+    return hello
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ggml_ffi import lib, nbytes as ggml_nbytes, type_traits
+from rpc_daemon import row_ids
 from rpc_daemon.protocol import ProtocolError, Status, field_list
 
 MAX_NE = 1 << 40
@@ -77,6 +78,7 @@ class GraphSpec:
     nodes: list[int]
     inputs: list[int]  # tensors whose data comes inline with every compute
     buffers: set[int] = field(default_factory=set)
+    row_checks: list = field(default_factory=list)  # row_ids.RowCheck: inline GET_ROWS/SET_ROWS ids to check
 
 
 def _bad(i: int, what: str) -> ProtocolError:
@@ -162,7 +164,8 @@ def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> Gr
     for i in inputs:
         if not tensors[i].flags & lib.GGML_TENSOR_FLAG_INPUT:
             raise _bad(i, "a leaf outside every buffer must be flagged INPUT and sent inline")
-    return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer})
+    return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer},
+                     row_ids.plan(tensors, inputs))
 
 
 def parse_unchecked(h: dict, buffer_size) -> GraphSpec:
@@ -192,6 +195,10 @@ def storage_size(t: TensorSpec, buffer_size) -> int:
 def check_placement(t: TensorSpec, earlier: list[TensorSpec], buffer_size) -> None:
     """Where the tensor's data lives, and that all of it lies inside memory the
     client may use: its own buffers, or an intermediate the daemon allocates."""
+    if t.offset and not t.buffer:
+        # never a raw address (CVE-2026-34159 in llama.cpp's rpc-server: buffer 0 + data pointer)
+        raise _bad(t.index, f"offset {t.offset} without a buffer: data outside a client buffer is the daemon's "
+                            f"to place")
     if t.is_view:
         root = earlier[t.view_src]
         if t.op == lib.GGML_OP_NONE:
@@ -342,6 +349,8 @@ def rule_cpy(t, tensors):
     _types(t, a, FLOAT_TYPES, "src0"); _types(t, b, KV_TYPES, "dst")
     _need(a.nelements() == b.nelements(), t, "src and dst element counts differ")
     _is_view_of(t, b)
+    # the kernel copies nelements(src) into the result: it must be dst itself (found by tests/fuzz_protocol.py)
+    _need(t.ne == b.ne and t.type == b.type, t, "result is a view of dst (same type and shape)")
 
 
 def rule_cont(t, tensors):

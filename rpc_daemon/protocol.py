@@ -49,6 +49,7 @@ class Command(IntEnum):
     GRAPH_RECOMPUTE = 10
     GRAPH_FREE = 11
     PING = 12
+    AUTH = 13  # second half of an authenticated HELLO (rpc_daemon/auth.py)
 
 
 class ProtocolError(Exception):
@@ -69,6 +70,7 @@ class Limits:
     max_graph_tensors: int = 65536
     max_buffers: int = 4096
     max_graphs: int = 64  # cached graphs per client
+    max_client_bytes: int = 0  # bytes of buffers one client may hold; 0 = the daemon's --mem cap
 
 
 # ---------------------------------------------------------------- framing

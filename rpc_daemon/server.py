@@ -13,15 +13,18 @@ import collections
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
+from rpc_daemon import auth as A
 from rpc_daemon import protocol as P
+from rpc_daemon import row_ids
 from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer
 from rpc_daemon.compute import ComputeFailed, ComputeProcess
 from rpc_daemon.graph import GraphSpec, parse_graph
 from rpc_daemon.protocol import Command, ProtocolError, Status
+from rpc_daemon.ratelimit import TokenBucket
 from rpc_daemon.sockets import tune_socket
 from rpc_daemon.tensor_cache import TensorCache
 
@@ -41,6 +44,14 @@ class DaemonConfig:
     max_clients: int = 64
     limits: P.Limits = P.Limits()
     unsafe_no_validation: bool = False  # tests only: lets graphs reach libggml unchecked
+    test_faults: tuple = ()  # tests only: fault specs for rpc_daemon/faults.py (--test-fault)
+    # security (docs/security.md)
+    secret: bytes | None = field(default=None, repr=False)  # set: HELLO runs auth.py's challenge-response
+    tls_cert: str | None = None  # set (with tls_key): TLS on the listening port
+    tls_key: str | None = None
+    insecure: bool = False  # a non-loopback bind without a secret, acknowledged
+    max_requests_per_second: float = 2000.0  # per client, token bucket; 0 = unlimited
+    request_burst: int = 4000
 
 
 def physical_memory() -> int:
@@ -69,6 +80,10 @@ class Daemon:
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
         self.stats = collections.Counter()
+        self.faults = None  # tests only: injected faults (rpc_daemon/faults.py), None in normal use
+        if config.test_faults:
+            from rpc_daemon.faults import Faults
+            self.faults = Faults(list(config.test_faults), self)
 
     def new_client_id(self) -> int:
         return next(self._ids)
@@ -94,6 +109,12 @@ class Connection(asyncio.BufferedProtocol):
         self.worker_busy = False
         self.last_activity = time.monotonic()
         self._scratch = bytearray(1 << 16)
+        self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
+        self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
+        self._warn_budget = TokenBucket(5.0, 20)  # refusals logged per client: no log flood
+        self._can_write = asyncio.Event()  # cleared while the client does not read its replies
+        self._can_write.set()
+        self._wbuf = 0
         self._reset_frame()
 
     # ------------------------------------------------------------ framing
@@ -145,6 +166,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._stage == "header":
             try:
                 self._header = P.decode_header(bytes(self._target), self.limits)
+                self._check_rate()
                 self._direct = self._direct_destination(self._header)
             except ProtocolError as exc:
                 self._error = exc
@@ -159,6 +181,12 @@ class Connection(asyncio.BufferedProtocol):
                 self._stage, self._target, self._pos = "blob", memoryview(bytearray(self._blob_len)), 0
             return
         self._frame_done()
+
+    def _check_rate(self) -> None:
+        if self.hello_done and not self.bucket.take():
+            cfg = self.daemon.config
+            raise ProtocolError(Status.LIMIT_EXCEEDED, f"request rate limit exceeded ({cfg.max_requests_per_second:g} "
+                                                       f"requests/s, burst {cfg.request_burst}); slow down")
 
     def _direct_destination(self, h: dict) -> SharedBuffer | None:
         """For a SET_TENSOR that will run next, the buffer to read its data into."""
@@ -181,6 +209,14 @@ class Connection(asyncio.BufferedProtocol):
                 self.abort(error.message)
             return
         cmd = header.get("cmd")
+        if cmd == Command.AUTH and self.auth is not None and self.auth.pending:
+            self._auth(req_id, header)
+            return
+        if not self.hello_done and self.auth is not None and (cmd != Command.HELLO or self.auth.pending):
+            self._reply(req_id, Status.NOT_AUTHORIZED, "not authenticated: this worker requires HELLO with "
+                                                       "auth_nonce, then AUTH (a shared secret)")
+            self.abort("request before authentication")
+            return
         if not self.hello_done and cmd != Command.HELLO:
             self._reply(req_id, Status.INVALID_REQUEST, "the first command must be HELLO")
             self.abort("first command was not HELLO")
@@ -199,12 +235,19 @@ class Connection(asyncio.BufferedProtocol):
     def _check_idle(self) -> None:
         if self.closed:
             return
+        if self.transport is not None:
+            wbuf = self.transport.get_write_buffer_size()
+            if wbuf < self._wbuf:  # the client took some of its replies
+                self.last_activity = time.monotonic()
+            self._wbuf = wbuf
         idle = time.monotonic() - self.last_activity
         limit = self.daemon.config.idle_timeout
         if not self.hello_done:
             limit = min(limit, self.daemon.config.hello_timeout)
-        if idle > limit and self.queue.empty() and not self.worker_busy:
+        if idle > limit and ((self.queue.empty() and not self.worker_busy) or not self._can_write.is_set()):
             self.log.info("closing idle client", idle_s=round(idle, 1))
+            if not self._can_write.is_set() and self.transport is not None:
+                self.transport.abort()  # it does not read: flushing its replies would never end
             self.abort("idle timeout")
             return
         self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
@@ -214,8 +257,20 @@ class Connection(asyncio.BufferedProtocol):
             self.log.info("closing connection", reason=why)
             self.transport.close()
 
+    def pause_writing(self) -> None:
+        # the client does not read its replies: produce no more (no unbounded write buffer)
+        self._can_write.clear()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+        if self.queue.qsize() < 16 and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
         self.log.info("client disconnected", error=str(exc) if exc else None)
         if self.worker is not None:
             self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends
@@ -242,6 +297,10 @@ class Connection(asyncio.BufferedProtocol):
                 item = await self.queue.get()
                 if item is None or self.closed:
                     return
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+                    if self.closed:
+                        return
                 if self.queue.qsize() < 16 and self.transport is not None and not self.transport.is_closing():
                     self.transport.resume_reading()
                 header, blob, direct = item
@@ -256,10 +315,10 @@ class Connection(asyncio.BufferedProtocol):
             self._release()
 
     # ------------------------------------------------------------ replies
-    def _reply(self, req_id, status: Status, message: str = "", blob=b"", **fields) -> None:
+    def _reply(self, req_id, status: Status, message: str = "", blob=b"", quiet: bool = False, **fields) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        if status != Status.SUCCESS and status != Status.NOT_FOUND:
+        if status != Status.SUCCESS and status != Status.NOT_FOUND and not quiet and self._warn_budget.take():
             self.log.warning("request refused", status=Status(status).name, error=message)
         header = P.reply_header(req_id, status, message, **fields)
         self.transport.write(P.encode_frame(header, len(blob)))
@@ -273,6 +332,9 @@ class Connection(asyncio.BufferedProtocol):
         if handler is None:
             self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r}")
             return
+        fault = self.daemon.faults.take(cmd) if self.daemon.faults is not None else None  # tests only
+        if fault is not None and await fault.before(self):
+            return
         try:
             result = await handler(self, header, blob, direct)
         except ProtocolError as exc:
@@ -283,19 +345,39 @@ class Connection(asyncio.BufferedProtocol):
             self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
             return
         fields, out = result if isinstance(result, tuple) else (result or {}, b"")
-        self._reply(req_id, fields.pop("status", Status.SUCCESS), fields.pop("error", ""), out, **fields)
+        status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
+        if fault is not None and await fault.reply(self, req_id, status, error, out, fields):  # tests only
+            return
+        self._reply(req_id, status, error, out, **fields)
 
     # ------------------------------------------------------------ helpers
     def _hello(self, req_id, header: dict) -> None:
         try:
             P.check_hello(header)
+            challenge = self.auth.challenge(header) if self.auth is not None and not self.hello_done else None
         except ProtocolError as exc:
             self._reply(req_id, exc.status, exc.message, version=P.PROTOCOL_VERSION)
             self.abort(exc.message)
             return
+        if challenge is not None:  # authentication pending: the next frame must be AUTH
+            self._reply(req_id, Status.NOT_AUTHORIZED, "authentication required: answer the challenge with AUTH",
+                        quiet=True, version=P.PROTOCOL_VERSION, auth=challenge)
+            return
         self.hello_done = True
         self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=list(P.FEATURES),
                     server="ggml-rpc-server (python)", max_blob=self.limits.max_blob)
+
+    def _auth(self, req_id, header: dict) -> None:
+        try:
+            server_proof = self.auth.verify(header)
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message)
+            self.abort(exc.message)
+            return
+        self.hello_done = True
+        self.log.info("client authenticated")
+        self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=list(P.FEATURES),
+                    server="ggml-rpc-server (python)", max_blob=self.limits.max_blob, proof=server_proof)
 
     def _buffer(self, key: int) -> SharedBuffer:
         buf = self.daemon.buffers.get(self.client_id, key)
@@ -350,8 +432,13 @@ def cpu_model() -> str:
 
 async def handle_alloc_buffer(c: Connection, h, blob, direct):
     size = P.field_int(h, "size", 1)
-    if len(c.daemon.buffers.owned_by(c.client_id)) >= c.limits.max_buffers:
+    owned = c.daemon.buffers.owned_by(c.client_id)
+    if len(owned) >= c.limits.max_buffers:
         raise ProtocolError(Status.LIMIT_EXCEEDED, f"buffer count limit {c.limits.max_buffers} reached")
+    cap = c.limits.max_client_bytes
+    if cap and sum(b.size for b in owned) + size > cap:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes: this client holds "
+                                                   f"{sum(b.size for b in owned)} of its {cap}-byte limit")
     buf = c.daemon.buffers.alloc(c.client_id, size)
     if buf is None:
         reg = c.daemon.buffers
@@ -434,6 +521,7 @@ def _input_blob(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, ob
 
 async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
     inputs, blob = _input_blob(c, spec, h, blob)
+    row_ids.check_inputs(spec.row_checks, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
     outputs = P.parse_outputs(h, len(spec.tensors))
     bufs = {}
     for key in spec.buffers:

@@ -14,35 +14,34 @@ _LISTEN = re.compile(r"listening.*port=(\d+)")
 
 
 class DaemonProcess:
-    """A real daemon process on a free loopback port."""
+    """A real daemon process on a loopback port: a free one, or `port` (e.g. to
+    restart a worker where its clients expect it)."""
 
-    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 20.0):
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 20.0, port: int = 0):
         self.args = args
-        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", "0", *args]
+        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", str(port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, **(env or {})), start_new_session=True)
         self.log_lines: list[str] = []
-        deadline = time.monotonic() + startup_timeout
         self.port = None
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                break
-            self.log_lines.append(line)
-            m = _LISTEN.search(line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        if self.port is None:
+        # one thread reads stderr from the start (so the daemon never blocks on a
+        # full pipe) and spots the listening line; waiting for it is bounded
+        import threading
+        self._listening = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._listening.wait(startup_timeout) or self.port is None:
             self.kill()
             raise RuntimeError("daemon did not start:\n" + "".join(self.log_lines))
-        # keep draining stderr so the daemon never blocks on a full pipe
-        import threading
-        threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
             self.log_lines.append(line)
+            if self.port is None:
+                m = _LISTEN.search(line)
+                if m:
+                    self.port = int(m.group(1))
+                    self._listening.set()
+        self._listening.set()  # EOF: the daemon exited
 
     @property
     def endpoint(self) -> str:
@@ -50,6 +49,19 @@ class DaemonProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_log(self, fragment: str, timeout: float = 10.0, start: int = 0) -> str:
+        """The first log line (from index `start`) containing `fragment`; waits
+        for it at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log_lines[start:]:
+                if fragment in line:
+                    return line
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no log line with {fragment!r} within {timeout:g} s:\n"
+                                   + "".join(self.log_lines[-20:]))
+            time.sleep(0.01)
 
     def signal(self, sig: int) -> None:
         if self.alive():

@@ -1,0 +1,132 @@
+"""Long-running protocol fuzzer against a live daemon (the test suite runs a
+few thousand cases of the same: tests/test_fuzz_daemon.py).
+
+    python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs]
+                                [--mem MiB] [--daemon-arg=--flag ...]
+
+Starts its own daemon on 127.0.0.1 (a free port), sends --cases messages split
+over the families (strategies in tests/fuzz_protocol.py), and reports
+throughput, reply statistics, and whether the daemon is alive, correct and
+back at its memory baseline afterwards. A failing case
+is shrunk by hypothesis and printed with a blob to reproduce it
+(@reproduce_failure). Exit status 0 only if everything held.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess, the strategies and helpers live with the tests
+
+from hypothesis import HealthCheck, Phase, given, seed as hseed, settings  # noqa: E402
+
+from conftest import DaemonProcess  # noqa: E402
+from fuzz_protocol import FuzzClient, command_messages, graph_messages, raw_messages  # noqa: E402
+from rpc_daemon.client import RpcClient  # noqa: E402
+from rpc_daemon.protocol import Command  # noqa: E402
+from rpc_helpers import normal_session  # noqa: E402
+
+FAMILIES = {"raw": lambda: raw_messages(), "commands": lambda: command_messages(), "graphs": lambda: graph_messages()}
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def free_memory(endpoint: str) -> int:
+    c = await RpcClient.connect(endpoint)
+    try:
+        h, _ = await c.request(Command.DEVICE_INFO)
+        return h["free_memory"]
+    finally:
+        await c.aclose()
+
+
+def fuzz_family(client: FuzzClient, d, name: str, n: int, seed: int) -> None:
+    strategy = FAMILIES[name]()
+    last = [time.monotonic()]
+
+    @hseed(seed)
+    @settings(max_examples=n, deadline=None, database=None, print_blob=True,
+              phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
+    @given(msg=strategy)
+    def case(msg):
+        client.send(msg)
+        if not d.alive():
+            raise AssertionError("daemon died:\n" + "".join(d.log_lines[-40:]))
+        now = time.monotonic()
+        if now - last[0] > 10:
+            print(f"  ... {client.cases} cases", file=sys.stderr)
+            last[0] = now
+
+    case()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", type=int, default=50000, help="messages in total (default 50000)")
+    p.add_argument("--seed", type=int, default=int(time.time()), help="hypothesis seed (default: the time)")
+    p.add_argument("--families", default="raw,commands,graphs")
+    p.add_argument("--mem", type=int, default=32, help="daemon --mem in MiB (default 32)")
+    p.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
+    args = p.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown families {sorted(unknown)}; choose from {sorted(FAMILIES)}")
+
+    d = DaemonProcess("-t", "1", "-m", str(args.mem), "--max-requests-per-second", "0", *args.daemon_arg)
+    ok = True
+    try:
+        asyncio.run(normal_session(d.endpoint))
+        base_free, base_rss = asyncio.run(free_memory(d.endpoint)), rss(d.proc.pid)
+        client = FuzzClient(d.port)
+        t0 = time.monotonic()
+        per = -(-args.cases // len(families))
+        print(f"fuzzing {d.endpoint}: {args.cases} cases ({', '.join(families)}), seed {args.seed}", file=sys.stderr)
+        try:
+            for i, name in enumerate(families):
+                fuzz_family(client, d, name, per, args.seed + i)
+        except Exception as exc:  # a failing case, already shrunk and printed by hypothesis
+            ok = False
+            print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+            for text in client.failures[:3]:
+                print(f"first failure seen: {text}", file=sys.stderr)
+        elapsed = time.monotonic() - t0
+        client.close()
+        alive = d.alive()
+        served = False
+        if alive:
+            try:
+                for s in range(3):
+                    asyncio.run(asyncio.wait_for(normal_session(d.endpoint, s), 30))
+                served = True
+            except Exception as exc:
+                print(f"normal session failed after fuzzing: {exc}", file=sys.stderr)
+        free = asyncio.run(free_memory(d.endpoint)) if alive else None
+        deadline = time.monotonic() + 10
+        while alive and free != base_free and time.monotonic() < deadline:
+            time.sleep(0.1)
+            free = asyncio.run(free_memory(d.endpoint))
+        grown = (rss(d.proc.pid) - base_rss) / (1 << 20) if alive else float("nan")
+        tracebacks = sum("Traceback" in line or "handler failed" in line for line in d.log_lines)
+        ok = ok and alive and served and free == base_free and grown < 64 and not tracebacks
+        print(f"{client.cases} cases in {elapsed:.1f} s ({client.cases / max(elapsed, 1e-9):.0f}/s), "
+              f"{client.reconnects} connections, {client.unencodable} unencodable draws skipped")
+        print(f"daemon alive: {alive}; serves correct results: {served}; free_memory back to baseline: "
+              f"{free == base_free} ({free} vs {base_free}); RSS {grown:+.1f} MiB; tracebacks in log: {tracebacks}")
+        print("replies: " + ", ".join(f"{k[0]}:{k[1]}={v}" for k, v in sorted(client.statuses.items())))
+        print("OK" if ok else "FAILED")
+    finally:
+        d.stop()
+        d.kill()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

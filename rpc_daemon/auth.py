@@ -1,0 +1,183 @@
+"""Shared-secret mutual authentication of a connection, sans I/O.
+
+With a secret configured on the daemon, HELLO becomes a four-message
+challenge-response (docs/security.md has the rationale):
+
+    C -> S  HELLO  {version, features, auth_nonce: Nc}
+    S -> C  reply  status NOT_AUTHORIZED, auth: {method: "hmac-sha256", nonce: Ns}
+                   ("pending": the connection stays open for exactly one AUTH)
+    C -> S  AUTH   {proof: HMAC-SHA256(K, CLIENT_LABEL || Nc || Ns)}
+    S -> C  reply  status SUCCESS, the usual HELLO fields,
+                   proof: HMAC-SHA256(K, SERVER_LABEL || Nc || Ns)
+
+Nc and Ns are 32 fresh random bytes each (secrets.token_bytes). The client
+proves it knows K first; the server reveals its own proof only to a client that
+did, so an unauthenticated peer learns nothing it could attack offline. The
+labels differ, so one side's proof can never be reflected as the other's. A
+recorded handshake replayed on a new connection fails: the server picks a new
+Ns for every connection. Proofs are compared with hmac.compare_digest.
+
+A HELLO without auth_nonce, a wrong proof, or anything but AUTH after the
+challenge gets NOT_AUTHORIZED and the connection is closed; nothing is ever
+allocated for a connection before it is authenticated.
+
+Everything here is pure: nonces come from `secrets`, no sockets.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets as _secrets
+import stat
+
+from rpc_daemon.protocol import PROTOCOL_VERSION, ProtocolError, Status
+
+METHOD = "hmac-sha256"
+NONCE_LEN = 32
+PROOF_LEN = hashlib.sha256().digest_size
+MIN_SECRET_LEN = 16
+ENV_VAR = "GGML_RPC_SECRET"
+CLIENT_LABEL = f"ggml-rpc/{PROTOCOL_VERSION} auth client\0".encode()
+SERVER_LABEL = f"ggml-rpc/{PROTOCOL_VERSION} auth server\0".encode()
+
+
+class SecretError(ValueError):
+    """The configured secret is unusable (missing file, too short, empty)."""
+
+
+class AuthFailed(Exception):
+    """The peer did not prove knowledge of the secret."""
+
+
+def proof(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+# ---------------------------------------------------------------- secrets
+
+def check_secret(secret: bytes) -> bytes:
+    if len(secret) < MIN_SECRET_LEN:
+        raise SecretError(f"the shared secret is {len(secret)} bytes; use at least {MIN_SECRET_LEN} "
+                          f"(e.g. `openssl rand -hex 32 > secret`)")
+    return secret
+
+
+def read_secret_file(path: str) -> bytes:
+    """The secret in `path`, without trailing whitespace (a final newline is common)."""
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as exc:
+        raise SecretError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
+    return check_secret(data.rstrip(b"\r\n\t "))
+
+
+def secret_file_too_open(path: str) -> bool:
+    """True if group or others may read the file (worth a warning)."""
+    try:
+        return bool(os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO))
+    except OSError:
+        return False
+
+
+def load_secret(secret: str | bytes | None = None, secret_file: str | None = None,
+                environ=os.environ) -> bytes | None:
+    """The secret to use: `secret`, else the contents of `secret_file`, else the
+    environment variable GGML_RPC_SECRET, else None (authentication off)."""
+    if secret is not None and secret_file is not None:
+        raise SecretError("give the secret or a secret file, not both")
+    if secret is not None:
+        return check_secret(secret.encode() if isinstance(secret, str) else bytes(secret))
+    if secret_file is not None:
+        return read_secret_file(secret_file)
+    value = environ.get(ENV_VAR)
+    if value:
+        return check_secret(value.encode())
+    return None
+
+
+# ---------------------------------------------------------------- server side
+
+class ServerAuth:
+    """One connection's handshake on the daemon: challenge(), then verify()."""
+
+    def __init__(self, secret: bytes, token_bytes=_secrets.token_bytes):
+        self._secret = secret
+        self._token_bytes = token_bytes
+        self.client_nonce: bytes | None = None
+        self.server_nonce: bytes | None = None
+        self.done = False
+        self.failed = False
+
+    @property
+    def pending(self) -> bool:
+        return self.server_nonce is not None and not self.done and not self.failed
+
+    def challenge(self, hello: dict) -> dict:
+        """The `auth` field of the pending HELLO reply. Raises ProtocolError
+        (NOT_AUTHORIZED, fatal) if the client offered no nonce or asks twice."""
+        if self.server_nonce is not None:
+            raise ProtocolError(Status.NOT_AUTHORIZED, "HELLO repeated during authentication", fatal=True)
+        nonce = hello.get("auth_nonce")
+        if nonce is None:
+            raise ProtocolError(Status.NOT_AUTHORIZED,
+                                "this worker requires authentication with a shared secret "
+                                "(--secret-file or GGML_RPC_SECRET on the client)", fatal=True)
+        if not isinstance(nonce, (bytes, bytearray)) or len(nonce) != NONCE_LEN:
+            raise ProtocolError(Status.NOT_AUTHORIZED, f"auth_nonce must be {NONCE_LEN} bytes", fatal=True)
+        self.client_nonce = bytes(nonce)
+        self.server_nonce = self._token_bytes(NONCE_LEN)
+        return {"method": METHOD, "nonce": self.server_nonce}
+
+    def verify(self, auth: dict) -> bytes:
+        """Check the client's AUTH request; returns the server's proof for the
+        reply. Raises ProtocolError (NOT_AUTHORIZED, fatal) on any mismatch."""
+        if not self.pending:
+            raise ProtocolError(Status.NOT_AUTHORIZED, "AUTH without a pending challenge", fatal=True)
+        got = auth.get("proof")
+        want = proof(self._secret, CLIENT_LABEL, self.client_nonce, self.server_nonce)
+        if not isinstance(got, (bytes, bytearray)) or not hmac.compare_digest(bytes(got), want):
+            self.failed = True  # one attempt per connection
+            raise ProtocolError(Status.NOT_AUTHORIZED, "authentication failed: wrong shared secret", fatal=True)
+        self.done = True
+        return proof(self._secret, SERVER_LABEL, self.client_nonce, self.server_nonce)
+
+
+# ---------------------------------------------------------------- client side
+
+class ClientAuth:
+    """One connection's handshake on the client: hello_fields(), answer(),
+    then verify_server()."""
+
+    def __init__(self, secret: bytes, token_bytes=_secrets.token_bytes):
+        self._secret = secret
+        self.client_nonce = token_bytes(NONCE_LEN)
+        self.server_nonce: bytes | None = None
+
+    def hello_fields(self) -> dict:
+        return {"auth_nonce": self.client_nonce}
+
+    def answer(self, reply: dict) -> dict:
+        """The AUTH request's fields for the daemon's pending HELLO reply."""
+        challenge = reply.get("auth")
+        if not isinstance(challenge, dict) or challenge.get("method") != METHOD:
+            raise AuthFailed(f"the worker asks for an authentication method this client does not speak "
+                             f"({challenge!r:.80})")
+        nonce = challenge.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_LEN:
+            raise AuthFailed("the worker's challenge nonce is malformed")
+        if nonce == self.client_nonce:
+            raise AuthFailed("the worker echoed our own nonce (reflection attempt?)")
+        self.server_nonce = nonce
+        return {"proof": proof(self._secret, CLIENT_LABEL, self.client_nonce, nonce)}
+
+    def verify_server(self, reply: dict) -> None:
+        """Check the proof in the daemon's final reply: it knows the secret too."""
+        if self.server_nonce is None:
+            raise AuthFailed("the worker accepted the connection without authenticating "
+                             "(is it running without a shared secret?)")
+        got = reply.get("proof")
+        want = proof(self._secret, SERVER_LABEL, self.client_nonce, self.server_nonce)
+        if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
+            raise AuthFailed("the worker could not prove it knows the shared secret")

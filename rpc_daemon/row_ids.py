@@ -1,0 +1,129 @@
+"""Row ids of GET_ROWS and SET_ROWS checked against the rows they index.
+
+The CPU kernels turn a row id into a pointer (row * nb[1]); an id out of range
+reads or writes outside the tensor. libggml asserts on it (the compute process
+aborts and is restarted, see compute.py), but the daemon refuses such a request
+before any compute when it can: when the id tensor is an inline input (sent
+with the request) or a view of one, its values are known up front, so every id
+must satisfy 0 <= id < rows, else the request is answered INVALID_REQUEST
+naming the tensors.
+
+Ids that the graph computes, or that live in a client buffer a node of the same
+graph may write, cannot be checked up front; for those the crash isolation of
+the compute process (and ggml's own GGML_ASSERT on the id) is the guard.
+
+Pure: plan once per validated graph (`plan`), check per compute (`check`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggml_ffi import lib
+from rpc_daemon.protocol import ProtocolError, Status
+
+_DTYPES = {lib.GGML_TYPE_I32: np.dtype("<i4"), lib.GGML_TYPE_I64: np.dtype("<i8")}
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    node: int  # the GET_ROWS / SET_ROWS tensor
+    op: str
+    ids: int  # the id tensor the op reads
+    root: int  # the inline input leaf holding the ids' data (ids itself or its view_src)
+    offs: int  # byte offset of the ids' data in root's data
+    dtype: np.dtype
+    ne: tuple
+    nb: tuple
+    rows: int  # valid ids are 0..rows-1
+    rows_of: int  # the tensor whose rows are indexed
+
+
+def plan(tensors, inputs) -> list[RowCheck]:
+    """The checks a graph (list of graph.TensorSpec, validated) needs: one per
+    GET_ROWS/SET_ROWS whose ids come inline."""
+    inline = set(inputs)
+    checks = []
+    for t in tensors:
+        if t.op == lib.GGML_OP_GET_ROWS and len(t.src) >= 2:
+            data, ids = tensors[t.src[0]], tensors[t.src[1]]
+            op = "GET_ROWS"
+        elif t.op == lib.GGML_OP_SET_ROWS and len(t.src) >= 3:
+            # ggml_set_rows(a=dst, b=src, c=ids) stores src[] = {b, c, a}
+            ids, data = tensors[t.src[1]], tensors[t.src[2]]
+            op = "SET_ROWS"
+        else:
+            continue
+        dtype = _DTYPES.get(ids.type)
+        if dtype is None:
+            continue
+        if ids.index in inline:
+            root, offs = ids.index, 0
+        elif ids.is_view and ids.view_src in inline:
+            root, offs = ids.view_src, ids.view_offs
+        else:
+            continue  # computed by the graph or held in a buffer: see the module doc
+        checks.append(RowCheck(t.index, op, ids.index, root, offs, dtype, tuple(ids.ne), tuple(ids.nb),
+                               data.ne[1], data.index))
+    return checks
+
+
+def ids_array(c: RowCheck, data) -> np.ndarray | None:
+    """The ids as numpy (a strided view over the root's inline bytes), or None
+    if they cannot be read cheaply and safely: strides reaching outside `data`
+    (the validator refuses that already; a second line) or overlapping strides
+    that would make one id be read many times over. Dimensions of stride 0
+    repeat the same ids and are dropped."""
+    ne = tuple(1 if s == 0 else n for n, s in zip(c.ne, c.nb))
+    extent = c.dtype.itemsize + sum((n - 1) * s for n, s in zip(ne, c.nb))
+    if c.offs + extent > len(data):
+        return None
+    if int(np.prod(ne, dtype=object)) > 4 * max(1, extent // c.dtype.itemsize):
+        return None
+    first = np.frombuffer(data, c.dtype, count=1, offset=c.offs)
+    return np.lib.stride_tricks.as_strided(first, shape=ne[::-1], strides=c.nb[::-1], writeable=False)
+
+
+def check(checks: list[RowCheck], tensors, inline_data) -> None:
+    """`inline_data(tensor index)` gives the bytes sent inline for that input
+    (a memoryview), or None if none were sent. Raises ProtocolError
+    (INVALID_REQUEST) for the first id out of range."""
+    for c in checks:
+        data = inline_data(c.root)
+        if data is None:
+            continue  # no data sent: the inputs check has refused (or --unsafe-no-validation)
+        ids = ids_array(c, data)
+        if ids is None:
+            raise ProtocolError(Status.INVALID_REQUEST,
+                                f"tensors[{c.ids}]: the row ids of {c.op} tensors[{c.node}] cannot be checked "
+                                f"(strides outside the inline data, or overlapping)")
+        if ids.size == 0:
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo >= 0 and hi < c.rows:
+            continue
+        bad = lo if lo < 0 else hi
+        where = np.argwhere(ids == bad)[0][::-1].tolist()  # ggml order: i0, i1, ...
+        ids_t, node_t = tensors[c.ids], tensors[c.node]
+        raise ProtocolError(Status.INVALID_REQUEST,
+                            f"tensors[{c.ids}] ({ids_t.name!r}): row id {bad} at {where} is outside 0..{c.rows - 1}, "
+                            f"the rows of tensors[{c.rows_of}] that {c.op} tensors[{c.node}] ({node_t.name!r}) "
+                            f"indexes")
+
+
+def check_inputs(checks: list[RowCheck], tensors, inputs, blob) -> None:
+    """check() for a compute request: `inputs` are its [tensor, blob_offset,
+    size] triples, `blob` its data."""
+    if not checks:
+        return
+    where = {t: (off, size) for t, off, size in inputs}
+    view = memoryview(blob).cast("B") if len(blob) else memoryview(b"")
+
+    def inline_data(t):
+        if t not in where:
+            return None
+        off, size = where[t]
+        return view[off: off + size]
+
+    check(checks, tensors, inline_data)

@@ -1,0 +1,439 @@
+"""Property-based fuzzing of a live daemon: hypothesis strategies for protocol
+messages with valid framing and random contents, and a client that sends them
+one at a time over one reused connection (reconnecting when the daemon hangs
+up) and checks every reply.
+
+Three families of messages:
+
+* `raw_messages`: any command id (known, unknown, not even an int) with a map
+  of fields drawn from the protocol's field names and random values of every
+  msgpack type;
+* `command_messages`: each known command with plausible fields (this
+  connection's buffers, offsets and sizes near their edges, blobs whose length
+  may or may not match);
+* `graph_messages`: GRAPH_COMPUTE / GRAPH_RECOMPUTE of random graphs: graphs
+  built from random wire tensors, and valid seed graphs (built with the real
+  ggml op constructors, one per supported op family) with random mutations of
+  tensor fields, inputs, outputs and inline data (row ids included).
+
+What a reply must satisfy (`FuzzClient.send`): it arrives (no hang), it is a
+well-formed frame with a known status and our request id, and it is never an
+"internal error" (a handler raising: a bug of ours) nor a dead compute process
+(a graph that passed validation yet crashed libggml: a hole in the validator).
+
+Used by tests/test_fuzz_daemon.py (a few thousand cases) and
+bench/fuzz_daemon.py (as many as you like).
+"""
+from __future__ import annotations
+
+import copy
+import socket
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import strategies as st
+
+from ggml_ffi import Context, NULL, lib
+from rpc_daemon import protocol as P
+from rpc_daemon.graph import SUPPORTED_OPS
+from rpc_daemon.graph_codec import encode_graph
+from rpc_daemon.protocol import Command, Status
+from rpc_helpers import RawConn
+
+BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer
+BASE_SIZE = 64 << 10
+STATUSES = set(int(s) for s in Status)
+FIELD_NAMES = ("buffer", "offset", "size", "src_buffer", "src_offset", "value", "hash", "cache", "graph_id",
+               "tensors", "inputs", "outputs", "version", "features", "auth_nonce", "proof", "id", "cmd")
+EDGE_INTS = (0, 1, -1, 2, 63, 64, 4095, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**48,
+             2**48 + 1, 2**53, 2**62, 2**63 - 1, -(2**63), 2**64 - 1)
+
+
+# ---------------------------------------------------------------- values
+
+ints = st.one_of(st.integers(-3, 300), st.sampled_from(EDGE_INTS), st.integers(-(2**63), 2**64 - 1))
+small_ints = st.one_of(st.integers(-2, 40), st.sampled_from(EDGE_INTS))
+scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True), st.text(max_size=20),
+                    st.binary(max_size=70))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                      max_leaves=12)
+
+
+@dataclass(frozen=True)
+class BufRef:
+    """One of the connection's own buffers, picked when the message is sent
+    (strategies must not depend on run-time state)."""
+    k: int
+
+
+own_buffer = st.integers(0, 7).map(BufRef)
+
+
+def maybe_garbage(plausible):
+    """Mostly `plausible`, sometimes any value at all."""
+    return st.one_of(plausible, plausible, plausible, values)
+
+
+# ---------------------------------------------------------------- messages
+
+@dataclass
+class Message:
+    header: dict
+    blob: bytes = b""
+    note: str = ""
+
+
+@st.composite
+def raw_messages(draw):
+    cmd = draw(st.one_of(st.sampled_from([int(c) for c in Command]), st.integers(-5, 40), values))
+    keys = draw(st.lists(st.one_of(st.sampled_from(FIELD_NAMES), st.text(max_size=6)), max_size=6, unique=True))
+    header = {k: draw(values) for k in keys if k not in ("id", "cmd")}
+    header["cmd"] = cmd
+    blob = draw(st.one_of(st.just(b""), st.binary(max_size=300)))
+    return Message(header, blob, "raw")
+
+
+@st.composite
+def command_messages(draw):
+    buffer = maybe_garbage(st.one_of(own_buffer, own_buffer, small_ints))
+    offset = maybe_garbage(st.one_of(st.integers(0, BASE_SIZE + 64), small_ints))
+    size = maybe_garbage(st.one_of(st.integers(0, 4096), small_ints))
+    cmd = draw(st.sampled_from([c for c in Command if c not in (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE)]))
+    h: dict = {"cmd": int(cmd)}
+    blob = b""
+    if cmd == Command.HELLO:
+        h["version"] = draw(st.one_of(st.just(P.PROTOCOL_VERSION), small_ints, values))
+    elif cmd == Command.AUTH:
+        h["proof"] = draw(st.binary(min_size=0, max_size=40))
+    elif cmd == Command.ALLOC_BUFFER:
+        h["size"] = draw(maybe_garbage(st.one_of(st.integers(1, 1 << 16), small_ints, st.integers(1, 1 << 26))))
+    elif cmd in (Command.FREE_BUFFER, Command.BUFFER_CLEAR):
+        h["buffer"] = draw(buffer)
+        if cmd == Command.BUFFER_CLEAR:
+            h["value"] = draw(maybe_garbage(st.integers(-1, 256)))
+    elif cmd in (Command.SET_TENSOR, Command.GET_TENSOR, Command.COPY_TENSOR, Command.SET_TENSOR_HASH):
+        h.update(buffer=draw(buffer), offset=draw(offset), size=draw(size))
+        if cmd == Command.SET_TENSOR:
+            n = h["size"] if type(h["size"]) is int and 0 <= h["size"] <= 4096 else 16
+            n = draw(st.one_of(st.just(n), st.integers(0, 300)))
+            blob = draw(st.binary(min_size=n, max_size=n))
+            if draw(st.booleans()):
+                h["cache"] = draw(st.one_of(st.booleans(), values))
+        elif cmd == Command.COPY_TENSOR:
+            h.update(src_buffer=draw(buffer), src_offset=draw(offset))
+        elif cmd == Command.SET_TENSOR_HASH:
+            h["hash"] = draw(st.one_of(st.text("0123456789abcdef", min_size=64, max_size=64), values))
+    elif cmd == Command.GRAPH_FREE:
+        h["graph_id"] = draw(maybe_garbage(st.integers(-1, 8)))
+    if draw(st.integers(0, 9)) == 0:  # an extra field nobody asked for
+        h[draw(st.text(max_size=6))] = draw(values)
+    return Message(h, blob, cmd.name)
+
+
+# ---------------------------------------------------------------- graphs
+
+@dataclass
+class Seed:
+    name: str
+    tensors: list[dict]
+    inputs: list[tuple[int, int, str]]  # (tensor index, nbytes, kind) kind: "f32", "f16", "i32", "i64"
+    outputs: list[int]
+
+
+def _seed(name: str, build, n: int = 64) -> Seed | None:
+    ctx = Context(n)
+    try:
+        outs, inputs, placed = build(ctx.ptr, ctx)
+        gf = ctx.new_graph()
+        for o in outs:
+            lib.ggml_set_output(o)
+            lib.ggml_build_forward_expand(gf, o)
+        place = {t: (BASE, off) for t, off in placed}
+        tensors, index_of = encode_graph(gf, lambda t: place.get(t))
+        ins = [(index_of[t], lib.ggml_nbytes(t), kind) for t, kind in inputs if t in index_of]
+        return Seed(name, tensors, ins, [index_of[o] for o in outs])
+    except Exception:  # pragma: no cover - an op this libggml lacks: fewer seeds
+        return None
+    finally:
+        ctx.close()
+
+
+def _inp(ctx, t, ne, name):
+    x = ctx.new_tensor(t, ne, name)
+    lib.ggml_set_input(x)
+    return x
+
+
+F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
+
+
+def make_seeds() -> list[Seed]:
+    def arith(c, ctx):
+        x = ctx.new_tensor(F32, [4, 3], "x")
+        y = _inp(ctx, F32, [4, 3], "y")
+        z = lib.ggml_div(c, lib.ggml_sub(c, lib.ggml_mul(c, lib.ggml_add(c, x, y), y), x), y)
+        return [z], [(y, "f32")], [(x, 0)]
+
+    def rows(c, ctx):
+        a = ctx.new_tensor(F32, [8, 16], "a")
+        ids = _inp(ctx, I32, [4], "ids")
+        dst = ctx.new_tensor(F32, [8, 16], "dst")
+        src = _inp(ctx, F32, [8, 4], "src")
+        kv = _inp(ctx, I64, [4], "kv_idxs")
+        g = lib.ggml_get_rows(c, a, ids)
+        s = lib.ggml_set_rows(c, dst, src, kv)
+        return [g, s], [(ids, "i32"), (src, "f32"), (kv, "i64")], [(a, 0), (dst, 1024)]
+
+    def matmul(c, ctx):
+        w = ctx.new_tensor(F32, [8, 6], "w")
+        x = _inp(ctx, F32, [8, 3], "x")
+        y = lib.ggml_rms_norm(c, lib.ggml_mul_mat(c, w, x), 1e-5)
+        z = lib.ggml_silu(c, lib.ggml_scale(c, lib.ggml_norm(c, y, 1e-5), 0.5))
+        return [lib.ggml_soft_max(c, z)], [(x, "f32")], [(w, 2048)]
+
+    def rope(c, ctx):
+        x = _inp(ctx, F32, [8, 2, 3], "q")
+        pos = _inp(ctx, I32, [3], "pos")
+        r = lib.ggml_rope_ext(c, x, pos, NULL, 8, 0, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+        p = lib.ggml_cont(c, lib.ggml_permute(c, r, 0, 2, 1, 3))
+        t = lib.ggml_cont(c, lib.ggml_transpose(c, lib.ggml_reshape_2d(c, p, 8, 6)))
+        return [t], [(x, "f32"), (pos, "i32")], []
+
+    def glu_cpy(c, ctx):
+        x = _inp(ctx, F32, [8, 3], "x")
+        cache = ctx.new_tensor(F16, [4, 6], "cache")
+        g = lib.ggml_swiglu(c, x)
+        v = lib.ggml_view_2d(c, cache, 4, 3, 8, 0)
+        return [lib.ggml_cpy(c, g, v), lib.ggml_gelu(c, g)], [(x, "f32")], [(cache, 3072)]
+
+    def attn(c, ctx):
+        q = _inp(ctx, F32, [8, 3, 2], "q")
+        k = ctx.new_tensor(F16, [8, 4, 2], "k")
+        v = ctx.new_tensor(F16, [8, 4, 2], "v")
+        mask = _inp(ctx, F16, [4, 3], "mask")
+        out = lib.ggml_flash_attn_ext(c, q, k, v, mask, 0.35, 0.0, 0.0)
+        lib.ggml_flash_attn_ext_set_prec(out, lib.GGML_PREC_F32)
+        kq = _inp(ctx, F32, [4, 3], "kq")
+        sm = lib.ggml_soft_max_ext(c, kq, mask, 0.5, 0.0)
+        return [out, sm], [(q, "f32"), (mask, "f16"), (kq, "f32")], [(k, 4096), (v, 4096 + 128)]
+
+    seeds = [_seed(n, b) for n, b in (("arith", arith), ("rows", rows), ("matmul", matmul), ("rope", rope),
+                                      ("glu_cpy", glu_cpy), ("attn", attn))]
+    return [s for s in seeds if s is not None]
+
+
+SEEDS = make_seeds()
+TENSOR_KEYS = ("type", "ne", "nb", "op", "params", "flags", "src", "view_src", "view_offs", "buffer", "offset",
+               "name")
+
+
+def tensor_value(key: str, n: int):
+    """Plausible-or-garbage values for one wire tensor field; `n` tensors so far."""
+    idx = st.integers(-2, max(n, 1))
+    plausible = {
+        "type": st.one_of(st.sampled_from([F32, F16, I32, I64, lib.GGML_TYPE_BF16, lib.GGML_TYPE_Q8_0,
+                                           lib.GGML_TYPE_Q4_0, lib.GGML_TYPE_Q4_K]), st.integers(-1, 45)),
+        "ne": st.lists(st.one_of(st.integers(1, 33), st.sampled_from(EDGE_INTS)), min_size=3, max_size=5),
+        "nb": st.lists(st.one_of(st.integers(0, 4096), st.sampled_from(EDGE_INTS)), min_size=3, max_size=5),
+        "op": st.one_of(st.sampled_from(sorted(SUPPORTED_OPS)), st.integers(-1, lib.GGML_OP_COUNT + 2)),
+        "params": st.one_of(st.binary(max_size=64), st.binary(min_size=65, max_size=80),
+                            st.lists(st.integers(-3, 40), min_size=1, max_size=16).map(
+                                lambda v: struct.pack(f"<{len(v)}i", *v))),
+        "flags": st.one_of(st.sampled_from([0, 1, 2, 4, 8, 16, 3]), st.integers(-1, 1 << 10)),
+        "src": st.lists(idx, max_size=11),
+        "view_src": idx,
+        "view_offs": st.one_of(st.integers(0, 256), st.sampled_from(EDGE_INTS)),
+        "buffer": st.one_of(own_buffer, st.sampled_from([0, BASE]), small_ints),
+        "offset": st.one_of(st.integers(0, BASE_SIZE + 64), st.sampled_from(EDGE_INTS)),
+        "name": st.text(max_size=70),
+    }[key]
+    return maybe_garbage(plausible)
+
+
+def wire_tensor(n: int):
+    """A random wire tensor (a map with some of the tensor keys)."""
+    return st.fixed_dictionaries({}, optional={k: tensor_value(k, n) for k in TENSOR_KEYS})
+
+
+def input_bytes(draw, kind: str, nbytes: int) -> bytes:
+    if kind in ("i32", "i64"):  # row ids and positions: small, sometimes out of range
+        dt = np.int32 if kind == "i32" else np.int64
+        n = nbytes // np.dtype(dt).itemsize
+        vals = draw(st.lists(st.one_of(st.integers(0, 15), st.integers(-3, 40), st.sampled_from([2**31 - 1, -2**31])),
+                             min_size=n, max_size=n))
+        return np.array(vals, dtype=np.int64).astype(dt).tobytes()
+    kind_dt = np.float16 if kind == "f16" else np.float32
+    n = nbytes // np.dtype(kind_dt).itemsize
+    seed = draw(st.integers(0, 2**32 - 1))
+    arr = np.random.default_rng(seed).standard_normal(n).astype(kind_dt)
+    if draw(st.integers(0, 9)) == 0:
+        with np.errstate(over="ignore"):  # 1e30 is inf in f16: fine, that is the point
+            arr[: max(1, n // 3)] = draw(st.sampled_from([np.inf, -np.inf, np.nan, 1e30, 0.0]))
+    return arr.tobytes()
+
+
+@st.composite
+def graph_messages(draw):
+    graph_id = draw(st.one_of(st.just(0), st.integers(1, 6), small_ints))
+    if draw(st.integers(0, 4)) == 0:  # random wire tensors
+        tensors = []
+        for i in range(draw(st.integers(1, 8))):
+            tensors.append(draw(wire_tensor(i)))
+        inputs = draw(st.lists(st.lists(st.integers(-1, 600), min_size=3, max_size=3), max_size=4))
+        blob = draw(st.binary(max_size=512))
+        h = {"cmd": int(Command.GRAPH_COMPUTE), "graph_id": graph_id, "tensors": tensors, "inputs": inputs,
+             "outputs": draw(st.lists(st.integers(-1, 9), max_size=3))}
+        return Message(h, blob, "random graph")
+    seed = draw(st.sampled_from(SEEDS))
+    tensors = copy.deepcopy(seed.tensors)
+    specs, parts, off = [], [], 0
+    for t, nbytes, kind in seed.inputs:
+        data = input_bytes(draw, kind, nbytes)
+        specs.append([t, off, len(data)])
+        parts.append(data)
+        off += len(data)
+    outputs = list(seed.outputs)
+    for _ in range(draw(st.integers(0, 3))):  # mutations
+        what = draw(st.integers(0, 9))
+        if what <= 6:
+            i = draw(st.integers(0, len(tensors) - 1))
+            key = draw(st.sampled_from(TENSOR_KEYS))
+            if draw(st.integers(0, 5)) == 0:
+                tensors[i].pop(key, None)
+            else:
+                tensors[i][key] = draw(tensor_value(key, i))
+        elif what == 7 and specs:
+            k = draw(st.integers(0, len(specs) - 1))
+            specs[k][draw(st.integers(0, 2))] = draw(small_ints)
+        elif what == 8:
+            outputs = draw(st.lists(st.integers(-1, len(tensors) + 1), max_size=3))
+        else:
+            cut = draw(st.integers(1, len(tensors)))
+            tensors = tensors[:cut] if draw(st.booleans()) else tensors + [copy.deepcopy(tensors[cut - 1])]
+    cmd = Command.GRAPH_RECOMPUTE if draw(st.integers(0, 3)) == 0 else Command.GRAPH_COMPUTE
+    h = {"cmd": int(cmd), "graph_id": graph_id, "inputs": specs, "outputs": outputs}
+    if cmd == Command.GRAPH_COMPUTE:
+        h["tensors"] = tensors
+    return Message(h, b"".join(parts), f"{cmd.name} {seed.name}")
+
+
+# ---------------------------------------------------------------- the client
+
+class FuzzFailure(AssertionError):
+    """A reply (or its absence) that breaks the contract. Cases depend on the
+    connection's state (cached graphs, buffers), so hypothesis may call a
+    failure flaky when replaying it alone: FuzzClient.failures keeps the
+    original message."""
+
+
+@dataclass
+class FuzzClient:
+    """One connection to the daemon at `port`, re-opened whenever the daemon
+    closes it; owns a BASE_SIZE buffer whose id replaces BASE in seed graphs."""
+    port: int
+    timeout: float = 20.0
+    expect_compute_deaths: bool = False
+    conn: RawConn | None = None
+    base: int | None = None
+    buffers: list[int] = field(default_factory=list)
+    cases: int = 0  # messages sent (and answered, or answered by hanging up)
+    unencodable: int = 0  # drawn but not sendable (msgpack cannot encode them)
+    reconnects: int = 0
+    statuses: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+    graphs: dict = field(default_factory=dict)  # graph_id -> tensors of the graph this connection cached
+    _id: int = 0
+
+    def _fail(self, text: str) -> FuzzFailure:
+        self.failures.append(text)
+        return FuzzFailure(text)
+
+    def connect(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = RawConn(self.port, timeout=self.timeout)
+        self.conn.hello()
+        self.reconnects += 1
+        self.buffers = []
+        self.graphs = {}
+        h, _ = self.conn.call(Command.ALLOC_BUFFER, {"size": BASE_SIZE})
+        assert h["status"] == Status.SUCCESS, h
+        self.base = h["buffer"]
+        self.buffers.append(self.base)
+        data = np.random.default_rng(0).standard_normal(BASE_SIZE // 4).astype(np.float32)
+        data[:256] = np.arange(256) % 16  # row ids and small values at the start
+        h, _ = self.conn.call(Command.SET_TENSOR, {"buffer": self.base, "offset": 0, "size": BASE_SIZE},
+                              data.tobytes())
+        assert h["status"] == Status.SUCCESS, h
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def _substitute(self, v):
+        """BufRef -> one of our buffer ids, BASE -> our base buffer, in a copy."""
+        if isinstance(v, BufRef):
+            return self.buffers[v.k % len(self.buffers)] if self.buffers else 1
+        if isinstance(v, dict):
+            return {k: self._substitute(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [self._substitute(x) for x in v]
+        if type(v) is int and v == BASE:
+            return self.base
+        return v
+
+    def send(self, msg: Message) -> dict | None:
+        """Send one message, check its reply; None if the daemon hung up (then
+        the next send reconnects)."""
+        if self.conn is None:
+            self.connect()
+        self._id += 1
+        header = self._substitute(dict(msg.header, id=self._id))
+        try:
+            frame = P.encode_frame(header, len(msg.blob)) + bytes(msg.blob)
+        except (OverflowError, ValueError, TypeError):
+            self.unencodable += 1
+            return None  # msgpack cannot say it (e.g. an int beyond 64 bits): not a wire message
+        self.cases += 1
+        try:
+            self.conn.send_raw(frame)
+            reply, out = self.conn.recv_frame()
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            self.close()
+            return None
+        except socket.timeout:
+            raise self._fail(f"no reply within {self.timeout} s to {msg.note}: {header!r:.2000}") from None
+        status = reply.get("status")
+        if status not in STATUSES:
+            raise self._fail(f"reply with unknown status {status!r} to {header!r:.1000}: {reply!r:.500}")
+        if reply.get("id") not in (self._id, None):
+            raise self._fail(f"reply id {reply.get('id')!r} to request {self._id}: {reply!r:.500}")
+        err = str(reply.get("error", ""))
+        if "internal error" in err:
+            raise self._fail(f"handler bug: {err} for {msg.note}: {header!r:.3000}")
+        if "compute process died" in err and not self.expect_compute_deaths:
+            cached = self.graphs.get(header.get("graph_id"), []) if header.get("cmd") == Command.GRAPH_RECOMPUTE \
+                else []
+            raise self._fail(f"a validated graph crashed libggml ({err}) for {msg.note}: {header!r:.6000} "
+                             f"blob {bytes(msg.blob)!r}"
+                             + "".join(f"\n  earlier GRAPH_COMPUTE of this graph_id (reply {st}): {h!r:.6000} "
+                                       f"blob {b!r}" for h, b, st in cached[-3:]))
+        if header.get("cmd") == Command.GRAPH_COMPUTE and type(header.get("graph_id")) is int:
+            self.graphs.setdefault(header["graph_id"], []).append((header, bytes(msg.blob), Status(status).name))
+            del self.graphs[header["graph_id"]][:-3]
+        self.statuses[(msg.note.split()[0], Status(status).name)] = \
+            self.statuses.get((msg.note.split()[0], Status(status).name), 0) + 1
+        if status == Status.SUCCESS and header.get("cmd") == Command.ALLOC_BUFFER and "buffer" in reply:
+            self.buffers.append(reply["buffer"])
+        if status == Status.SUCCESS and header.get("cmd") == Command.FREE_BUFFER:
+            b = header.get("buffer")
+            if b in self.buffers:
+                self.buffers.remove(b)
+            if b == self.base:  # seeds need a base buffer: make a new one on a fresh connection
+                self.close()
+        if len(self.buffers) > 48:  # keep the connection's footprint small: start afresh now and then
+            self.close()
+        return reply

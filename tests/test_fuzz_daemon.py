@@ -1,0 +1,158 @@
+"""Property-based fuzzing of a live daemon (strategies in fuzz_protocol.py):
+thousands of protocol messages with valid framing and random contents over
+one reused connection; then the daemon must be alive, compute correct
+results, and be back at its memory baseline once the fuzzing client left.
+
+bench/fuzz_daemon.py runs the same for longer (--cases 50000).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from conftest import DaemonProcess
+from fuzz_protocol import SEEDS, FuzzClient, command_messages, graph_messages, raw_messages
+from rpc_daemon.client import RpcClient
+from rpc_daemon.protocol import Command
+from rpc_helpers import assert_served
+
+MEM_MIB = 32
+# cases per family; the three add up to more than 2,000
+N_RAW, N_COMMANDS, N_GRAPHS = 700, 700, 900
+
+
+def fuzz(n: int) -> settings:
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None, print_blob=True,
+                    phases=(Phase.explicit, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def device_info(endpoint: str) -> dict:
+    c = await RpcClient.connect(endpoint)
+    try:
+        h, _ = await c.request(Command.DEVICE_INFO)
+        return h
+    finally:
+        await c.aclose()
+
+
+@pytest.fixture(scope="module")
+def fuzzed():
+    """The daemon under fuzz, its baseline, and the one fuzzing client."""
+    d = DaemonProcess("-t", "1", "-m", str(MEM_MIB), "--max-requests-per-second", "0")
+    try:
+        assert_served(d)  # compute process up, first allocations made: a fair baseline
+        baseline = {"free_memory": asyncio.run(device_info(d.endpoint))["free_memory"], "rss": rss(d.proc.pid),
+                    "started": time.monotonic()}
+        client = FuzzClient(d.port)
+        yield d, client, baseline
+    finally:
+        d.stop()
+        d.kill()
+
+
+def _check_alive(d):
+    assert d.alive(), "daemon died:\n" + "".join(d.log_lines[-40:])
+
+
+def test_seed_graphs_compute(fuzzed):
+    """The unmutated seeds are valid graphs: the graph fuzzer starts from inside the validator."""
+    d, client, _ = fuzzed
+    assert len(SEEDS) >= 5, [s.name for s in SEEDS]
+    from fuzz_protocol import Message
+    import numpy as np
+    for seed in SEEDS:
+        specs, parts, off = [], [], 0
+        for t, nbytes, kind in seed.inputs:
+            dtype = {"i32": np.int32, "i64": np.int64, "f16": np.float16, "f32": np.float32}[kind]
+            data = (np.arange(nbytes // np.dtype(dtype).itemsize) % 3).astype(dtype).tobytes()
+            specs.append([t, off, len(data)])
+            parts.append(data)
+            off += len(data)
+        msg = Message({"cmd": int(Command.GRAPH_COMPUTE), "tensors": seed.tensors, "inputs": specs,
+                       "outputs": seed.outputs}, b"".join(parts), f"seed {seed.name}")
+        reply = client.send(msg)
+        assert reply is not None and reply["status"] == 0, (seed.name, reply)
+
+
+@fuzz(N_RAW)
+@given(msg=raw_messages())
+def test_fuzz_raw_messages(fuzzed, msg):
+    d, client, _ = fuzzed
+    client.send(msg)
+    _check_alive(d)
+
+
+@fuzz(N_COMMANDS)
+@given(data=st.data())
+def test_fuzz_commands(fuzzed, data):
+    d, client, _ = fuzzed
+    if client.conn is None:
+        client.connect()
+    client.send(data.draw(command_messages()))
+    _check_alive(d)
+
+
+@fuzz(N_GRAPHS)
+@given(data=st.data())
+def test_fuzz_graphs(fuzzed, data):
+    d, client, _ = fuzzed
+    if client.conn is None:
+        client.connect()
+    client.send(data.draw(graph_messages()))
+    _check_alive(d)
+
+
+def test_daemon_after_fuzzing(fuzzed):
+    """Alive, correct, and back at its baseline once the fuzzing client left."""
+    d, client, baseline = fuzzed
+    cases, reconnects = client.cases, client.reconnects
+    client.close()
+    assert cases >= 2000, (cases, client.unencodable)
+    _check_alive(d)
+    for seed in range(3):
+        assert_served(d, seed=seed)
+    deadline = time.monotonic() + 10
+    while True:
+        free = asyncio.run(device_info(d.endpoint))["free_memory"]
+        if free == baseline["free_memory"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert free == baseline["free_memory"] == MEM_MIB << 20, (free, baseline)
+    grown = rss(d.proc.pid) - baseline["rss"]
+    assert grown < 64 << 20, f"daemon RSS grew by {grown >> 20} MiB over {cases} cases"
+    assert not any("Traceback" in line or "handler failed" in line for line in d.log_lines), \
+        "".join(line for line in d.log_lines if "Traceback" in line or "handler failed" in line)[:3000]
+    print(f"\n{cases} fuzz cases, {reconnects} connections, {time.monotonic() - baseline['started']:.1f} s, "
+          f"RSS {grown / (1 << 20):+.1f} MiB; replies: "
+          + ", ".join(f"{k[0]}:{k[1]}={v}" for k, v in sorted(client.statuses.items())))
+
+
+def test_fuzz_finding_cpy_into_a_bigger_dst(fuzzed):
+    """Found by this fuzzer: CPY whose dst (src[1]) is the whole cache while the
+    result claims the shape of a smaller view passed validation, and libggml's
+    GGML_ASSERT(nelements(dst) == nelements(src0)) killed the compute process.
+    The result of a CPY must now be dst itself (same type and shape)."""
+    from ggml_ffi import lib
+    from fuzz_protocol import Message
+    d, client, _ = fuzzed
+    if client.conn is None:
+        client.connect()
+    seed = next(s for s in SEEDS if s.name == "glu_cpy")
+    tensors = [dict(t) for t in seed.tensors]
+    cpy = next(i for i, t in enumerate(tensors) if t["op"] == lib.GGML_OP_CPY)
+    cache = next(i for i, t in enumerate(tensors) if t["name"] == "cache")
+    tensors[cpy]["src"] = [cache, cache]
+    (t, nbytes, _), = seed.inputs
+    msg = Message({"cmd": int(Command.GRAPH_COMPUTE), "tensors": tensors, "inputs": [[t, 0, nbytes]],
+                   "outputs": seed.outputs}, bytes(nbytes), "GRAPH_COMPUTE cpy finding")
+    reply = client.send(msg)
+    assert reply["status"] == -100 and f"tensors[{cpy}]" in reply["error"] and "view of dst" in reply["error"], reply
