@@ -25,6 +25,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=None, help="comma-separated layer proportions, e.g. 1,2")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="the workers' shared secret (else $GGML_RPC_SECRET); local workers get it too")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _common(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--parallel", type=int, default=4, help="slots decoding together (continuous batching)")
+    s.add_argument("--ctx-per-slot", type=int, default=2048)
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b)
     b.add_argument("--reps", type=int, default=3)
@@ -53,8 +62,14 @@ def endpoints_for(args):
         return
     from coordinator.local_workers import LocalWorkers
 
-    with LocalWorkers(args.local_workers, args.threads) as workers:
+    extra = ("--secret-file", args.secret_file) if args.secret_file else ()
+    with LocalWorkers(args.local_workers, args.threads, extra) as workers:
         yield workers.endpoints
+
+
+def _security(args) -> dict:
+    """Coordinator options for the workers' shared secret and TLS (docs/security.md)."""
+    return {"secret_file": args.secret_file, "tls_ca": args.tls_ca}
 
 
 def _split(args):
@@ -66,7 +81,7 @@ def cmd_generate(args) -> int:
 
     with endpoints_for(args) as endpoints:
         try:
-            c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size,
+            c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size, **_security(args),
                             threads=args.threads, progress=sys.stderr.isatty())
         except (ConnectionError, OSError, ValueError) as exc:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
@@ -117,7 +132,8 @@ def cmd_bench(args) -> int:
     with endpoints_for(args) as endpoints:
         setups = {"local": ["local"], f"rpc x{len(endpoints)}": endpoints}
         coords = {name: Coordinator(eps, model=args.model, split=_split(args) if name != "local" else None,
-                                    n_ctx=max(args.ctx_size, args.pp + args.tg + 1), threads=args.threads)
+                                    n_ctx=max(args.ctx_size, args.pp + args.tg + 1), threads=args.threads,
+                                    **_security(args))
                   for name, eps in setups.items()}
         try:
             for c in coords.values():
@@ -138,13 +154,43 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from coordinator import Coordinator
+    from coordinator.http_server import serve_http
+
+    if args.parallel < 1 or args.ctx_per_slot < 8:
+        print("ggml-coordinator: --parallel must be >= 1 and --ctx-per-slot >= 8", file=sys.stderr)
+        return 2
+    with endpoints_for(args) as endpoints:
+        try:
+            c = Coordinator(endpoints, model=args.model, split=_split(args), threads=args.threads, **_security(args),
+                            n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty())
+        except (ConnectionError, OSError, ValueError) as exc:
+            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            return EXIT_CONNECT_FAILED
+        with c:
+            name = c.gguf.get("general.name") or os.path.basename(c.model_path)
+            try:
+                import uvloop
+                runner = uvloop.run
+            except ImportError:  # pragma: no cover
+                import asyncio
+                runner = asyncio.run
+            try:
+                runner(serve_http(c, args.host, args.port, args.parallel, args.ctx_per_slot, name))
+            except OSError as exc:
+                print(f"ggml-coordinator: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+                return 1
+    return 0
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     args = parse_args(argv)
     from rpc_daemon import logs
 
     logs.configure(args.log_format, args.log_level)
-    return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+    return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
 
 
 if __name__ == "__main__":

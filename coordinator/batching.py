@@ -1,0 +1,208 @@
+"""Continuous batching: N slots share every decode step.
+
+Each slot is one request with its own sequence id in the shared KV cache. One
+loop builds a batch from every active slot (a chunk of a new prompt, or the
+last sampled token) and decodes it once, so N clients cost one step each
+instead of N. A failed step ends every slot that was in it with the error; no
+token from that step reaches anybody.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import structlog
+
+from coordinator.api import Batch, DecodeResult
+from coordinator.sampling import Sampler
+from coordinator.tokenizer import Detokenizer
+
+log = structlog.get_logger("batching")
+
+
+@dataclass
+class SlotEvent:
+    kind: str  # "text", "done", "error"
+    text: str = ""
+    finish_reason: str | None = None
+    code: DecodeResult | None = None
+    message: str = ""
+    endpoint: str | None = None
+
+
+@dataclass
+class Slot:
+    seq: int
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: Sequence[str]
+    detok: Detokenizer
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: list[int] = field(default_factory=list)  # tokens still to feed
+    pos: int = 0
+    fed: int = 0  # tokens of `pending` in the step being decoded
+    generated: int = 0
+    text: str = ""
+    emitted: int = 0
+    cancelled: bool = False
+    first_token_at: float | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, coord, n_slots: int, n_ctx_slot: int, metrics=None):
+        self.coord = coord
+        self.n_slots = n_slots
+        self.n_ctx_slot = n_ctx_slot
+        self.metrics = metrics
+        self.free = asyncio.Queue()
+        for seq in range(n_slots):
+            self.free.put_nowait(seq)
+        self.active: list[Slot] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.decode_started: float | None = None  # set while a step is in flight
+        self.last_step_end = time.monotonic()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def busy(self) -> int:
+        return len(self.active)
+
+    async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str]) -> Slot:
+        seq = await self.free.get()
+        self.coord.kv_seq_rm(seq)
+        slot = Slot(seq, prompt, max_tokens, sampler, tuple(stop), Detokenizer(self.coord.tokenizer),
+                    pending=list(prompt))
+        self.active.append(slot)
+        self._wake.set()
+        return slot
+
+    def cancel(self, slot: Slot) -> None:
+        """The client went away: the loop frees the slot before its next step."""
+        slot.cancelled = True
+        self._wake.set()
+
+    def _release(self, slot: Slot) -> None:
+        if slot in self.active:
+            self.active.remove(slot)
+            self.coord.kv_seq_rm(slot.seq)
+            self.free.put_nowait(slot.seq)
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        slot.text += slot.detok.flush()
+        if len(slot.text) > slot.emitted:
+            slot.events.put_nowait(SlotEvent("text", slot.text[slot.emitted:]))
+            slot.emitted = len(slot.text)
+        slot.events.put_nowait(SlotEvent("done", finish_reason=reason))
+        self._release(slot)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must end the requests in flight, not the loop
+                log.exception("decode loop step failed")
+                for slot in list(self.active):
+                    slot.events.put_nowait(SlotEvent("error", code=DecodeResult.COMPUTE_FAILED,
+                                                     message=f"internal error: {type(exc).__name__}: {exc}"))
+                    self._release(slot)
+
+    async def _step(self) -> None:
+        n_batch = self.coord.n_batch
+        for slot in [s for s in self.active if s.cancelled]:
+            self._release(slot)
+        if not self.active:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        tokens, pos, seqs, want, rows = [], [], [], [], []
+        in_batch: list[Slot] = []
+        for slot in self.active:
+            chunk = slot.pending[: n_batch - len(tokens)]
+            if not chunk:
+                break
+            completes = len(chunk) == len(slot.pending)  # logits only after the last pending token
+            for k, tok in enumerate(chunk):
+                tokens.append(tok)
+                pos.append(slot.pos + k)
+                seqs.append([slot.seq])
+                want.append(completes and k == len(chunk) - 1)
+            if completes:
+                rows.append((len(tokens) - 1, slot))
+            slot.fed = len(chunk)
+            in_batch.append(slot)
+        self.decode_started = time.monotonic()
+        started = time.perf_counter()
+        try:
+            code = await self.coord.adecode(Batch(tokens, pos, seqs, want))
+        finally:
+            self.decode_started = None
+            self.last_step_end = time.monotonic()
+        if self.metrics:
+            self.metrics.observe_decode(time.perf_counter() - started, code, len(tokens))
+        if code != DecodeResult.OK:
+            err = self.coord.last_error or code.name
+            endpoint = getattr(self.coord, "last_failed_endpoint", None) \
+                if code == DecodeResult.ENDPOINT_FAILED else None
+            log.error("decode step failed", code=code.name, error=err, slots=len(in_batch))
+            for slot in in_batch:
+                slot.events.put_nowait(SlotEvent("error", code=code, message=err, endpoint=endpoint))
+                self._release(slot)
+            return
+        for slot in in_batch:
+            if self.metrics and slot.generated == 0:
+                self.metrics.prompt_tokens.inc(slot.fed)
+            slot.pos += slot.fed
+            del slot.pending[: slot.fed]
+            slot.fed = 0
+        for row, slot in rows:
+            if not slot.cancelled:
+                self._sample(slot, self.coord.logits(row))
+
+    def _sample(self, slot: Slot, logits) -> None:
+        token = slot.sampler.sample(logits)
+        if slot.first_token_at is None:
+            slot.first_token_at = time.monotonic()
+        if self.coord.tokenizer.is_eog(token):
+            return self._finish(slot, "stop")
+        slot.generated += 1
+        if self.metrics:
+            self.metrics.tokens_generated.inc()
+        slot.text += slot.detok.feed(token)
+        cut = min((slot.text.find(s) for s in slot.stop if s in slot.text), default=-1)
+        if cut >= 0:
+            slot.text = slot.text[:cut]
+            slot.detok = _NullDetok()
+            return self._finish(slot, "stop")
+        safe = len(slot.text) - max((len(s) - 1 for s in slot.stop), default=0)
+        if safe > slot.emitted:
+            slot.events.put_nowait(SlotEvent("text", slot.text[slot.emitted:safe]))
+            slot.emitted = safe
+        if slot.generated >= slot.max_tokens or slot.pos + 1 >= self.n_ctx_slot:
+            return self._finish(slot, "length")
+        slot.pending = [token]
+
+
+class _NullDetok:
+    def flush(self) -> str:
+        return ""

@@ -1,0 +1,373 @@
+"""OpenAI-compatible HTTP server over a Coordinator, with health that tells the truth.
+
+/health answers 200 only while the model is loaded, every endpoint is
+connected and not latched failed, and the decode loop is alive and not stuck.
+A failed decode ends a stream with an SSE error event, or answers 503 (worker
+unreachable or timed out) / 500 (compute failed) / 400 (context full).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import jinja2
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from coordinator.api import DecodeResult
+from coordinator.batching import Scheduler
+from coordinator.sampling import Sampler
+from rpc_daemon import systemd
+
+log = structlog.get_logger("http")
+
+# Used when the GGUF carries no tokenizer.chat_template.
+FALLBACK_TEMPLATES = {
+    "gemma3": ("{{ bos_token }}{% for m in messages %}"
+               "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+               "{% if m['role'] == 'system' %}<start_of_turn>user\n{{ m['content'] }}\n"
+               "{% else %}{% if not (loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'system') %}"
+               "<start_of_turn>{{ role }}\n{% endif %}{{ m['content'] }}<end_of_turn>\n{% endif %}"
+               "{% endfor %}<start_of_turn>model\n"),
+    "llama": ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+              "[assistant] "),
+}
+DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                            "code": None}}, status=self.status)
+
+
+class Metrics:
+    def __init__(self, coord):
+        self.registry = r = CollectorRegistry()
+        self.tokens_generated = Counter("ggml_tokens_generated", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("ggml_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.decode_latency = Histogram("ggml_decode_seconds", "Decode step latency", registry=r,
+                                        buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+        self.decode_failures = Counter("ggml_decode_failures", "Failed decode steps by code", ["code"], registry=r)
+        self.tokens_per_second = Gauge("ggml_tokens_per_second", "Tokens per second of the last step", registry=r)
+        self.endpoint_up = Gauge("ggml_endpoint_up", "1 if the endpoint is connected and not latched failed",
+                                 ["endpoint"], registry=r)
+        self.endpoint_rtt = Gauge("ggml_endpoint_rtt_seconds", "Last ping round trip", ["endpoint"], registry=r)
+        self.reconnects = Counter("ggml_reconnects", "Successful reconnects", registry=r)
+        self.slots_busy = Gauge("ggml_slots_busy", "Slots serving a request", registry=r)
+        self.coord = coord
+
+    def observe_decode(self, seconds: float, code: DecodeResult, n_tokens: int) -> None:
+        self.decode_latency.observe(seconds)
+        if code != DecodeResult.OK:
+            self.decode_failures.labels(code=DecodeResult(code).name).inc()
+        elif seconds > 0:
+            self.tokens_per_second.set(n_tokens / seconds)
+
+    def refresh(self, scheduler: Scheduler) -> None:
+        failed = {f.endpoint for f in self.coord.failed_endpoints()}
+        for e in self.coord.endpoints():
+            self.endpoint_up.labels(endpoint=e["endpoint"]).set(0 if e["endpoint"] in failed else 1)
+            if e.get("rtt") is not None:
+                self.endpoint_rtt.labels(endpoint=e["endpoint"]).set(e["rtt"])
+        self.slots_busy.set(scheduler.busy)
+
+
+class CompletionServer:
+    def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0):
+        self.coord = coord
+        self.model_name = model_name
+        self.metrics = Metrics(coord)
+        self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics)
+        self.n_ctx_slot = n_ctx_slot
+        self.reconnect_interval = reconnect_interval
+        self.reconnecting = False
+        self.loaded = True
+        template = coord.gguf.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(coord.hp.arch)
+        self.chat_template = jinja2.Environment(loader=jinja2.BaseLoader(), autoescape=False, keep_trailing_newline=True).from_string(template)
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ app
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=4 << 20, middlewares=[self._errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app) -> None:
+        self.scheduler.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._keep_connected()))
+
+    async def _cleanup(self, app) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.scheduler.stop()
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            log.info("request refused", status=exc.status, error=exc.message)
+            return exc.response()
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _keep_connected(self) -> None:
+        """Reconnect latched endpoints with backoff, so service resumes by itself."""
+        delay = self.reconnect_interval
+        while True:
+            await asyncio.sleep(delay)
+            if not self.coord.failed_endpoints() or self.scheduler.busy:
+                delay = self.reconnect_interval
+                continue
+            self.reconnecting = True
+            try:
+                await self.coord.areconnect()
+                self.metrics.reconnects.inc()
+                log.info("endpoints reconnected")
+                delay = self.reconnect_interval
+            except Exception as exc:  # still down: try again later
+                log.warning("reconnect failed", error=str(exc))
+                delay = min(delay * 2, 10.0)
+            finally:
+                self.reconnecting = False
+
+    # ------------------------------------------------------------ health and metrics
+    def health_state(self) -> tuple[int, dict]:
+        reasons = []
+        if not self.loaded:
+            reasons.append("model loading")
+        failed = self.coord.failed_endpoints()
+        if failed:
+            reasons.append("endpoints failed")
+        if self.reconnecting:
+            reasons.append("reconnecting")
+        if not self.scheduler.alive:
+            reasons.append("decode loop stopped")
+        started = self.scheduler.decode_started
+        if started is not None and time.monotonic() - started > DECODE_STALL_SECONDS:
+            reasons.append(f"decode step in flight for {time.monotonic() - started:.0f} s")
+        body = {"status": "ok" if not reasons else "unavailable", "slots_busy": self.scheduler.busy,
+                "slots": self.scheduler.n_slots,
+                "endpoints": [dict(e, **self._failure(e["endpoint"], failed)) for e in self.coord.endpoints()]}
+        if reasons:
+            body["reasons"] = reasons
+        return (200 if not reasons else 503), body
+
+    def decode_loop_healthy(self) -> bool:
+        started = self.scheduler.decode_started
+        return self.scheduler.alive and (started is None or time.monotonic() - started <= DECODE_STALL_SECONDS)
+
+    @staticmethod
+    def _failure(endpoint: str, failed) -> dict:
+        for f in failed:
+            if f.endpoint == endpoint:
+                return {"cause": f.cause, "failed_since": f.since}
+        return {}
+
+    async def health(self, request) -> web.Response:
+        status, body = self.health_state()
+        return web.json_response(body, status=status)
+
+    async def metrics_handler(self, request) -> web.Response:
+        self.metrics.refresh(self.scheduler)
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def models(self, request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "local"}]})
+
+    # ------------------------------------------------------------ completions
+    async def _body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(400, f"model {model!r} not found; this server serves {self.model_name!r}",
+                           "invalid_request_error", "model")
+        return body
+
+    @staticmethod
+    def _param(body, name, kind, default, lo=None, hi=None):
+        v = body.get(name, default)
+        if v is None:
+            return default
+        ok = isinstance(v, kind) and not (isinstance(v, bool) and kind is not bool)
+        if kind is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            raise ApiError(400, f"'{name}' must be of type {kind.__name__}", param=name)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ApiError(400, f"'{name}' must be between {lo} and {hi}", param=name)
+        return v
+
+    def _sampling(self, body) -> tuple[int, Sampler, list[str], bool]:
+        max_tokens = self._param(body, "max_tokens", int, 16, 1, self.n_ctx_slot)
+        temperature = self._param(body, "temperature", float, 1.0, 0.0, 2.0)
+        top_p = self._param(body, "top_p", float, 1.0, 1e-6, 1.0)
+        top_k = self._param(body, "top_k", int, 0, 0, 1 << 20)
+        seed = self._param(body, "seed", int, None)
+        stream = self._param(body, "stream", bool, False)
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
+        return max_tokens, Sampler(temperature, top_k, top_p, seed), stop, stream
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if len(prompt_ids) + max_tokens > self.n_ctx_slot:
+            raise ApiError(400, f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
+                                f"context of {self.n_ctx_slot} tokens per slot", param="prompt")
+
+    async def completions(self, request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string", param="prompt")
+        max_tokens, sampler, stop, stream = self._sampling(body)
+        ids = self.coord.tokenize(prompt)
+        self._check_fits(ids, max_tokens)
+        return await self._serve(request, ids, max_tokens, sampler, stop, stream, chat=False)
+
+    async def chat_completions(self, request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        max_tokens, sampler, stop, stream = self._sampling(body)
+        tok = self.coord.tokenizer
+        text = self.chat_template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
+                                         eos_token=tok.tokens[tok.eos_id] if tok.eos_id is not None else "")
+        ids = self.coord.tokenize(text, add_special=False, parse_special=True)
+        self._check_fits(ids, max_tokens)
+        return await self._serve(request, ids, max_tokens, sampler, stop, stream, chat=True)
+
+    async def _serve(self, request, ids, max_tokens, sampler, stop, stream, chat: bool) -> web.StreamResponse:
+        if not self.scheduler.alive:
+            raise ApiError(503, "the decode loop is not running", "server_error")
+        if self.coord.failed_endpoints():
+            f = self.coord.failed_endpoints()[0]
+            raise ApiError(503, f"worker {f.endpoint} unavailable: {f.cause}", "server_error")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        slot = await self.scheduler.submit(ids, max_tokens, sampler, stop)
+        try:
+            if stream:
+                return await self._stream(request, slot, rid, created, chat, len(ids))
+            return await self._collect(slot, rid, created, chat, len(ids))
+        finally:
+            self.scheduler.cancel(slot)
+
+    def _choice(self, text: str, finish, chat: bool, stream: bool) -> dict:
+        if chat:
+            key = "delta" if stream else "message"
+            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    @staticmethod
+    def _error_status(ev) -> int:
+        return {DecodeResult.ENDPOINT_FAILED: 503, DecodeResult.NO_KV_SLOT: 400,
+                DecodeResult.INVALID_BATCH: 400}.get(ev.code, 500)
+
+    async def _collect(self, slot, rid, created, chat, n_prompt) -> web.Response:
+        parts, finish = [], None
+        while True:
+            ev = await slot.events.get()
+            if ev.kind == "text":
+                parts.append(ev.text)
+            elif ev.kind == "done":
+                finish = ev.finish_reason
+                break
+            else:
+                raise ApiError(self._error_status(ev), ev.message, "server_error")
+        text = "".join(parts)
+        n_out = slot.generated
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.model_name, "choices": [self._choice(text, finish, chat, False)],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}})
+
+    async def _stream(self, request, slot, rid, created, chat, n_prompt) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(payload) -> None:
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        try:
+            while True:
+                ev = await slot.events.get()
+                if ev.kind == "text":
+                    await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                "choices": [self._choice(ev.text, None, chat, True)]})
+                elif ev.kind == "done":
+                    await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                "choices": [self._choice("", ev.finish_reason, chat, True)]})
+                    break
+                else:
+                    await send({"error": {"message": ev.message, "type": "server_error",
+                                          "code": ev.code.name if ev.code is not None else None,
+                                          "endpoint": ev.endpoint}})
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("client disconnected mid-stream; slot freed", seq=slot.seq)
+            raise
+        return resp
+
+
+async def serve_http(coord, host: str, port: int, n_slots: int, n_ctx_slot: int, model_name: str,
+                     ready: asyncio.Event | None = None) -> None:
+    import signal
+
+    server = CompletionServer(coord, model_name, n_slots, n_ctx_slot)
+    # handler_cancellation: a client that goes away cancels its handler, which frees its slot
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("serving", host=host, port=port, slots=n_slots, ctx_per_slot=n_ctx_slot, model=model_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # systemd: ready now; the watchdog is petted only while the decode loop runs and is not stuck
+    watchdog = systemd.start(healthy=server.decode_loop_healthy)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        systemd.stopping()
+        if watchdog is not None:
+            watchdog.cancel()
+        await runner.cleanup()

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible server for real: a `ggml-coordinator serve` process,
+real worker daemons on 127.0.0.1, real HTTP, a worker killed with SIGKILL."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from conftest import DaemonProcess
+
+PROMPT = "The capital of France is"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, endpoints: list[str], parallel: int = 8):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "coordinator", "serve", "--endpoints", ",".join(endpoints),
+               "--port", str(self.port), "--parallel", str(parallel), "--ctx-per-slot", "256",
+               "--log-level", "info"]
+        self.log = open(f"/tmp/serve-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited: " + open(self.log.name).read())
+            try:
+                status, _ = asyncio.run(get(self.url + "/health"))
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy: " + open(self.log.name).read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def get(url: str) -> tuple[int, dict | str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with s.get(url) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except json.JSONDecodeError:
+                return r.status, text
+
+
+async def post(url: str, body, timeout: float = 60) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def stream(url: str, body: dict, timeout: float = 60, stop_after: int | None = None) -> list:
+    """SSE events as parsed JSON ('[DONE]' as the string)."""
+    events = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(url, json=dict(body, stream=True)) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].decode()
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                if stop_after is not None and len(events) >= stop_after:
+                    return events
+    return events
+
+
+def stream_text(events: list, chat: bool = False) -> str:
+    out = []
+    for ev in events:
+        if isinstance(ev, dict) and "choices" in ev:
+            c = ev["choices"][0]
+            out.append(c["delta"].get("content", "") if chat else c["text"])
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
+    server = Server([w.endpoint for w in workers])
+    yield server, workers
+    server.stop()
+    for w in workers:
+        w.stop()
+        w.kill()
+
+
+def test_completion_and_chat(cluster):
+    server, _ = cluster
+    status, body = asyncio.run(post(server.url + "/v1/completions",
+                                    {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}))
+    assert status == 200, body
+    text = body["choices"][0]["text"]
+    assert "France" in text or "Paris" in text, text
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+    assert body["choices"][0]["finish_reason"] == "length"
+    # streamed: the same greedy text, ending with a finish chunk and [DONE]
+    events = asyncio.run(stream(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 12,
+                                                                 "temperature": 0}))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert stream_text(events) == text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    status, body = asyncio.run(post(server.url + "/v1/chat/completions",
+                                    {"messages": messages, "max_tokens": 10, "temperature": 0}))
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    chat_text = body["choices"][0]["message"]["content"]
+    assert chat_text
+    events = asyncio.run(stream(server.url + "/v1/chat/completions",
+                                {"messages": messages, "max_tokens": 10, "temperature": 0}))
+    assert stream_text(events, chat=True) == chat_text
+
+
+def test_models_health_metrics(cluster):
+    server, workers = cluster
+    status, body = asyncio.run(get(server.url + "/v1/models"))
+    assert status == 200 and body["data"][0]["id"]
+    status, body = asyncio.run(get(server.url + "/health"))
+    assert status == 200 and body["status"] == "ok"
+    assert {e["endpoint"] for e in body["endpoints"]} == {w.endpoint for w in workers}
+    status, text = asyncio.run(get(server.url + "/metrics"))
+    assert status == 200
+    for name in ("ggml_tokens_generated_total", "ggml_prompt_tokens_total", "ggml_decode_seconds_bucket",
+                 "ggml_endpoint_up", "ggml_slots_busy", "ggml_reconnects_total"):
+        assert name in text, name
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "JSON object"),
+    ({"prompt": 5}, "'prompt'"),
+    ({"prompt": "x", "max_tokens": "ten"}, "'max_tokens'"),
+    ({"prompt": "x", "temperature": -1}, "'temperature'"),
+    ({"prompt": "x", "stop": [1]}, "'stop'"),
+    ({"prompt": "word " * 400, "max_tokens": 8}, "exceeds the context"),
+    ({"prompt": "x", "model": "gpt-4"}, "not found"),
+    ({"messages": "hi"}, "'messages'"),
+])
+def test_bad_requests_get_clear_400s(cluster, body, fragment):
+    server, _ = cluster
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    status, reply = asyncio.run(post(server.url + path, body))
+    assert status == 400, reply
+    assert fragment in reply["error"]["message"], reply
+
+
+def test_eight_concurrent_clients_get_complete_answers(cluster):
+    server, _ = cluster
+    prompts = [f"{PROMPT}", "Once upon a time", "The best way to learn is", "My favourite food is",
+               "Water boils at", "The sun is", "In 1990,", "A cat and a dog"]
+    alone = {}
+    for p in prompts[:3]:
+        status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": p, "max_tokens": 16,
+                                                                          "temperature": 0}))
+        alone[p] = body["choices"][0]["text"]
+
+    async def all_at_once():
+        return await asyncio.gather(*(post(server.url + "/v1/completions",
+                                           {"prompt": p, "max_tokens": 16, "temperature": 0}) for p in prompts))
+
+    results = asyncio.run(all_at_once())
+    for p, (status, body) in zip(prompts, results):
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 16 or body["choices"][0]["finish_reason"] == "stop"
+        if p in alone:  # batched with seven others, greedy text is what it was alone
+            assert body["choices"][0]["text"] == alone[p]
+
+
+def test_client_disconnect_mid_stream_frees_its_slot(cluster):
+    server, _ = cluster
+    events = asyncio.run(stream(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 200,
+                                                                 "temperature": 0}, stop_after=2))
+    assert len(events) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status, body = asyncio.run(get(server.url + "/health"))
+        if body["slots_busy"] == 0:
+            break
+        time.sleep(0.1)
+    assert body["slots_busy"] == 0, body
+
+
+def test_worker_killed_then_restarted(cluster):
+    server, workers = cluster
+    victim = workers[1]
+
+    async def scenario():
+        # a long stream in flight when the worker dies
+        in_flight = asyncio.create_task(stream(server.url + "/v1/completions",
+                                               {"prompt": PROMPT, "max_tokens": 200, "temperature": 0}))
+        await asyncio.sleep(0.5)
+        killed_at = time.monotonic()
+        victim.kill()
+        events = await in_flight
+        status_after = None
+        while time.monotonic() - killed_at < 5:
+            status_after, health = await get(server.url + "/health")
+            if status_after == 503:
+                break
+            await asyncio.sleep(0.05)
+        return events, time.monotonic() - killed_at, status_after, health
+
+    events, detected_after, status, health = asyncio.run(scenario())
+    assert status == 503, health
+    assert detected_after < 2.0, detected_after
+    failed = [e for e in health["endpoints"] if e["failed"]]
+    assert [e["endpoint"] for e in failed] == [victim.endpoint] and failed[0]["cause"]
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["code"] == "ENDPOINT_FAILED", events[-3:]
+    assert events[-1] == "[DONE]"
+    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}))
+    assert status == 503 and victim.endpoint in body["error"]["message"], body
+
+    # the worker comes back on the same port: health and requests recover without a server restart
+    workers[1] = DaemonProcess("-t", "1", port=victim.port)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, health = asyncio.run(get(server.url + "/health"))
+        if status == 200:
+            break
+        time.sleep(0.2)
+    assert status == 200, health
+    status, body = asyncio.run(post(server.url + "/v1/completions",
+                                    {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}))
+    assert status == 200, body
+    assert "France" in body["choices"][0]["text"] or "Paris" in body["choices"][0]["text"]
