@@ -30,6 +30,10 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         from rpc_daemon.tls import server_context
         ssl_context = server_context(config.tls_cert, config.tls_key)
     daemon = Daemon(config)
+    metrics_server = None
+    if config.metrics_port is not None:
+        from rpc_daemon.metrics import serve_metrics
+        metrics_server = serve_metrics(daemon, config.host, config.metrics_port)
     server = await loop.create_server(lambda: Connection(daemon), config.host, config.port, reuse_address=True,
                                       ssl=ssl_context,
                                       ssl_handshake_timeout=config.hello_timeout if ssl_context else None)
@@ -60,6 +64,8 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         if watchdog is not None:
             watchdog.cancel()
         server.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         daemon.close()
         await server.wait_closed()
         for sig in (signal.SIGTERM, signal.SIGINT):

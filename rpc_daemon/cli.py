@@ -31,6 +31,8 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle client is dropped")
     p.add_argument("--compute-timeout", type=float, default=600.0, help="seconds one graph compute may take")
     p.add_argument("--max-clients", type=int, default=64)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (same --host)")
     p.add_argument("--unsafe-no-validation", action="store_true", help=argparse.SUPPRESS)
     # tests only: misbehave on purpose at a chosen point (see rpc_daemon/faults.py)
     p.add_argument("--test-fault", action="append", default=[], metavar="SPEC", help=argparse.SUPPRESS)
@@ -43,7 +45,8 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
-                          unsafe_no_validation=args.unsafe_no_validation, test_faults=tuple(args.test_fault))
+                          unsafe_no_validation=args.unsafe_no_validation, test_faults=tuple(args.test_fault),
+                          metrics_port=args.metrics_port)
     config = security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
     if args.test_fault:
         from rpc_daemon.faults import FaultSpec, FaultSpecError

@@ -49,6 +49,7 @@ class ComputeProcess:
         self.arena_generation = 0  # the child generation that has it mapped
         self._busy = False
         self._closed = False
+        self._flush_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
     def _start(self) -> None:
@@ -121,6 +122,20 @@ class ComputeProcess:
         if key in self.mapped:
             self.mapped.discard(key)
             self.pending_unmaps.add(key)
+
+    def flush_soon(self) -> None:
+        """Tell the child about freed buffers and graphs now, not at the next
+        compute, so their memory is returned while the daemon idles."""
+        if self.proc is None or self._closed or not (self.pending_unmaps or self.pending_drops):
+            return
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            await self.call({"kind": "sync"})
+        except ComputeFailed:
+            pass  # a lost child holds nothing any more
 
     def forget_graph(self, key: str) -> None:
         if key in self.known_graphs:

@@ -79,6 +79,7 @@ class GraphSpec:
     inputs: list[int]  # tensors whose data comes inline with every compute
     buffers: set[int] = field(default_factory=set)
     row_checks: list = field(default_factory=list)  # row_ids.RowCheck: inline GET_ROWS/SET_ROWS ids to check
+    readable: set[int] | None = None  # tensors with memory after compute (None: any, unsafe mode)
 
 
 def _bad(i: int, what: str) -> ProtocolError:
@@ -161,11 +162,17 @@ def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> Gr
     if not nodes:
         raise ProtocolError(Status.INVALID_REQUEST, "graph has no op to compute")
     inputs = [t.index for t in tensors if t.op == lib.GGML_OP_NONE and not t.buffer and not t.is_view]
+    # only what the nodes reach gets memory: an unreached input would be written through NULL
+    used = {s for n in nodes for s in tensors[n].src if s >= 0} | \
+           {tensors[n].view_src for n in nodes if tensors[n].is_view}
     for i in inputs:
         if not tensors[i].flags & lib.GGML_TENSOR_FLAG_INPUT:
             raise _bad(i, "a leaf outside every buffer must be flagged INPUT and sent inline")
+        if i not in used:
+            raise _bad(i, "input leaf is not used by any node")
+    readable = set(nodes) | used | {t.index for t in tensors if t.buffer}
     return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer},
-                     row_ids.plan(tensors, inputs))
+                     row_ids.plan(tensors, inputs), readable)
 
 
 def parse_unchecked(h: dict, buffer_size) -> GraphSpec:
@@ -318,6 +325,7 @@ def rule_glu(t, tensors):
 def rule_mul_mat(t, tensors):
     a, b = _srcs(t, tensors, 2)
     _types(t, a, WEIGHT_TYPES, "src0"); _types(t, b, (F32,), "src1")
+    _need(a.nb[0] == type_traits(a.type).type_size, t, "src0 rows must be contiguous")
     _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
     _need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, t, "src1 batch dims must be multiples of src0's")
     _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from rpc_daemon import auth as A
@@ -37,6 +38,7 @@ class DaemonConfig:
     port: int = 50052
     threads: int = 1
     mem: int = 0  # bytes; 0 = physical memory
+    metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port
     cache_dir: str | None = None
     idle_timeout: float = 300.0
     hello_timeout: float = 10.0
@@ -129,6 +131,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.connected_at = time.monotonic()
         tune_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         self.log = log.bind(peer=f"{peer[0]}:{peer[1]}" if peer else "?", client=self.client_id)
@@ -148,6 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._target[self._pos:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.daemon.stats["bytes_in"] += nbytes
         self.last_activity = time.monotonic()
         self._pos += nbytes
         want = self._blob_len if self._stage == "discard" else len(self._target)
@@ -205,10 +209,17 @@ class Connection(asyncio.BufferedProtocol):
         req_id = header.get("id") if isinstance(header, dict) else None
         if error is not None:
             self._reply(req_id, error.status, error.message)
-            if error.fatal:
+            if error.fatal or not self.hello_done:  # before HELLO, nothing but a valid HELLO is accepted
                 self.abort(error.message)
             return
         cmd = header.get("cmd")
+        if type(cmd) is not int:  # 0.0 or False must not pass for HELLO
+            if not self.hello_done:
+                self._reply(req_id, Status.INVALID_REQUEST, f"the first command must be HELLO (cmd {cmd!r})")
+                self.abort("first frame without a valid cmd")
+            else:
+                self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r} (cmd must be an integer)")
+            return
         if cmd == Command.AUTH and self.auth is not None and self.auth.pending:
             self._auth(req_id, header)
             return
@@ -244,6 +255,8 @@ class Connection(asyncio.BufferedProtocol):
         limit = self.daemon.config.idle_timeout
         if not self.hello_done:
             limit = min(limit, self.daemon.config.hello_timeout)
+            # a trickle of bytes must not hold a slot: HELLO is due within hello_timeout of connecting
+            idle = max(idle, time.monotonic() - self.connected_at)
         if idle > limit and ((self.queue.empty() and not self.worker_busy) or not self._can_write.is_set()):
             self.log.info("closing idle client", idle_s=round(idle, 1))
             if not self._can_write.is_set() and self.transport is not None:
@@ -255,7 +268,9 @@ class Connection(asyncio.BufferedProtocol):
     def abort(self, why: str) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.log.info("closing connection", reason=why)
-            self.transport.close()
+            self.transport.close()  # flushes the last reply first...
+            # ...but a peer that never reads would keep the connection forever
+            asyncio.get_running_loop().call_later(5.0, self.transport.abort)
 
     def pause_writing(self) -> None:
         # the client does not read its replies: produce no more (no unbounded write buffer)
@@ -283,12 +298,13 @@ class Connection(asyncio.BufferedProtocol):
         self._reset_frame()
         while not self.queue.empty():
             self.queue.get_nowait()
-        for gid in list(self.graphs):
+        for gid in [*self.graphs, -1]:  # -1: the key of one-off graphs
             self.daemon.compute.forget_graph(self.graph_key(gid))
         self.graphs.clear()
         for buf in self.daemon.buffers.owned_by(self.client_id):
             self.daemon.compute.forget_buffer(buf.key)
             self.daemon.buffers.free(buf)
+        self.daemon.compute.flush_soon()
         self.daemon.connections.discard(self)
 
     async def _work(self) -> None:
@@ -321,7 +337,9 @@ class Connection(asyncio.BufferedProtocol):
         if status != Status.SUCCESS and status != Status.NOT_FOUND and not quiet and self._warn_budget.take():
             self.log.warning("request refused", status=Status(status).name, error=message)
         header = P.reply_header(req_id, status, message, **fields)
-        self.transport.write(P.encode_frame(header, len(blob)))
+        frame = P.encode_frame(header, len(blob))
+        self.daemon.stats["bytes_out"] += len(frame) + len(blob)
+        self.transport.write(frame)
         if len(blob):
             self.transport.write(blob)
 
@@ -364,7 +382,7 @@ class Connection(asyncio.BufferedProtocol):
                         quiet=True, version=P.PROTOCOL_VERSION, auth=challenge)
             return
         self.hello_done = True
-        self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=list(P.FEATURES),
+        self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=self.features(),
                     server="ggml-rpc-server (python)", max_blob=self.limits.max_blob)
 
     def _auth(self, req_id, header: dict) -> None:
@@ -376,8 +394,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.hello_done = True
         self.log.info("client authenticated")
-        self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=list(P.FEATURES),
+        self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=self.features(),
                     server="ggml-rpc-server (python)", max_blob=self.limits.max_blob, proof=server_proof)
+
+    def features(self) -> list[str]:
+        return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]
 
     def _buffer(self, key: int) -> SharedBuffer:
         buf = self.daemon.buffers.get(self.client_id, key)
@@ -451,13 +472,16 @@ async def handle_free_buffer(c: Connection, h, blob, direct):
     buf = c._buffer(P.field_int(h, "buffer", 1))
     c.daemon.compute.forget_buffer(buf.key)
     c.daemon.buffers.free(buf)
+    c.daemon.compute.flush_soon()
     return {}
 
 
 async def handle_buffer_clear(c: Connection, h, blob, direct):
     buf = c._buffer(P.field_int(h, "buffer", 1))
     value = P.field_int(h, "value", 0, 255, default=0)
-    buf.view[:] = bytes([value]) * buf.size
+    fill = np.frombuffer(buf.view, dtype=np.uint8)  # memset, no temporary of the buffer's size
+    fill.fill(value)
+    del fill
     return {}
 
 
@@ -492,6 +516,9 @@ async def handle_set_tensor_hash(c: Connection, h, blob, direct):
 
 async def handle_get_tensor(c: Connection, h, blob, direct):
     buf, r = c._check_range(P.parse_range(h))
+    if r.size > c.limits.max_blob:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"GET_TENSOR of {r.size} bytes exceeds max_blob "
+                                                   f"{c.limits.max_blob}; read it in parts")
     return {}, bytes(buf.view[r.offset: r.offset + r.size])
 
 
@@ -523,6 +550,10 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
     inputs, blob = _input_blob(c, spec, h, blob)
     row_ids.check_inputs(spec.row_checks, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
     outputs = P.parse_outputs(h, len(spec.tensors))
+    unreadable = [i for i in outputs if spec.readable is not None and i not in spec.readable]
+    if unreadable:
+        raise ProtocolError(Status.INVALID_REQUEST, f"outputs: tensor {unreadable[0]} has no memory after "
+                                                    "compute (a leaf no node uses)")
     bufs = {}
     for key in spec.buffers:
         buf = c._buffer(key)
@@ -535,7 +566,10 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
     except ComputeFailed as exc:
         c.daemon.stats["compute_restarts"] += 1
         return {"status": Status.FAILED, "error": str(exc)}
+    c.daemon.stats["computes"] += 1
+    c.daemon.stats["compute_us"] += reply.get("compute_us", 0)
     if reply["status"] != 0:
+        c.daemon.stats["compute_errors"] += 1
         return {"status": reply["status"], "error": reply.get("error", "compute failed")}
     return {"outputs": reply["outputs"], "compute_us": reply.get("compute_us", 0)}, out
 

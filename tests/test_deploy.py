@@ -113,3 +113,37 @@ def test_coordinator_ready_and_watchdog(tmp_path):
         proc.wait(timeout=30)
         worker.stop()
         notify.close()
+
+
+def test_daemon_metrics_port():
+    import asyncio
+
+    from rpc_daemon.client import RpcClient
+    from rpc_daemon.protocol import Command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mport = s.getsockname()[1]
+    d = DaemonProcess("-t", "1", "--metrics-port", str(mport))
+    try:
+        async def use_it():
+            c = await RpcClient.connect(d.endpoint)
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
+            await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": 4096}, b"\1" * 4096)
+            return c
+
+        loop = asyncio.new_event_loop()
+        client = loop.run_until_complete(use_it())
+        import urllib.request
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["ggml_rpc_clients"] == 1
+        assert values["ggml_rpc_buffers"] == 1 and values["ggml_rpc_buffer_bytes"] == 4096
+        assert values["ggml_rpc_bytes_in_total"] >= 4096
+        for name in ("ggml_rpc_compute_seconds_total", "ggml_rpc_compute_restarts_total", "ggml_rpc_bytes_out_total"):
+            assert name in values, name
+        loop.run_until_complete(client.aclose())
+        loop.close()
+    finally:
+        d.stop()

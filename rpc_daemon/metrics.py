@@ -1,0 +1,36 @@
+"""The daemon's Prometheus metrics (`--metrics-port`), read from its live state
+at scrape time: nothing on the request path but counter increments."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class DaemonCollector:
+    def __init__(self, daemon):
+        self.daemon = daemon
+
+    def collect(self):
+        d, stats = self.daemon, self.daemon.stats
+        yield CounterMetricFamily("ggml_rpc_compute_seconds", "Time spent in graph compute",
+                                  value=stats["compute_us"] / 1e6)
+        yield CounterMetricFamily("ggml_rpc_computes", "Graph computes run", value=stats["computes"])
+        yield CounterMetricFamily("ggml_rpc_compute_errors", "Graph computes that returned an error",
+                                  value=stats["compute_errors"])
+        yield CounterMetricFamily("ggml_rpc_compute_restarts", "Compute processes lost (abort, crash, timeout)",
+                                  value=stats["compute_restarts"])
+        yield CounterMetricFamily("ggml_rpc_bytes_in", "Bytes received from clients", value=stats["bytes_in"])
+        yield CounterMetricFamily("ggml_rpc_bytes_out", "Bytes sent to clients", value=stats["bytes_out"])
+        yield GaugeMetricFamily("ggml_rpc_clients", "Connected clients", value=len(d.connections))
+        yield GaugeMetricFamily("ggml_rpc_buffers", "Client buffers allocated", value=len(d.buffers))
+        yield GaugeMetricFamily("ggml_rpc_buffer_bytes", "Bytes allocated to clients", value=d.buffers.allocated)
+        yield GaugeMetricFamily("ggml_rpc_buffer_bytes_max", "Cap on bytes allocated to clients (--mem)",
+                                value=d.buffers.max_bytes)
+
+
+def serve_metrics(daemon, host: str, port: int):
+    """Expose the daemon's metrics over HTTP on a background thread."""
+    registry = CollectorRegistry()
+    registry.register(DaemonCollector(daemon))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server
