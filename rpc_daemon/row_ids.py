@@ -16,6 +16,7 @@ Pure: plan once per validated graph (`plan`), check per compute (`check`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,17 +70,30 @@ def plan(tensors, inputs) -> list[RowCheck]:
     return checks
 
 
+def _contiguous(c: RowCheck) -> bool:
+    stride = c.dtype.itemsize
+    for n, s in zip(c.ne, c.nb):
+        if n != 1 and s != stride:
+            return False
+        stride *= n
+    return True
+
+
 def ids_array(c: RowCheck, data) -> np.ndarray | None:
     """The ids as numpy (a strided view over the root's inline bytes), or None
     if they cannot be read cheaply and safely: strides reaching outside `data`
     (the validator refuses that already; a second line) or overlapping strides
     that would make one id be read many times over. Dimensions of stride 0
     repeat the same ids and are dropped."""
+    count = math.prod(c.ne)
+    if _contiguous(c) and c.offs + count * c.dtype.itemsize <= len(data):
+        # the usual case (token ids, KV rows): no strides to honour
+        return np.frombuffer(data, c.dtype, count=count, offset=c.offs).reshape(c.ne[::-1])
     ne = tuple(1 if s == 0 else n for n, s in zip(c.ne, c.nb))
     extent = c.dtype.itemsize + sum((n - 1) * s for n, s in zip(ne, c.nb))
     if c.offs + extent > len(data):
         return None
-    if int(np.prod(ne, dtype=object)) > 4 * max(1, extent // c.dtype.itemsize):
+    if math.prod(ne) > 4 * max(1, extent // c.dtype.itemsize):
         return None
     first = np.frombuffer(data, c.dtype, count=1, offset=c.offs)
     return np.lib.stride_tricks.as_strided(first, shape=ne[::-1], strides=c.nb[::-1], writeable=False)
@@ -89,18 +103,23 @@ def check(checks: list[RowCheck], tensors, inline_data) -> None:
     """`inline_data(tensor index)` gives the bytes sent inline for that input
     (a memoryview), or None if none were sent. Raises ProtocolError
     (INVALID_REQUEST) for the first id out of range."""
+    seen: dict = {}  # every layer's SET_ROWS reads the same ids: min/max them once per request
     for c in checks:
-        data = inline_data(c.root)
-        if data is None:
-            continue  # no data sent: the inputs check has refused (or --unsafe-no-validation)
-        ids = ids_array(c, data)
-        if ids is None:
-            raise ProtocolError(Status.INVALID_REQUEST,
-                                f"tensors[{c.ids}]: the row ids of {c.op} tensors[{c.node}] cannot be checked "
-                                f"(strides outside the inline data, or overlapping)")
-        if ids.size == 0:
+        key = (c.root, c.offs, c.dtype.str, c.ne, c.nb)
+        if key not in seen:
+            data = inline_data(c.root)
+            if data is None:
+                seen[key] = None  # no data sent: the inputs check has refused (or --unsafe-no-validation)
+            else:
+                ids = ids_array(c, data)
+                if ids is None:
+                    raise ProtocolError(Status.INVALID_REQUEST,
+                                        f"tensors[{c.ids}]: the row ids of {c.op} tensors[{c.node}] cannot be "
+                                        f"checked (strides outside the inline data, or overlapping)")
+                seen[key] = (int(ids.min()), int(ids.max()), ids) if ids.size else None
+        if seen[key] is None:
             continue
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi, ids = seen[key]
         if lo >= 0 and hi < c.rows:
             continue
         bad = lo if lo < 0 else hi
