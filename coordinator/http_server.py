@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from coordinator.api import DecodeResult
 from coordinator.batching import Scheduler
 from coordinator.sampling import Sampler
-from rpc_daemon import systemd
+from rpc_daemon.lifecycle import until_signalled
 
 log = structlog.get_logger("http")
 
@@ -346,8 +346,6 @@ class CompletionServer:
 
 async def serve_http(coord, host: str, port: int, n_slots: int, n_ctx_slot: int, model_name: str,
                      ready: asyncio.Event | None = None) -> None:
-    import signal
-
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
@@ -355,19 +353,12 @@ async def serve_http(coord, host: str, port: int, n_slots: int, n_ctx_slot: int,
     site = web.TCPSite(runner, host, port)
     await site.start()
     log.info("serving", host=host, port=port, slots=n_slots, ctx_per_slot=n_ctx_slot, model=model_name)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # systemd: ready now; the watchdog is petted only while the decode loop runs and is not stuck
-    watchdog = systemd.start(healthy=server.decode_loop_healthy)
-    if ready is not None:
-        ready.set()
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down")
-        systemd.stopping()
-        if watchdog is not None:
-            watchdog.cancel()
-        await runner.cleanup()
+    # the watchdog is petted only while the decode loop runs and is not stuck
+    async with until_signalled(healthy=server.decode_loop_healthy) as stop:
+        if ready is not None:
+            ready.set()
+        try:
+            await stop.wait()
+        finally:
+            log.info("shutting down")
+            await runner.cleanup()

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import signal
 
 import structlog
 
-from rpc_daemon import systemd
+from rpc_daemon.lifecycle import until_signalled
 
 from rpc_daemon.server import Connection, Daemon, DaemonConfig
 
@@ -45,29 +44,21 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         elif ssl_context is None:
             log.warning("listening on a non-loopback address without TLS: clients must authenticate, but "
                         "traffic is neither encrypted nor integrity-protected", host=config.host)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     log.info("listening", host=config.host, port=port, threads=config.threads,
              mem_bytes=daemon.buffers.max_bytes, cache=config.cache_dir,
              auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,
              unsafe_no_validation=config.unsafe_no_validation or None)
     # systemd: ready once listening; the watchdog is petted from this event loop
-    watchdog = systemd.start()
-    if ready is not None:
-        ready.set()
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down")
-        systemd.stopping()
-        if watchdog is not None:
-            watchdog.cancel()
-        server.close()
-        if metrics_server is not None:
-            metrics_server.shutdown()
-        daemon.close()
-        await server.wait_closed()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        log.info("stopped")
+    async with until_signalled() as stop:
+        if ready is not None:
+            ready.set()
+        try:
+            await stop.wait()
+        finally:
+            log.info("shutting down")
+            server.close()
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            daemon.close()
+            await server.wait_closed()
+    log.info("stopped")

@@ -107,3 +107,22 @@ def start_daemon():
 @pytest.fixture
 def daemon(start_daemon) -> DaemonProcess:
     return start_daemon("-t", "1")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One plain daemon per test module, for cases it must survive one after another."""
+    d = DaemonProcess("-t", "1")
+    yield d
+    d.stop()
+    d.kill()
+
+
+@pytest.fixture
+def d(shared):
+    """The module's shared daemon, checked to serve a normal client before and after the test."""
+    from rpc_helpers import assert_served
+
+    assert_served(shared)
+    yield shared
+    assert_served(shared)

@@ -165,3 +165,27 @@ async def expect_error(coro, status: Status, *fragments: str) -> str:
             assert f in exc.message, f"{f!r} not in {exc.message!r}"
         return exc.message
     raise AssertionError(f"request succeeded, expected {status.name}")
+
+
+N = 1024
+
+
+def chain_graph(buf: int, steps: int):
+    """x_{k+1} = mul_mat(a, x_k), `steps` times: a f32 [N, N] at 0, x_0 f32 [N, N]
+    right after it in `buf`: a graph that computes long enough to test what
+    happens during a compute. Returns (wire tensors, index of the result)."""
+    ctx = Context(steps + 8)
+    try:
+        a = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "a")
+        x0 = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "x0")
+        x = x0
+        for _ in range(steps):
+            x = lib.ggml_mul_mat(ctx.ptr, a, x)
+        lib.ggml_set_output(x)
+        gf = ctx.new_graph(steps + 8)
+        lib.ggml_build_forward_expand(gf, x)
+        place = {a: (buf, 0), x0: (buf, N * N * 4)}
+        tensors, idx = encode_graph(gf, lambda t: place.get(t))
+        return tensors, idx[x]
+    finally:
+        ctx.close()

@@ -17,7 +17,7 @@ from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
 from rpc_daemon.graph_codec import encode_graph
 from rpc_daemon.protocol import Command, Status
-from rpc_helpers import RawConn, expect_error, normal_session
+from rpc_helpers import N, RawConn, chain_graph, expect_error, normal_session
 
 A_OFF, B_OFF, BUF_SIZE = 0, 256, 4096
 
@@ -182,29 +182,6 @@ def test_validation_rejects_crashing_graphs(start_daemon, make_bad, _signame, _l
 
 
 # ---------------------------------------------------------------- long computes
-
-N = 1024
-
-
-def chain_graph(buf: int, steps: int):
-    """x_{k+1} = mul_mat(a, x_k), `steps` times: a f32 [N, N] at 0, x_0 f32 [N, N]
-    right after it in `buf`. Returns (wire tensors, index of the result)."""
-    ctx = Context(steps + 8)
-    try:
-        a = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "a")
-        x0 = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "x0")
-        x = x0
-        for _ in range(steps):
-            x = lib.ggml_mul_mat(ctx.ptr, a, x)
-        lib.ggml_set_output(x)
-        gf = ctx.new_graph(steps + 8)
-        lib.ggml_build_forward_expand(gf, x)
-        place = {a: (buf, 0), x0: (buf, N * N * 4)}
-        tensors, idx = encode_graph(gf, lambda t: place.get(t))
-        return tensors, idx[x]
-    finally:
-        ctx.close()
-
 
 def load_chain(conn: RawConn, steps: int):
     """Allocate and fill the chain's buffer: a = identity, so the result is x0."""

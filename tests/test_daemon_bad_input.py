@@ -13,7 +13,6 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
 from ggml_ffi import lib
 from rpc_daemon import protocol as P
 from rpc_daemon.client import RpcClient
@@ -22,21 +21,6 @@ from rpc_helpers import RawConn, assert_served, check_compute, expect_error, nor
 
 MiB = 1 << 20
 
-
-@pytest.fixture(scope="module")
-def shared():
-    """One daemon for the cases that need no special flags: it must survive them all."""
-    d = DaemonProcess("-t", "1")
-    yield d
-    d.stop()
-    d.kill()
-
-
-@pytest.fixture
-def d(shared):
-    assert_served(shared)
-    yield shared
-    assert_served(shared)
 
 
 def run(coro, timeout: float = 30.0):

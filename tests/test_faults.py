@@ -34,12 +34,10 @@ import pytest
 
 from conftest import DaemonProcess
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
-from ggml_ffi import Context, lib
 from rpc_daemon import protocol as P
 from rpc_daemon.client import PeerFailed, RpcClient
-from rpc_daemon.graph_codec import encode_graph
 from rpc_daemon.protocol import Command, Status
-from rpc_helpers import assert_served
+from rpc_helpers import N, assert_served, chain_graph
 
 try:
     from tiny_llama import write_tiny_llama
@@ -502,28 +500,6 @@ def test_wrong_peer_is_a_clear_error(model, mode, fragment, kind):
 
 
 # ---------------------------------------------------------------- client and daemon level
-
-N = 1024
-
-
-def chain_graph(buf: int, steps: int):
-    """x_{k+1} = mul_mat(a, x_k) `steps` times; a and x_0 f32 [N, N] in `buf`."""
-    ctx = Context(steps + 8)
-    try:
-        a = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "a")
-        x0 = ctx.new_tensor(lib.GGML_TYPE_F32, [N, N], "x0")
-        x = x0
-        for _ in range(steps):
-            x = lib.ggml_mul_mat(ctx.ptr, a, x)
-        lib.ggml_set_output(x)
-        gf = ctx.new_graph(steps + 8)
-        lib.ggml_build_forward_expand(gf, x)
-        place = {a: (buf, 0), x0: (buf, N * N * 4)}
-        tensors, idx = encode_graph(gf, lambda t: place.get(t))
-        return tensors, idx[x]
-    finally:
-        ctx.close()
-
 
 async def load_chain(c: RpcClient, steps: int):
     h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 2 * N * N * 4})

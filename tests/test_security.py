@@ -42,21 +42,6 @@ def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-@pytest.fixture(scope="module")
-def shared():
-    """One plain daemon for the advisory cases: it must survive them all."""
-    d = DaemonProcess("-t", "1")
-    yield d
-    d.stop()
-    d.kill()
-
-
-@pytest.fixture
-def d(shared):
-    assert_served(shared)
-    yield shared
-    assert_served(shared)
-
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):

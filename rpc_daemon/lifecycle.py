@@ -1,0 +1,29 @@
+"""What every long-running service of ours does between start and stop:
+SIGTERM/SIGINT end it cleanly, systemd hears READY=1 once it serves and
+WATCHDOG=1 while its event loop (and `healthy()`) are fine, then STOPPING=1."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Callable
+
+from rpc_daemon import systemd
+
+
+@contextlib.asynccontextmanager
+async def until_signalled(healthy: Callable[[], bool] = lambda: True):
+    """Yields an Event that SIGTERM or SIGINT sets; call on entry once serving."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watchdog = systemd.start(healthy=healthy)
+    try:
+        yield stop
+    finally:
+        systemd.stopping()
+        if watchdog is not None:
+            watchdog.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
