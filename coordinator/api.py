@@ -179,7 +179,7 @@ class Coordinator:
         self._lock = asyncio.Lock()
         self._logits: np.ndarray | None = None
         self._logit_rows: dict[int, int] = {}
-        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0}
+        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0}
         self.gguf = GGUFFile(self.model_path)
         try:
             self.arch = architecture(self.gguf.architecture)
@@ -260,7 +260,7 @@ class Coordinator:
     # ------------------------------------------------------------ status
     def endpoints(self) -> list[dict]:
         return [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
-                 "failed": p.failure is not None} for p in self._places]
+                 "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self._places]
 
     def failed_endpoints(self) -> list[EndpointFailure]:
         """One entry per endpoint latched failed: endpoint, cause, kind, since."""
@@ -647,6 +647,7 @@ class Coordinator:
             token = sampler.sample(self._logits[-1])
             if self.tokenizer.is_eog(token):
                 break
+            self.stats["generated"] += 1
             text += detok.feed(token)
             # hold back text that could be the start of a stop string
             cut = min((text.find(s) for s in stop if s in text), default=-1)

@@ -88,7 +88,7 @@ def cmd_generate(args) -> int:
             return EXIT_CONNECT_FAILED
         with c:
             started, n = time.perf_counter(), 0
-            decodes0 = c.stats["decodes"]
+            generated0 = c.stats["generated"]
             try:
                 for piece in c.stream(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed):
@@ -98,9 +98,11 @@ def cmd_generate(args) -> int:
                 print(f"\nggml-coordinator: generation failed: {exc}", file=sys.stderr)
                 return EXIT_DECODE_FAILED
             elapsed = time.perf_counter() - started
-            n = c.stats["decodes"] - decodes0
-            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1}" for e in c.endpoints())
-            print(f"\n[{n} decode steps in {elapsed:.2f} s, {n / elapsed:.1f} steps/s; {share}]", file=sys.stderr)
+            n = c.stats["generated"] - generated0
+            n_layer = c.hp.n_layer
+            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1} "
+                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})" for e in c.endpoints())
+            print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
     return 0
 
 

@@ -6,6 +6,7 @@ Executors raise StageFailed; the coordinator turns it into a decode code.
 from __future__ import annotations
 
 import asyncio
+import time
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -156,6 +157,7 @@ class RemoteExecutor:
         self.sent_graphs: set[int] = set()
         self.buffer: int | None = None
         self.compute_us = 0  # worker-side compute time, summed
+        self.rtt: float | None = None  # last step's round trip minus the worker's compute time
 
     async def _request(self, cmd, fields=None, blob=b"", kind_on_error: str = "compute"):
         try:
@@ -226,17 +228,26 @@ class RemoteExecutor:
         fields = {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[g.output]]}
         if g.graph_id in self.sent_graphs:
             try:
+                started = time.monotonic()
                 reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout)
-                self.compute_us += reply.get("compute_us", 0)
+                self._account(reply, time.monotonic() - started)
                 return out
             except RpcError as exc:
                 if exc.status != Status.NOT_FOUND:
                     raise rpc_failed(self.endpoint, exc) from None
             except PeerFailed as exc:
                 raise peer_failed(self.endpoint, exc) from None
+        started = time.monotonic()
         reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
+        self._account(reply, time.monotonic() - started)
         self.sent_graphs.add(g.graph_id)
         return out
+
+    def _account(self, reply: dict, elapsed: float) -> None:
+        """Worker compute time, and the step's round trip without it (network and hops)."""
+        compute = reply.get("compute_us", 0)
+        self.compute_us += compute
+        self.rtt = max(0.0, elapsed - compute / 1e6)
 
     async def ping(self) -> float:
         try:

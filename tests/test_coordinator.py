@@ -438,7 +438,7 @@ def test_cli_generate_with_local_workers(local):
                        timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stdout
-    assert re.search(r"\[\d+ decode steps in [\d.]+ s, [\d.]+ steps/s; .*layers 0-\d+.*layers \d+-17\]", r.stderr), \
+    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*layers 0-\d+ \(\d+%\).*layers \d+-17 \(\d+%\)\]", r.stderr), \
         r.stderr
     c = local["gemma3"]
     c.kv_clear()

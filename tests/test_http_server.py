@@ -149,7 +149,8 @@ def test_models_health_metrics(cluster):
     status, text = asyncio.run(get(server.url + "/metrics"))
     assert status == 200
     for name in ("ggml_tokens_generated_total", "ggml_prompt_tokens_total", "ggml_decode_seconds_bucket",
-                 "ggml_endpoint_up", "ggml_slots_busy", "ggml_reconnects_total"):
+                 "ggml_endpoint_up", "ggml_endpoint_rtt_seconds", "ggml_slots_busy", "ggml_reconnects_total",
+                 "ggml_decode_failures_total", "ggml_tokens_per_second"):
         assert name in text, name
 
 
