@@ -179,7 +179,8 @@ class Coordinator:
         self._lock = asyncio.Lock()
         self._logits: np.ndarray | None = None
         self._logit_rows: dict[int, int] = {}
-        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0}
+        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0,
+                      "reconnects": 0}
         self.gguf = GGUFFile(self.model_path)
         try:
             self.arch = architecture(self.gguf.architecture)
@@ -530,6 +531,7 @@ class Coordinator:
                 p.stage.graphs.clear()  # their wire form names the old connection's buffer
                 p.executor = ex
                 p.failure = None
+                self.stats["reconnects"] += 1
                 log.info("endpoint reconnected", endpoint=p.endpoint, needs_refeed=sorted(self._needs_refeed))
 
     def set_auto_reconnect(self, enabled: bool, backoff: tuple[float, float] | None = None) -> None:

@@ -63,6 +63,7 @@ class Metrics:
         self.reconnects = Counter("ggml_reconnects", "Successful reconnects", registry=r)
         self.slots_busy = Gauge("ggml_slots_busy", "Slots serving a request", registry=r)
         self.coord = coord
+        self._reconnects_seen = 0
 
     def observe_decode(self, seconds: float, code: DecodeResult, n_tokens: int) -> None:
         self.decode_latency.observe(seconds)
@@ -78,6 +79,10 @@ class Metrics:
             if e.get("rtt") is not None:
                 self.endpoint_rtt.labels(endpoint=e["endpoint"]).set(e["rtt"])
         self.slots_busy.set(scheduler.busy)
+        reconnects = self.coord.stats["reconnects"]
+        if reconnects > self._reconnects_seen:
+            self.reconnects.inc(reconnects - self._reconnects_seen)
+            self._reconnects_seen = reconnects
 
 
 class CompletionServer:
@@ -88,11 +93,9 @@ class CompletionServer:
         self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics)
         self.n_ctx_slot = n_ctx_slot
         self.reconnect_interval = reconnect_interval
-        self.reconnecting = False
         self.loaded = True
         template = coord.gguf.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(coord.hp.arch)
         self.chat_template = jinja2.Environment(loader=jinja2.BaseLoader(), autoescape=False, keep_trailing_newline=True).from_string(template)
-        self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -108,11 +111,11 @@ class CompletionServer:
 
     async def _startup(self, app) -> None:
         self.scheduler.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._keep_connected()))
+        # a failed worker is retried in the background with backoff; service resumes by itself
+        self.coord.set_auto_reconnect(True, backoff=(self.reconnect_interval, 10.0))
 
     async def _cleanup(self, app) -> None:
-        for t in self._tasks:
-            t.cancel()
+        self.coord.set_auto_reconnect(False)
         await self.scheduler.stop()
 
     @web.middleware
@@ -127,26 +130,6 @@ class CompletionServer:
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
-    async def _keep_connected(self) -> None:
-        """Reconnect latched endpoints with backoff, so service resumes by itself."""
-        delay = self.reconnect_interval
-        while True:
-            await asyncio.sleep(delay)
-            if not self.coord.failed_endpoints() or self.scheduler.busy:
-                delay = self.reconnect_interval
-                continue
-            self.reconnecting = True
-            try:
-                await self.coord.areconnect()
-                self.metrics.reconnects.inc()
-                log.info("endpoints reconnected")
-                delay = self.reconnect_interval
-            except Exception as exc:  # still down: try again later
-                log.warning("reconnect failed", error=str(exc))
-                delay = min(delay * 2, 10.0)
-            finally:
-                self.reconnecting = False
-
     # ------------------------------------------------------------ health and metrics
     def health_state(self) -> tuple[int, dict]:
         reasons = []
@@ -155,8 +138,8 @@ class CompletionServer:
         failed = self.coord.failed_endpoints()
         if failed:
             reasons.append("endpoints failed")
-        if self.reconnecting:
-            reasons.append("reconnecting")
+            if self.coord.auto_reconnect:
+                reasons.append("reconnecting")
         if not self.scheduler.alive:
             reasons.append("decode loop stopped")
         started = self.scheduler.decode_started

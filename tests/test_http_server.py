@@ -253,3 +253,9 @@ def test_worker_killed_then_restarted(cluster):
                                     {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}))
     assert status == 200, body
     assert "France" in body["choices"][0]["text"] or "Paris" in body["choices"][0]["text"]
+    status, text = asyncio.run(get(server.url + "/metrics"))
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["ggml_reconnects_total"] >= 1
+    assert values['ggml_decode_failures_total{code="ENDPOINT_FAILED"}'] >= 1
+    assert values[f'ggml_endpoint_up{{endpoint="{victim.endpoint}"}}'] == 1
