@@ -177,7 +177,8 @@ class Coordinator:
         self._thread = threading.Thread(target=self._loop_main, name="coordinator-loop", daemon=True)
         self._thread.start()
         self._lock = asyncio.Lock()
-        self._logits: np.ndarray | None = None
+        self._logits: np.ndarray | None = None  # after an OK decode: rows that wanted logits...
+        self._tokens: np.ndarray | None = None  # ...or, after greedy=True, their argmax tokens
         self._logit_rows: dict[int, int] = {}
         self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0,
                       "reconnects": 0}
@@ -301,18 +302,21 @@ class Coordinator:
         p.failure = failure
         self._needs_refeed |= self.kv.seqs_present()
         self.kv.clear()
-        self._logits, self._logit_rows = None, {}  # they continued sequences that are gone
+        self._logits, self._tokens, self._logit_rows = None, None, {}  # they continued sequences that are gone
         if first:
             log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)
         if self.auto_reconnect and not getattr(self, "_closed", False):
             self._schedule_auto_reconnect(p)
 
     # ------------------------------------------------------------ decode
-    def decode(self, batch: Batch) -> DecodeResult:
-        return self._run(self._decode(batch))
+    def decode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
+        """Decode a batch. With greedy=True the last worker returns only each
+        requested row's argmax token (read it with token(i)) instead of its
+        logits: 4 bytes a row on the wire instead of 4 x n_vocab."""
+        return self._run(self._decode(batch, greedy))
 
-    async def adecode(self, batch: Batch) -> DecodeResult:
-        return await self._call(self._decode(batch))
+    async def adecode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
+        return await self._call(self._decode(batch, greedy))
 
     def _check_batch(self, batch: Batch) -> str | None:
         n = len(batch.tokens)
@@ -353,9 +357,9 @@ class Coordinator:
                         f"(this batch starts it at {pos})")
         return None
 
-    async def _decode(self, batch: Batch) -> DecodeResult:
+    async def _decode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
         async with self._lock:
-            self._logits = None
+            self._logits = self._tokens = None
             self._logit_rows = {}
             problem = self._check_batch(batch)
             if problem:
@@ -385,7 +389,7 @@ class Coordinator:
             saved = self.kv.assign(rows, tok_pos, tok_seq)
             started = time.perf_counter()
             try:
-                logits = await self._forward(batch, rows, tok_pos, tok_seq, out_rows)
+                out = await self._forward(batch, rows, tok_pos, tok_seq, out_rows, greedy)
             except StageFailed as exc:
                 self.kv.rollback(saved)
                 if exc.kind == "endpoint":
@@ -408,17 +412,20 @@ class Coordinator:
             self.stats["decodes"] += 1
             self.stats["tokens"] += n
             self.stats["decode_seconds"] += time.perf_counter() - started
-            self._logits = logits
+            if greedy:
+                self._tokens = out
+            else:
+                self._logits = out
             self._logit_rows = {int(i): k for k, i in enumerate(out_rows)}
             if self._needs_refeed:
                 self._needs_refeed.difference_update(s for ids in seq_ids for s in ids)
             self.last_error = self.last_cause = self.last_failed_endpoint = None
             return DecodeResult.OK
 
-    async def _forward(self, batch, rows, tok_pos, tok_seq, out_rows) -> np.ndarray:
+    async def _forward(self, batch, rows, tok_pos, tok_seq, out_rows, greedy: bool = False) -> np.ndarray:
         n = len(batch.tokens)
         n_kv = self.kv.n_kv()
-        shape = StepShape(n, n_kv, len(out_rows))
+        shape = StepShape(n, n_kv, len(out_rows), greedy)
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
         common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
         if self.hp.n_swa:
@@ -438,25 +445,43 @@ class Coordinator:
                 raise StageFailed("compute", p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
                                                          f"{len(out)} bytes, expected {expect}")
             hidden = out
+        if greedy:
+            tokens = np.frombuffer(hidden, dtype=np.int32)
+            if ((tokens < 0) | (tokens >= self.hp.n_vocab)).any():
+                raise StageFailed("compute", self._places[-1].endpoint, f"compute failed on worker "
+                                  f"{self._places[-1].endpoint}: argmax token id out of range")
+            return tokens
         logits = np.frombuffer(hidden, dtype=np.float32).reshape(len(out_rows), self.hp.n_vocab)
         if not np.isfinite(logits).all():
             raise StageFailed("compute", self._places[-1].endpoint,
                               f"compute failed on worker {self._places[-1].endpoint}: logits contain NaN or infinity")
         return logits
 
-    def logits(self, i: int = -1) -> np.ndarray:
-        """Logits of batch token i (negative: from the end of the rows that wanted
-        logits) after a decode that returned OK; raises otherwise."""
-        if self._logits is None:
-            raise RuntimeError("no logits: the last decode did not return OK")
+    def _row(self, i: int) -> int:
         if i < 0:
             k = len(self._logit_rows) + i
             if not 0 <= k < len(self._logit_rows):
                 raise IndexError(f"logits index {i} out of range")
-            return self._logits[k]
+            return k
         if i not in self._logit_rows:
             raise IndexError(f"token {i} of the last batch did not request logits")
-        return self._logits[self._logit_rows[i]]
+        return self._logit_rows[i]
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of batch token i (negative: from the end of the rows that wanted
+        logits) after a decode that returned OK; raises otherwise."""
+        if self._logits is None:
+            if self._tokens is not None:
+                raise RuntimeError("no logits: the last decode ran with greedy=True (read token(i))")
+            raise RuntimeError("no logits: the last decode did not return OK")
+        return self._logits[self._row(i)]
+
+    def token(self, i: int = -1) -> int:
+        """The greedy (argmax) token for batch token i after a decode that
+        returned OK, with or without greedy=True; raises otherwise."""
+        if self._tokens is not None:
+            return int(self._tokens[self._row(i)])
+        return int(np.argmax(self.logits(i)))
 
     # ------------------------------------------------------------ KV management
     def kv_clear(self) -> None:
@@ -632,21 +657,20 @@ class Coordinator:
             raise DecodeError(DecodeResult.NO_KV_SLOT, None, f"context full: prompt of {len(ids)} tokens plus "
                               f"{max_tokens} new ones exceeds n_ctx {self.n_ctx}", "context_full")
         sampler = Sampler(temperature, top_k, top_p, seed)
+        greedy = temperature == 0  # the last worker returns the argmax, not a megabyte of logits
         self.kv_seq_rm(0)
         detok = Detokenizer(self.tokenizer)
         text, emitted = "", 0
         pos = 0
         pending = ids
-        for _ in range(max_tokens + 1):
+        for _ in range(max_tokens):
             for start in range(0, len(pending), self.n_batch):
                 chunk = pending[start: start + self.n_batch]
-                code = await self._decode(Batch.single(chunk, pos))
+                code = await self._decode(Batch.single(chunk, pos), greedy)
                 if code != DecodeResult.OK:  # nothing of this step is emitted
                     raise DecodeError(code, self.last_failed_endpoint, self.last_error or code.name, self.last_cause)
                 pos += len(chunk)
-            if _ == max_tokens:
-                break
-            token = sampler.sample(self._logits[-1])
+            token = self.token(-1) if greedy else sampler.sample(self._logits[-1])
             if self.tokenizer.is_eog(token):
                 break
             self.stats["generated"] += 1

@@ -106,25 +106,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float]:
+def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
+    """pp tokens/s; tg tokens/s reading full logits (llama-bench's measure);
+    tg tokens/s with greedy=True (what generate does at temperature 0)."""
     from coordinator import Batch, DecodeError
 
     rng = __import__("numpy").random.default_rng(0)
     prompt = [int(x) for x in rng.integers(10, 1000, n_pp)]
-    c.kv_clear()
-    t = time.perf_counter()
-    code = c.decode(Batch.single(prompt, 0))
-    pp = n_pp / (time.perf_counter() - t)
-    if code != 0:
-        raise DecodeError(code, None, "prompt decode failed")
-    tok, pos = int(c.logits(-1).argmax()), n_pp
-    t = time.perf_counter()
-    for _ in range(n_tg):
-        code = c.decode(Batch.single([tok], pos))
+    rates = []
+    for greedy in (None, False, True):
+        c.kv_clear()
+        t = time.perf_counter()
+        code = c.decode(Batch.single(prompt, 0))
+        if greedy is None:
+            rates.append(n_pp / (time.perf_counter() - t))
+            continue
         if code != 0:
-            raise DecodeError(code, None, "decode failed")
-        tok, pos = int(c.logits(-1).argmax()), pos + 1
-    return pp, n_tg / (time.perf_counter() - t)
+            raise DecodeError(code, None, "prompt decode failed")
+        tok, pos = c.token(-1), n_pp
+        t = time.perf_counter()
+        for _ in range(n_tg):
+            code = c.decode(Batch.single([tok], pos), greedy=greedy)
+            if code != 0:
+                raise DecodeError(code, None, "decode failed")
+            tok, pos = c.token(-1), pos + 1
+        rates.append(n_tg / (time.perf_counter() - t))
+    return tuple(rates)
 
 
 def cmd_bench(args) -> int:
@@ -146,13 +153,15 @@ def cmd_bench(args) -> int:
         finally:
             for c in coords.values():
                 c.close()
-    print(f"{'setup':<12} {'pp' + str(args.pp) + ' t/s':>12} {'tg' + str(args.tg) + ' t/s':>12}")
+    cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
+    print(f"{'setup':<12}" + "".join(f"{c:>14}" for c in cols))
     med = {}
     for name, rs in results.items():
-        med[name] = (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
-        print(f"{name:<12} {med[name][0]:>12.1f} {med[name][1]:>12.1f}")
+        med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
+        print(f"{name:<12}" + "".join(f"{v:>14.1f}" for v in med[name]))
     base, rpc = med["local"], med[[k for k in med if k != "local"][0]]
-    print(f"{'ratio':<12} {rpc[0] / base[0]:>12.3f} {rpc[1] / base[1]:>12.3f}")
+    print(f"{'ratio':<12}" + "".join(f"{r / b:>14.3f}" for r, b in zip(rpc, base)))
+    print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
     return 0
 
 

@@ -69,12 +69,12 @@ class Stage:
 
     def output_size(self, shape: StepShape) -> int:
         if self.last:
-            return self.hp.n_vocab * shape.n_outputs * 4
+            return (1 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4
         return self.hp.n_embd * shape.n_tokens * 4
 
     def graph(self, shape: StepShape) -> tuple[BuiltGraph, list]:
         """The step graph for `shape` and the graphs evicted to make room for it."""
-        key = (shape.n_tokens, shape.n_kv, shape.n_outputs)
+        key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax)
         evicted = []
         g = self.graphs.get(key)
         if g is not None:
@@ -109,6 +109,9 @@ class Stage:
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
         out = b.output_head(x) if self.last else x
+        if self.last and shape.argmax:
+            # greedy decoding needs one token id per row, not a megabyte of logits on the wire
+            out = lib.ggml_argmax(ctx.ptr, out)
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(gf, out)
         graph_id = self._next_graph_id

@@ -424,6 +424,14 @@ def rule_flash_attn(t, tensors):
           "result must be f32 [v.ne0, q.ne2, q.ne1, q.ne3]")
 
 
+def rule_argmax(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _types(t, a, (F32,), "src0")
+    _need(a.ne[2] == 1 and a.ne[3] == 1, t, "src0 must be a matrix")
+    _need(a.nb[0] == type_traits(a.type).type_size, t, "src0 rows must be contiguous")
+    _need(t.type == I32 and t.ne == (a.ne[1], 1, 1, 1), t, "result must be i32 [src0.ne1]")
+
+
 OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_NONE: rule_none,
     lib.GGML_OP_ADD: rule_binary,
@@ -447,6 +455,7 @@ OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_FLASH_ATTN_EXT: rule_flash_attn,
     lib.GGML_OP_UNARY: rule_unary,
     lib.GGML_OP_GLU: rule_glu,
+    lib.GGML_OP_ARGMAX: rule_argmax,
 }
 SUPPORTED_OPS = frozenset(OP_RULES)
 

@@ -454,3 +454,23 @@ def test_cli_unreachable_endpoint_fails_fast():
     assert "127.0.0.1:1" in r.stderr and "unreachable" in r.stderr.lower(), r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert elapsed < 10, elapsed
+
+
+def test_greedy_decode_returns_the_argmax_of_the_logits(gemma, reference):
+    """decode(greedy=True): the last worker sends each row's argmax instead of
+    its logits; the tokens equal the full-logits argmax, logits() is refused,
+    and generate() (which uses it at temperature 0) gives the reference text."""
+    ids = gemma.tokenize(PROMPTS["gemma3"])
+    _, want, _ = greedy(gemma, ids, 12)
+    gemma.kv_clear()
+    assert gemma.decode(Batch.single(ids, 0), greedy=True) is OK
+    got, pos = [gemma.token(-1)], len(ids)
+    with pytest.raises(RuntimeError, match="greedy=True"):
+        gemma.logits(-1)
+    for _ in range(11):
+        assert gemma.decode(Batch.single([got[-1]], pos), greedy=True) is OK
+        got.append(gemma.token(-1))
+        pos += 1
+    assert got == want
+    gemma.kv_clear()
+    assert gemma.generate(PROMPTS["gemma3"], max_tokens=12) == gemma.detokenize(want)

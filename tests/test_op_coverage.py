@@ -444,6 +444,12 @@ def _(b):  # a llama FFN: down(silu(gate x) * up x), quantized weights
     b.output(lib.ggml_mul_mat(b.c, b.weight(Q6_K, [512, 256]), lib.ggml_swiglu_split(b.c, gate, up)))
 
 
+@case("ARGMAX", "logits-q6_K")
+def _(b):  # greedy decoding on the worker: the output head's argmax per row
+    logits = lib.ggml_mul_mat(b.c, b.weight(Q6_K, [256, 1000]), b.input(F32, [256, 4]))
+    b.output(lib.ggml_argmax(b.c, logits))
+
+
 # ---------------------------------------------------------------- running a case
 
 @dataclass

@@ -53,6 +53,7 @@ class StepShape:
     n_tokens: int
     n_kv: int
     n_outputs: int
+    argmax: bool = False  # the last stage returns each output row's argmax token, not its logits
 
 
 @dataclass
