@@ -15,12 +15,24 @@ import time
 _PORT = re.compile(r'\bport"?[=:] ?(\d+)')
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the coordinator dies, even by
+    SIGKILL, so local workers never outlive it (Linux PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the coordinator's own shutdown still stops them
+        pass
+
+
 class LocalWorker:
     def __init__(self, threads: int = 1, extra_args=(), startup_timeout: float = 30.0):
         cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", "0", "-t", str(threads),
                "--log-format", "json", *extra_args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.lines: list[str] = []
         self.port = None
         deadline = time.monotonic() + startup_timeout

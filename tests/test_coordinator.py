@@ -474,3 +474,37 @@ def test_greedy_decode_returns_the_argmax_of_the_logits(gemma, reference):
     assert got == want
     gemma.kv_clear()
     assert gemma.generate(PROMPTS["gemma3"], max_tokens=12) == gemma.detokenize(want)
+
+
+def test_local_workers_die_with_a_killed_coordinator(tmp_path):
+    """ggml-coordinator started its own workers; SIGKILL it: they must not linger."""
+    import os
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(_cli() + ["serve", "--port", str(port), "--parallel", "1", "--ctx-per-slot", "64",
+                                      "--log-level", "info"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        for line in proc.stderr:  # bounded by the deadline check below and the process's own output
+            if "serving" in line or time.monotonic() > deadline:
+                break
+        children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        assert len(children) == 2, children
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [c for c in children if os.path.exists(f"/proc/{c}") and
+                 open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+        time.sleep(0.1)
+    for c in alive:
+        os.kill(c, signal.SIGKILL)
+    assert not alive, f"local workers {alive} outlived the killed coordinator"
