@@ -48,6 +48,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
              mem_bytes=daemon.buffers.max_bytes, cache=config.cache_dir,
              auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,
              unsafe_no_validation=config.unsafe_no_validation or None)
+    daemon.compute.warm()  # the first client's first compute need not wait for the process to start
     # systemd: ready once listening; the watchdog is petted from this event loop
     async with until_signalled() as stop:
         if ready is not None:

@@ -71,6 +71,11 @@ class ComputeProcess:
         self.pending_drops.clear()
         log.info("compute process started", pid=self.proc.pid, threads=self.n_threads, generation=self.generation)
 
+    def warm(self) -> None:
+        """Start the compute process now rather than at the first compute."""
+        if self.proc is None and not self._closed:
+            self._start()
+
     async def _death_cause(self) -> str:
         for _ in range(100):  # the link closed, so the child is gone or going: up to 1 s
             code = self.proc.poll()
