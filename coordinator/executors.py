@@ -20,7 +20,7 @@ from rpc_daemon.tls import client_context
 
 ALIGN = 64
 UPLOAD_CHUNK = 16 << 20
-CACHE_MIN_BYTES = 1 << 20  # smaller tensors are cheaper to send than to hash and look up
+CACHE_MIN_BYTES = 128 << 10  # below this a send is cheaper than a hash look-up round trip, even on a LAN
 
 
 class StageFailed(Exception):
