@@ -231,14 +231,10 @@ class Coordinator:
             split = free if all(f > 0 for f in free) else [1.0] * len(endpoints)
         if len(split) != len(endpoints):
             raise ValueError(f"split has {len(split)} proportions for {len(endpoints)} endpoints")
-        for p, layers in zip(self._places, plan_split(self.hp.n_layer, split)):
+        for index, (p, layers) in enumerate(zip(self._places, plan_split(self.hp.n_layer, split))):
             p.layers = layers
-            p.stage = Stage.create(len(self.stages_so_far()), self.arch, self.hp, self.gguf, layers,
-                                   self.hp.n_layer, self.n_ctx)
+            p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx)
         await self._load_all(progress)
-
-    def stages_so_far(self):
-        return [p for p in self._places if p.stage is not None]
 
     async def _load_all(self, progress: bool, places=None) -> None:
         places = places or self._places

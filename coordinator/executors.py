@@ -10,7 +10,6 @@ import time
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
@@ -271,6 +270,3 @@ def make_executor(endpoint: str, threads: int, **opts):
         return LocalExecutor(threads)
     return RemoteExecutor(endpoint, **opts)
 
-
-def pack_inputs(arrays: dict) -> dict:
-    return {k: np.ascontiguousarray(v) for k, v in arrays.items()}

@@ -17,7 +17,6 @@ import msgpack
 PROTOCOL_VERSION = 1
 FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs")
 PREFIX = struct.Struct("<IQ")
-MAX_NAME = 64
 
 
 class Status(IntEnum):
