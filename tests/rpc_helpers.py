@@ -129,20 +129,25 @@ async def check_compute(c: RpcClient, buf: int, offset: int, x_data: np.ndarray,
     np.testing.assert_array_equal(np.frombuffer(out, np.float32), expect)
 
 
+async def checked_session(c: RpcClient, seed: int = 0) -> None:
+    """On an open client: ALLOC_BUFFER, SET/GET round trip, a small GRAPH_COMPUTE, FREE; all checked."""
+    h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
+    buf = h["buffer"]
+    assert h["size"] == 4096
+    data = (np.arange(12, dtype=np.float32) + seed).astype(np.float32)
+    await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 128, "size": 48}, data.tobytes())
+    _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 128, "size": 48})
+    assert out == data.tobytes()
+    await check_compute(c, buf, 128, data)
+    await c.request(Command.FREE_BUFFER, {"buffer": buf})
+
+
 async def normal_session(endpoint: str, seed: int = 0) -> None:
-    """HELLO, ALLOC_BUFFER, SET/GET round trip and a small GRAPH_COMPUTE, all checked."""
+    """HELLO, then checked_session."""
     c = await RpcClient.connect(endpoint, liveness_timeout=10.0)
     try:
         assert c.server_hello["status"] == Status.SUCCESS and c.server_hello["version"] == P.PROTOCOL_VERSION
-        h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-        buf = h["buffer"]
-        assert h["size"] == 4096
-        data = (np.arange(12, dtype=np.float32) + seed).astype(np.float32)
-        await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 128, "size": 48}, data.tobytes())
-        _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 128, "size": 48})
-        assert out == data.tobytes()
-        await check_compute(c, buf, 128, data)
-        await c.request(Command.FREE_BUFFER, {"buffer": buf})
+        await checked_session(c, seed)
     finally:
         await c.aclose()
 

@@ -30,7 +30,7 @@ from rpc_daemon.graph_codec import encode_graph
 from rpc_daemon.protocol import Command, Status
 from rpc_daemon.ratelimit import TokenBucket
 from rpc_daemon.tls import client_context
-from rpc_helpers import RawConn, assert_served, check_compute, expect_error, small_graph
+from rpc_helpers import RawConn, assert_served, check_compute, checked_session, expect_error, small_graph
 from tls_certs import make_tls_files
 
 MiB = 1 << 20
@@ -75,24 +75,12 @@ def tlsd(secret_file, tls_files):
     d.kill()
 
 
-async def session(c: RpcClient, seed: int = 0) -> None:
-    """ALLOC, SET/GET round trip, a graph, FREE on an open client; all checked."""
-    h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-    buf = h["buffer"]
-    data = (np.arange(12, dtype=np.float32) + seed).astype(np.float32)
-    await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 128, "size": 48}, data.tobytes())
-    _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 128, "size": 48})
-    assert out == data.tobytes()
-    await check_compute(c, buf, 128, data)
-    await c.request(Command.FREE_BUFFER, {"buffer": buf})
-
-
 def served_with(d, **connect) -> None:
     """The daemon is alive and a client connecting with `connect` options is served."""
     async def go():
         c = await RpcClient.connect(d.endpoint, liveness_timeout=10.0, **connect)
         try:
-            await session(c)
+            await checked_session(c)
         finally:
             await c.aclose()
 
@@ -689,7 +677,7 @@ def test_auth_end_to_end(authd, secret_file):
 async def normal_session_auth(endpoint, seed):
     c = await RpcClient.connect(endpoint, secret=SECRET, liveness_timeout=10.0)
     try:
-        await session(c, seed)
+        await checked_session(c, seed)
     finally:
         await c.aclose()
 
@@ -744,7 +732,7 @@ def test_tls_end_to_end(tlsd, tls_files):
     async def big_round_trip():
         c = await RpcClient.connect(tlsd.endpoint, secret=SECRET, ssl_context=ctx, liveness_timeout=10.0)
         try:
-            await session(c)
+            await checked_session(c)
             h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 32 * MiB})
             data = np.random.default_rng(5).integers(0, 256, 32 * MiB, dtype=np.uint8).tobytes()
             await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": len(data)}, data)
