@@ -77,6 +77,7 @@ class LocalExecutor:
         # one allocator per graph: a shared one re-plans on every switch, and
         # reused plans across graphs of equal topology but other sizes corrupt memory
         self.gallocs: dict[int, Gallocr] = {}
+        self.allocated: set[int] = set()  # graphs placed once keep their addresses: no allocator pass per step
         self.buffers = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
 
@@ -104,13 +105,16 @@ class LocalExecutor:
         g, evicted = stage.graph(shape)
         for old in evicted:
             galloc = self.gallocs.pop(id(old), None)
+            self.allocated.discard(id(old))
             if galloc:
                 galloc.close()
         galloc = self.gallocs.get(id(g))
         if galloc is None:
             galloc = self.gallocs[id(g)] = Gallocr(self.backend)
-        if not galloc.alloc_graph(g.gf):
-            raise StageFailed("alloc", self.endpoint, "cannot allocate the compute buffer")
+        if id(g) not in self.allocated:
+            if not galloc.alloc_graph(g.gf):
+                raise StageFailed("alloc", self.endpoint, "cannot allocate the compute buffer")
+            self.allocated.add(id(g))
         for name, arr in inputs.items():
             x = g.inputs[name]
             if x.data == NULL:  # not used by this stage's layers (e.g. mask of a stage without global layers)
@@ -128,6 +132,7 @@ class LocalExecutor:
         for galloc in self.gallocs.values():
             galloc.close()
         self.gallocs.clear()
+        self.allocated.clear()
         for buf in self.buffers:
             lib.ggml_backend_buffer_free(buf)
         self.buffers.clear()

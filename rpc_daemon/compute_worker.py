@@ -30,6 +30,9 @@ class ComputeState:
         # re-plans on every switch, and a plan kept across graphs of equal
         # topology but other sizes overruns its buffer.
         self.graphs: dict[str, tuple] = {}
+        # graphs whose allocator has placed every tensor: a graph that does not
+        # change keeps its addresses, so later computes skip the allocator's pass
+        self.allocated: set[str] = set()
 
     def map_buffer(self, key: int, size: int, fd: int) -> None:
         mm = mmap.mmap(fd, size)
@@ -58,6 +61,7 @@ class ComputeState:
 
     def drop_graph(self, key: str) -> None:
         entry = self.graphs.pop(key, None)
+        self.allocated.discard(key)
         if entry:
             entry[3].close()
             lib.ggml_free(entry[0])
@@ -76,8 +80,10 @@ class ComputeState:
             ptrs, gf = build_graph(ctx, spec, self.buffer_table())
             self.graphs[key] = (ctx, ptrs, gf, Gallocr(self.backend))
         ctx, ptrs, gf, galloc = self.graphs[key]
-        if not galloc.alloc_graph(gf):
-            return {"status": int(lib.GGML_STATUS_ALLOC_FAILED), "error": "cannot allocate the graph's compute buffer"}, b""
+        if key not in self.allocated:
+            if not galloc.alloc_graph(gf):
+                return {"status": int(lib.GGML_STATUS_ALLOC_FAILED), "error": "cannot allocate the graph's compute buffer"}, b""
+            self.allocated.add(key)
         src = ffi.from_buffer(blob) if blob else None
         for tensor, off, size in header["inputs"]:
             ffi.memmove(ptrs[tensor].data, src + off, size)

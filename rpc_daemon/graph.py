@@ -79,6 +79,7 @@ class GraphSpec:
     inputs: list[int]  # tensors whose data comes inline with every compute
     buffers: set[int] = field(default_factory=set)
     row_checks: list = field(default_factory=list)  # row_ids.RowCheck: inline GET_ROWS/SET_ROWS ids to check
+    row_groups: list = field(default_factory=list)  # the same checks grouped by the ids they read
     readable: set[int] | None = None  # tensors with memory after compute (None: any, unsafe mode)
 
 
@@ -171,8 +172,9 @@ def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> Gr
         if i not in used:
             raise _bad(i, "input leaf is not used by any node")
     readable = set(nodes) | used | {t.index for t in tensors if t.buffer}
+    checks = row_ids.plan(tensors, inputs)
     return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer},
-                     row_ids.plan(tensors, inputs), readable)
+                     checks, row_ids.group(checks), readable)
 
 
 def parse_unchecked(h: dict, buffer_size) -> GraphSpec:

@@ -12,11 +12,13 @@ Ids that the graph computes, or that live in a client buffer a node of the same
 graph may write, cannot be checked up front; for those the crash isolation of
 the compute process (and ggml's own GGML_ASSERT on the id) is the guard.
 
-Pure: plan once per validated graph (`plan`), check per compute (`check`).
+Pure: plan once per validated graph (`plan`, then `group` the checks that read
+the same ids), check per compute (`check`).
 """
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,39 +101,75 @@ def ids_array(c: RowCheck, data) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(first, shape=ne[::-1], strides=c.nb[::-1], writeable=False)
 
 
-def check(checks: list[RowCheck], tensors, inline_data) -> None:
-    """`inline_data(tensor index)` gives the bytes sent inline for that input
+@dataclass(frozen=True)
+class RowGroup:
+    """Checks that read the same ids (every layer's SET_ROWS reads the KV row
+    ids): the ids are read and min/maxed once per request, against the fewest
+    rows any check of the group allows."""
+    first: RowCheck
+    rows: int
+    checks: tuple
+
+
+def group(checks: list[RowCheck]) -> list[RowGroup]:
+    by_key: dict = {}
+    for c in checks:
+        by_key.setdefault((c.root, c.offs, c.dtype.str, c.ne, c.nb), []).append(c)
+    return [RowGroup(cs[0], min(c.rows for c in cs), tuple(cs)) for cs in by_key.values()]
+
+
+_NATIVE = {np.dtype("<i4"): "i", np.dtype("<i8"): "q"} if sys.byteorder == "little" else {}
+
+
+def _min_max(c: RowCheck, data) -> tuple[int, int] | None:
+    """(min, max) of the ids, None if there are none. The common case (a few
+    contiguous ids: tokens, KV rows, output rows) avoids numpy: this runs on
+    every step, right after a compute has flushed the caches, where each
+    numpy call costs tens of microseconds."""
+    count = math.prod(c.ne)
+    fmt = _NATIVE.get(c.dtype)
+    if fmt is not None and count <= 4096 and _contiguous(c) and c.offs + count * c.dtype.itemsize <= len(data):
+        if count == 0:
+            return None
+        ids = data[c.offs: c.offs + count * c.dtype.itemsize].cast(fmt)
+        return min(ids), max(ids)
+    arr = ids_array(c, data)
+    if arr is None:
+        raise ProtocolError(Status.INVALID_REQUEST,
+                            f"tensors[{c.ids}]: the row ids of {c.op} tensors[{c.node}] cannot be "
+                            f"checked (strides outside the inline data, or overlapping)")
+    return (int(arr.min()), int(arr.max())) if arr.size else None
+
+
+def check(checks: list, tensors, inline_data) -> None:
+    """`checks` are RowChecks or RowGroups (from `group`, done once per graph).
+    `inline_data(tensor index)` gives the bytes sent inline for that input
     (a memoryview), or None if none were sent. Raises ProtocolError
     (INVALID_REQUEST) for the first id out of range."""
-    seen: dict = {}  # every layer's SET_ROWS reads the same ids: min/max them once per request
-    for c in checks:
-        key = (c.root, c.offs, c.dtype.str, c.ne, c.nb)
-        if key not in seen:
-            data = inline_data(c.root)
-            if data is None:
-                seen[key] = None  # no data sent: the inputs check has refused (or --unsafe-no-validation)
-            else:
-                ids = ids_array(c, data)
-                if ids is None:
-                    raise ProtocolError(Status.INVALID_REQUEST,
-                                        f"tensors[{c.ids}]: the row ids of {c.op} tensors[{c.node}] cannot be "
-                                        f"checked (strides outside the inline data, or overlapping)")
-                seen[key] = (int(ids.min()), int(ids.max()), ids) if ids.size else None
-        if seen[key] is None:
+    groups = checks if checks and isinstance(checks[0], RowGroup) else group(checks)
+    for g in groups:
+        data = inline_data(g.first.root)
+        if data is None:
+            continue  # no data sent: the inputs check has refused (or --unsafe-no-validation)
+        bounds = _min_max(g.first, data)
+        if bounds is None or (bounds[0] >= 0 and bounds[1] < g.rows):
             continue
-        lo, hi, ids = seen[key]
-        if lo >= 0 and hi < c.rows:
-            continue
-        bad = lo if lo < 0 else hi
-        where = np.argwhere(ids == bad)[0][::-1].tolist()  # ggml order: i0, i1, ...
-        ids_t, node_t = tensors[c.ids], tensors[c.node]
-        raise ProtocolError(Status.INVALID_REQUEST,
-                            f"tensors[{c.ids}] ({ids_t.name!r}): row id {bad} at {where} is outside 0..{c.rows - 1}, "
-                            f"the rows of tensors[{c.rows_of}] that {c.op} tensors[{c.node}] ({node_t.name!r}) "
-                            f"indexes")
+        for c in g.checks:  # the slow path, once, to name the first check the ids break
+            if bounds[0] < 0 or bounds[1] >= c.rows:
+                _refuse(c, bounds, ids_array(c, data), tensors)
 
 
-def check_inputs(checks: list[RowCheck], tensors, inputs, blob) -> None:
+def _refuse(c: RowCheck, bounds: tuple[int, int], ids, tensors) -> None:
+    bad = bounds[0] if bounds[0] < 0 else bounds[1]
+    where = np.argwhere(ids == bad)[0][::-1].tolist() if ids is not None else "?"  # ggml order: i0, i1, ...
+    ids_t, node_t = tensors[c.ids], tensors[c.node]
+    raise ProtocolError(Status.INVALID_REQUEST,
+                        f"tensors[{c.ids}] ({ids_t.name!r}): row id {bad} at {where} is outside 0..{c.rows - 1}, "
+                        f"the rows of tensors[{c.rows_of}] that {c.op} tensors[{c.node}] ({node_t.name!r}) "
+                        f"indexes")
+
+
+def check_inputs(checks: list, tensors, inputs, blob) -> None:
     """check() for a compute request: `inputs` are its [tensor, blob_offset,
     size] triples, `blob` its data."""
     if not checks:

@@ -548,7 +548,7 @@ def _input_blob(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, ob
 
 async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
     inputs, blob = _input_blob(c, spec, h, blob)
-    row_ids.check_inputs(spec.row_checks, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
+    row_ids.check_inputs(spec.row_groups, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
     outputs = P.parse_outputs(h, len(spec.tensors))
     unreadable = [i for i in outputs if spec.readable is not None and i not in spec.readable]
     if unreadable:

@@ -908,3 +908,23 @@ def test_client_that_does_not_read_is_bounded(start_daemon):
     conn.wait_closed(timeout=10)
     conn.close()
     served_with(dd)
+
+
+def test_row_checks_grouped_by_ids_use_the_fewest_rows():
+    """Checks reading the same ids (every layer's SET_ROWS reads the KV row ids) are min/maxed once, against
+    the smallest row count of the group, and a refusal still names the check the ids break."""
+    from types import SimpleNamespace
+    tensors = [SimpleNamespace(name=f"t{i}") for i in range(6)]
+    i32 = np.dtype("<i4")
+    wide = row_ids.RowCheck(2, "SET_ROWS", 1, 1, 0, i32, (2, 1, 1, 1), (4, 8, 8, 8), 10, 4)
+    narrow = row_ids.RowCheck(3, "SET_ROWS", 1, 1, 0, i32, (2, 1, 1, 1), (4, 8, 8, 8), 5, 5)
+    (grp,) = row_ids.group([wide, narrow])
+    assert grp.rows == 5 and grp.checks == (wide, narrow)
+    ids = memoryview(np.array([0, 4], i32).tobytes())
+    row_ids.check([grp], tensors, lambda t: ids)
+    bad = memoryview(np.array([0, 7], i32).tobytes())
+    with pytest.raises(P.ProtocolError, match=r"row id 7 at \[1, 0, 0, 0\] is outside 0\.\.4.*tensors\[3\]"):
+        row_ids.check([grp], tensors, lambda t: bad)
+    neg = memoryview(np.array([-1, 0], i32).tobytes())
+    with pytest.raises(P.ProtocolError, match=r"row id -1 .*outside 0\.\.9.*tensors\[2\]"):
+        row_ids.check([wide, narrow], tensors, lambda t: neg)
