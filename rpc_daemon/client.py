@@ -33,12 +33,6 @@ from rpc_daemon.auth import AuthFailed, ClientAuth
 from rpc_daemon.protocol import Command, Status
 from rpc_daemon.sockets import tune_socket
 
-# replies larger than this are read in chunks, so a large transfer in progress
-# counts as a sign of life (a pong queued behind it cannot arrive earlier)
-CHUNKED_READ_THRESHOLD = 4 << 20
-READ_CHUNK = 1 << 20
-
-
 class RpcError(Exception):
     """The daemon answered with an error status; the connection is still usable."""
 
@@ -67,16 +61,26 @@ def _oserror_text(exc: OSError) -> str:
     return str(exc)
 
 
-class RpcClient:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, endpoint: str,
-                 liveness_timeout: float | None, ping_interval: float | None, limits: P.Limits):
-        self.reader, self.writer, self.endpoint = reader, writer, endpoint
+class RpcClient(asyncio.BufferedProtocol):
+    """One connection. It is the transport's protocol: replies are cut out of
+    the receive buffer in the callback that filled it (P.FrameReader) and
+    handed to the waiting request directly, with no reader task in between;
+    a large reply lands in its own buffer without further copies."""
+
+    def __init__(self, endpoint: str, liveness_timeout: float | None, ping_interval: float | None,
+                 limits: P.Limits):
+        self.endpoint = endpoint
+        self.transport: asyncio.Transport | None = None
         if liveness_timeout is not None and liveness_timeout <= 0:
             raise ValueError("liveness_timeout must be positive (or None to disable liveness pings)")
         self.liveness_timeout = liveness_timeout
         self.ping_interval = (ping_interval or liveness_timeout / 4) if liveness_timeout is not None else None
         self.limits = limits
+        self._frames = P.FrameReader(limits)
         self._loop = asyncio.get_running_loop()
+        self._can_write = asyncio.Event()  # cleared while the transport's write buffer is over its limit
+        self._can_write.set()
+        self._lost = self._loop.create_future()  # done when the transport is gone
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._deadlines: dict[int, tuple[float, float]] = {}  # id -> (absolute deadline, seconds)
@@ -90,7 +94,6 @@ class RpcClient:
         self.server_hello: dict = {}
         self.frames_sent = 0  # every frame written, pings included (tests: "no network traffic")
         self.pings_sent = 0
-        self._reader_task = self._loop.create_task(self._read_loop())
 
     # ------------------------------------------------------------ connect
     @classmethod
@@ -103,9 +106,10 @@ class RpcClient:
         host, port = parse_endpoint(endpoint)
         started = time.monotonic()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20,
-                                                                            ssl=ssl_context),
-                                                    connect_timeout)
+            _, client = await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(
+                    lambda: cls(endpoint, liveness_timeout, ping_interval, limits), host, port, ssl=ssl_context),
+                connect_timeout)
         except asyncio.TimeoutError:
             raise PeerFailed("timeout", f"worker {endpoint} unreachable: no connection within "
                                         f"{connect_timeout:g} s") from None
@@ -114,8 +118,7 @@ class RpcClient:
                                          f"{getattr(exc, 'verify_message', None) or exc.reason or exc}") from None
         except OSError as exc:
             raise PeerFailed("unreachable", f"worker {endpoint} unreachable: {_oserror_text(exc)}") from None
-        tune_socket(writer.get_extra_info("socket"))
-        client = cls(reader, writer, endpoint, liveness_timeout, ping_interval, limits)
+        tune_socket(client.transport.get_extra_info("socket"))
         try:
             hello = await _hello(client, secret, started + connect_timeout)
         except AuthFailed as exc:
@@ -144,58 +147,58 @@ class RpcClient:
         client.server_hello = hello
         return client
 
-    # ------------------------------------------------------------ reading
-    async def _read_loop(self) -> None:
-        reader = self.reader
+    # ------------------------------------------------------------ transport callbacks
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._frames.buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_rx = time.monotonic()  # every byte, a large reply's too, is a sign of life
         try:
-            while True:
-                prefix = await reader.readexactly(P.PREFIX.size)
-                self.last_rx = time.monotonic()
-                header_len, blob_len = P.parse_prefix(prefix, self.limits)
-                header = P.decode_header(await reader.readexactly(header_len), self.limits)
-                if not blob_len:
-                    blob = b""
-                elif blob_len <= CHUNKED_READ_THRESHOLD:
-                    blob = await reader.readexactly(blob_len)
-                else:
-                    blob = await self._read_blob(blob_len)
-                self.last_rx = time.monotonic()
-                req_id = header.get("id")
-                fut = self._pending.pop(req_id, None)
-                if fut is not None:
-                    if not fut.done():
-                        fut.set_result((header, blob))
-                elif req_id in self._pings:
-                    self._pings.discard(req_id)
-                elif req_id is None and header.get("status", 0) != 0:
-                    # the daemon refused something at the framing level and will hang up
-                    raise PeerFailed("protocol", f"worker {self.endpoint} refused the connection: "
-                                                 f"{header.get('error', 'protocol error')}")
-        except asyncio.IncompleteReadError as exc:
-            where = " in the middle of a reply" if exc.partial else ""
-            self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
-                                            f"(crashed, killed or restarted?)"))
-        except (ConnectionError, OSError) as exc:
-            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"))
+            frames = self._frames.received(nbytes)
+            for header, blob in frames:
+                self._deliver(header, blob)
         except P.ProtocolError as exc:
             self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a bad frame ({exc.message}); "
                                               f"is it a ggml-rpc-server speaking protocol {P.PROTOCOL_VERSION}?"))
         except PeerFailed as exc:
             self._fail(exc)
-        except asyncio.CancelledError:
-            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed"))
-            raise
 
-    async def _read_blob(self, n: int) -> bytes:
-        parts, got = [], 0
-        while got < n:
-            chunk = await self.reader.read(min(n - got, READ_CHUNK))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"".join(parts), n)
-            parts.append(chunk)
-            got += len(chunk)
-            self.last_rx = time.monotonic()
-        return b"".join(parts)
+    def _deliver(self, header: dict, blob) -> None:
+        req_id = header.get("id")
+        fut = self._pending.pop(req_id, None)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result((header, blob))
+        elif req_id in self._pings:
+            self._pings.discard(req_id)
+        elif req_id is None and header.get("status", 0) != 0:
+            # the daemon refused something at the framing level and will hang up
+            raise PeerFailed("protocol", f"worker {self.endpoint} refused the connection: "
+                                         f"{header.get('error', 'protocol error')}")
+
+    def eof_received(self) -> bool:
+        return False  # close our side too: connection_lost follows
+
+    def connection_lost(self, exc) -> None:
+        if exc is None:
+            where = " in the middle of a reply" if self._frames.partial else ""
+            self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
+                                            f"(crashed, killed or restarted?)"), abort=False)
+        else:
+            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"),
+                       abort=False)
+        self._can_write.set()  # a request waiting to write wakes up and sees the failure
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
 
     def _fail(self, failure: PeerFailed, abort: bool = True) -> None:
         if self._failure is None:
@@ -208,8 +211,8 @@ class RpcClient:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        if abort:  # abort, not close: close() would wait to flush what a stopped peer never reads
-            self.writer.transport.abort()
+        if abort and self.transport is not None:  # abort, not close: close() would wait to flush what a stopped peer never reads
+            self.transport.abort()
 
     @property
     def failed(self) -> PeerFailed | None:
@@ -233,8 +236,7 @@ class RpcClient:
         if self._failure is not None or not self._pending:
             return
         now = time.monotonic()
-        transport = self.writer.transport
-        wbuf = transport.get_write_buffer_size()
+        wbuf = self.transport.get_write_buffer_size()
         if wbuf < self._wbuf:  # the peer took some of a large request since we last looked
             self.last_rx = now
         self._wbuf = wbuf
@@ -266,11 +268,14 @@ class RpcClient:
 
     # ------------------------------------------------------------ requests
     def _write(self, frame: bytes, blob) -> None:
-        self.writer.write(frame)
-        if len(blob):
-            self.writer.write(blob)
+        if len(blob) and len(blob) < 1 << 16:
+            self.transport.write(frame + bytes(blob))  # one system call for the usual small request
+        else:
+            self.transport.write(frame)
+            if len(blob):
+                self.transport.write(blob)
         self.frames_sent += 1
-        self._wbuf = self.writer.transport.get_write_buffer_size()
+        self._wbuf = self.transport.get_write_buffer_size()
 
     def _send(self, cmd: int, fields: dict, blob) -> tuple[int, asyncio.Future]:
         if self._failure is not None:
@@ -296,10 +301,8 @@ class RpcClient:
             self._deadlines[req_id] = (started + deadline, deadline)
         self._arm()
         try:
-            try:
-                await self.writer.drain()
-            except (ConnectionError, OSError) as exc:
-                self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"))
+            if not self._can_write.is_set():
+                await self._can_write.wait()  # the peer is slow to take a large request
             if self._failure is not None and not fut.done():
                 raise self._failure
             header, out = await fut
@@ -320,17 +323,16 @@ class RpcClient:
         return self.rtt
 
     def close(self) -> None:
-        flushed = not self.writer.transport.get_write_buffer_size()
+        flushed = not self.transport.get_write_buffer_size()
         self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed by us"), abort=not flushed)
-        self._reader_task.cancel()
         if flushed:
-            self.writer.close()
+            self.transport.close()
 
     async def aclose(self) -> None:
         self.close()
         try:
-            await self._reader_task
-        except (asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(self._lost), 1.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
             pass
 
 

@@ -110,6 +110,81 @@ def decode_header(data: bytes, limits: Limits) -> dict:
     return header
 
 
+class FrameReader:
+    """Incremental frame decoder, sans-I/O: the I/O layer receives into
+    `buffer()`, reports the count to `received(n)` and gets back the frames
+    completed, as (header, blob) pairs. Small frames, however many arrive
+    together, are cut out of one receive buffer (one system call and one
+    Python pass for a whole reply); a large blob is received straight into its
+    own bytearray, with no further copy. Raises ProtocolError on a bad prefix
+    or header; the stream cannot be resynchronized after that."""
+
+    LARGE = 1 << 16  # blobs from this size get their own buffer
+
+    def __init__(self, limits: Limits, size: int = 1 << 17):
+        self.limits = limits
+        self._size = size
+        self._buf = bytearray(size)
+        self._have = 0  # bytes of _buf filled
+        self._header: dict | None = None  # header of the large blob being received
+        self._blob: bytearray | None = None
+        self._got = 0
+
+    def buffer(self) -> memoryview:
+        if self._blob is not None:
+            return memoryview(self._blob)[self._got:]
+        return memoryview(self._buf)[self._have:]
+
+    def received(self, n: int) -> list[tuple[dict, bytes]]:
+        if self._blob is not None:
+            self._got += n
+            if self._got < len(self._blob):
+                return []
+            frame = (self._header, self._blob)
+            self._header = self._blob = None
+            return [frame]
+        self._have += n
+        view = memoryview(self._buf)
+        frames, pos, need = [], 0, 0
+        while self._have - pos >= PREFIX.size:
+            header_len, blob_len = parse_prefix(bytes(view[pos: pos + PREFIX.size]), self.limits)
+            start = pos + PREFIX.size + header_len
+            if self._have < start:
+                need = start - pos
+                break
+            header = decode_header(bytes(view[pos + PREFIX.size: start]), self.limits)
+            end = start + blob_len
+            if self._have >= end:
+                frames.append((header, bytes(view[start:end]) if blob_len else b""))
+                pos = end
+                continue
+            if blob_len >= self.LARGE:
+                self._header, self._blob = header, bytearray(blob_len)
+                self._got = self._have - start
+                self._blob[: self._got] = view[start: self._have]
+                pos = self._have
+            else:
+                need = end - pos
+            break
+        rest = self._have - pos
+        if pos:
+            view[:rest] = view[pos: self._have]
+            self._have = rest
+        del view
+        if need > len(self._buf):  # a frame start larger than the buffer: a larger one (the transport
+            grown = bytearray(need)  # may still hold a view of this one, so no resizing in place)
+            grown[: self._have] = memoryview(self._buf)[: self._have]
+            self._buf = grown
+        elif not rest and len(self._buf) > self._size:
+            self._buf = bytearray(self._size)  # give back what one large header took
+        return frames
+
+    @property
+    def partial(self) -> bool:
+        """A frame has started but not completed."""
+        return self._have > 0 or self._blob is not None
+
+
 def reply_header(request_id, status: Status, message: str = "", **fields) -> dict:
     header = {"id": request_id, "status": int(status)}
     if message:

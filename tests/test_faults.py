@@ -574,7 +574,7 @@ def test_client_vanishing_mid_request_frees_its_buffers(start_daemon):
         _, tensors, iz, _ = await load_chain(gone, steps=30)
         fut = asyncio.ensure_future(gone.request(Command.GRAPH_COMPUTE, {"tensors": tensors, "outputs": [iz]}))
         await asyncio.sleep(0.3)  # the compute is under way
-        gone.writer.transport.abort()  # vanish: RST, no goodbye
+        gone.transport.abort()  # vanish: RST, no goodbye
         with pytest.raises(PeerFailed):
             await fut
         await gone.aclose()

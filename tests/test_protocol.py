@@ -101,6 +101,58 @@ def test_header_not_a_map(value):
         P.decode_header(msgpack.packb(value, use_bin_type=True), LIMITS)
 
 
+def _stream(frames) -> bytes:
+    return b"".join(P.encode_frame(h, len(b)) + b for h, b in frames)
+
+
+def _feed(reader: P.FrameReader, data: bytes, cuts) -> list:
+    """Deliver `data` to `reader` the way a transport does, in pieces ending at `cuts`."""
+    got, pos = [], 0
+    for end in [*cuts, len(data)]:
+        while pos < end:
+            buf = reader.buffer()
+            n = min(len(buf), end - pos)
+            assert n > 0
+            buf[:n] = data[pos: pos + n]
+            pos += n
+            got += reader.received(n)
+    return got
+
+
+FRAMES = [({"id": 1, "status": 0}, b""), ({"id": 2, "x": "y" * 300}, b"abc"),
+          ({"id": 3}, bytes(range(256)) * 400), ({"id": 4}, b"z" * 70_000), ({"id": 5}, b"")]
+
+
+@pytest.mark.parametrize("step", [1, 7, 12, 13, 4096, 65_536, 10 ** 9])
+def test_frame_reader_any_split(step):
+    """Frames come out whole and in order however the stream is cut: byte by byte, across prefixes and
+    headers, several frames per read, and blobs larger than the receive buffer (their own bytearray)."""
+    data = _stream(FRAMES)
+    reader = P.FrameReader(LIMITS, size=4096)
+    got = _feed(reader, data, range(step, len(data), step))
+    assert [(h, bytes(b)) for h, b in got] == FRAMES
+    assert not reader.partial
+
+
+def test_frame_reader_header_larger_than_buffer():
+    frames = [({"id": 1, "big": "q" * 20_000}, b"tail"), ({"id": 2}, b"")]
+    reader = P.FrameReader(LIMITS, size=1024)
+    data = _stream(frames)
+    got = _feed(reader, data, range(500, len(data), 500))
+    assert [(h, bytes(b)) for h, b in got] == frames
+
+
+def test_frame_reader_partial_and_errors():
+    reader = P.FrameReader(LIMITS)
+    data = _stream([({"id": 9}, b"12345")])
+    assert _feed(reader, data[:-2], []) == [] and reader.partial
+    assert _feed(reader, data[-2:], []) == [({"id": 9}, b"12345")] and not reader.partial
+    with raises(Status.LIMIT_EXCEEDED, "header_len 0"):
+        _feed(P.FrameReader(LIMITS), P.encode_prefix(0, 0), [])
+    with raises(Status.INVALID_REQUEST, "msgpack map"):
+        _feed(P.FrameReader(LIMITS), P.encode_prefix(1, 0) + msgpack.packb(5), [])
+
+
 def test_reply_header():
     assert P.reply_header(3, Status.SUCCESS) == {"id": 3, "status": 0}
     assert P.reply_header(None, Status.NOT_FOUND, "gone", x=1) == {"id": None, "status": -105, "error": "gone", "x": 1}
