@@ -28,7 +28,7 @@ import os
 import ssl
 import time
 
-from rpc_daemon import protocol as P
+from rpc_daemon import hoptrace, protocol as P
 from rpc_daemon.auth import AuthFailed, ClientAuth
 from rpc_daemon.protocol import Command, Status
 from rpc_daemon.sockets import tune_socket
@@ -156,6 +156,8 @@ class RpcClient(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_rx = time.monotonic()  # every byte, a large reply's too, is a sign of life
+        if hoptrace.ON and not self._frames.partial:
+            hoptrace.mark("client rx")
         try:
             frames = self._frames.received(nbytes)
             for header, blob in frames:
@@ -296,6 +298,9 @@ class RpcClient(asyncio.BufferedProtocol):
         Raises RpcError for an error status, PeerFailed if the peer is gone,
         timed out (liveness or `deadline` seconds), or spoke garbage."""
         started = time.monotonic()
+        traced = hoptrace.ON and cmd in (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE)
+        if traced:
+            hoptrace.mark("client send")
         req_id, fut = self._send(cmd, fields or {}, blob)
         if deadline is not None:
             self._deadlines[req_id] = (started + deadline, deadline)
@@ -306,6 +311,8 @@ class RpcClient(asyncio.BufferedProtocol):
             if self._failure is not None and not fut.done():
                 raise self._failure
             header, out = await fut
+            if traced:
+                hoptrace.mark("client has reply")
         except asyncio.CancelledError:
             self._fail(PeerFailed("closed", "request cancelled; connection closed to keep replies in order"))
             raise

@@ -19,7 +19,7 @@ import sys
 
 import structlog
 
-from rpc_daemon import compute_link
+from rpc_daemon import compute_link, hoptrace
 
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
@@ -192,6 +192,8 @@ class ComputeProcess:
                 header["graph"] = spec
             self._busy = True
             try:
+                if hoptrace.ON:
+                    hoptrace.mark("daemon to compute")
                 await compute_link.asend(loop, self.sock, header, blob, fds)
                 self.mapped.update(k for k, _ in maps)
                 self.pending_unmaps.clear()
@@ -218,6 +220,8 @@ class ComputeProcess:
                 raise ComputeFailed(cause) from None
             finally:
                 self._busy = False
+            if hoptrace.ON:
+                hoptrace.mark("daemon from compute")
             if reply.get("arena_bytes"):
                 out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
             return reply, out

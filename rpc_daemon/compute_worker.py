@@ -16,7 +16,7 @@ import sys
 import time
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
-from rpc_daemon import compute_link
+from rpc_daemon import compute_link, hoptrace
 from rpc_daemon.graph_codec import build_graph, context_size
 
 
@@ -87,8 +87,12 @@ class ComputeState:
         src = ffi.from_buffer(blob) if blob else None
         for tensor, off, size in header["inputs"]:
             ffi.memmove(ptrs[tensor].data, src + off, size)
+        if hoptrace.ON:
+            hoptrace.mark("compute start")
         started = time.perf_counter()
         status = self.backend.compute(gf)
+        if hoptrace.ON:
+            hoptrace.mark("compute end")
         compute_us = int((time.perf_counter() - started) * 1e6)
         if status != lib.GGML_STATUS_SUCCESS:
             return {"status": int(status), "error": f"ggml_backend_graph_compute returned {status}"}, b""
@@ -112,6 +116,8 @@ def serve(sock: socket.socket, n_threads: int) -> None:
         while True:
             try:
                 header, blob, fds = compute_link.recv(sock)
+                if hoptrace.ON:
+                    hoptrace.mark("compute rx")
             except compute_link.LinkClosed:
                 return
             maps = header.get("maps", ())
@@ -128,6 +134,8 @@ def serve(sock: socket.socket, n_threads: int) -> None:
             else:
                 reply, out = {"status": 0}, b""
             compute_link.send(sock, reply, out)
+            if hoptrace.ON and header.get("kind") == "compute":
+                hoptrace.mark("compute sent")
     finally:
         for key in list(state.graphs):
             state.drop_graph(key)

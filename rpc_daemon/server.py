@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 
 from rpc_daemon import auth as A
+from rpc_daemon import hoptrace
 from rpc_daemon import protocol as P
 from rpc_daemon import row_ids
 from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer
@@ -111,6 +112,10 @@ class Connection(asyncio.BufferedProtocol):
         self.worker_busy = False
         self.last_activity = time.monotonic()
         self._scratch = bytearray(1 << 16)
+        # between frames, bytes are received here, so a small request (prefix,
+        # header and blob) takes one receive and one pass, not three
+        self._rx = memoryview(bytearray(1 << 16))
+        self._rx_used = False
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
         self._warn_budget = TokenBucket(5.0, 20)  # refusals logged per client: no log flood
@@ -146,6 +151,9 @@ class Connection(asyncio.BufferedProtocol):
         self.log.info("client connected")
 
     def get_buffer(self, sizehint: int):
+        self._rx_used = self._stage in ("prefix", "header")
+        if self._rx_used:
+            return self._rx
         if self._stage == "discard":
             return memoryview(self._scratch)[: min(len(self._scratch), self._blob_len - self._pos)]
         return self._target[self._pos:]
@@ -153,6 +161,10 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.daemon.stats["bytes_in"] += nbytes
         self.last_activity = time.monotonic()
+        if self._rx_used:
+            self._rx_used = False
+            self._consume(self._rx[:nbytes])
+            return
         self._pos += nbytes
         want = self._blob_len if self._stage == "discard" else len(self._target)
         if self._pos >= want:
@@ -162,8 +174,35 @@ class Connection(asyncio.BufferedProtocol):
                 self._reply(None, exc.status, exc.message)
                 self.abort(exc.message)
 
+    def _consume(self, data: memoryview) -> None:
+        """Run received bytes through the frame state machine: copied into the
+        current target (prefix, header, blob) or skipped (discard), frame
+        after frame; a large blob's remaining bytes then arrive in place."""
+        pos = 0
+        while pos < len(data):
+            if self.transport is None or self.transport.is_closing():
+                return  # a frame error hung up: what follows is not read
+            if self._stage == "discard":
+                k = min(len(data) - pos, self._blob_len - self._pos)
+                want = self._blob_len
+            else:
+                k = min(len(data) - pos, len(self._target) - self._pos)
+                self._target[self._pos: self._pos + k] = data[pos: pos + k]
+                want = len(self._target)
+            self._pos += k
+            pos += k
+            if self._pos >= want:
+                try:
+                    self._advance()
+                except ProtocolError as exc:  # framing broken: answer and hang up
+                    self._reply(None, exc.status, exc.message)
+                    self.abort(exc.message)
+                    return
+
     def _advance(self) -> None:
         if self._stage == "prefix":
+            if hoptrace.ON:
+                hoptrace.mark("daemon rx")
             header_len, self._blob_len = P.parse_prefix(bytes(self._target), self.limits)
             self._stage, self._target, self._pos = "header", memoryview(bytearray(header_len)), 0
             return
@@ -238,6 +277,8 @@ class Connection(asyncio.BufferedProtocol):
         if cmd == Command.HELLO:
             self._hello(req_id, header)
             return
+        if hoptrace.ON:
+            hoptrace.mark("daemon queued")
         self.queue.put_nowait((header, blob, direct))
         if self.queue.qsize() > 64 and self.transport is not None:
             self.transport.pause_reading()
@@ -339,6 +380,8 @@ class Connection(asyncio.BufferedProtocol):
         header = P.reply_header(req_id, status, message, **fields)
         frame = P.encode_frame(header, len(blob))
         self.daemon.stats["bytes_out"] += len(frame) + len(blob)
+        if hoptrace.ON:
+            hoptrace.mark("daemon reply")
         self.transport.write(frame)
         if len(blob):
             self.transport.write(blob)
@@ -547,6 +590,8 @@ def _input_blob(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, ob
 
 
 async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
+    if hoptrace.ON:
+        hoptrace.mark("daemon handler")
     inputs, blob = _input_blob(c, spec, h, blob)
     row_ids.check_inputs(spec.row_groups, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
     outputs = P.parse_outputs(h, len(spec.tensors))
@@ -559,6 +604,8 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
         buf = c._buffer(key)
         bufs[key] = (buf.size, buf.fd)
     key = c.graph_key(graph_id)
+    if hoptrace.ON:
+        hoptrace.mark("daemon validated")
     try:
         reply, out = await c.daemon.compute.call(
             {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,

@@ -1,0 +1,103 @@
+"""Where a remote decode step's time goes, hop by hop.
+
+    python bench/bench_hops.py [--tg N] [--model PATH] [--greedy]
+
+Runs the bundled model (or --model) on two local workers with
+GGML_RPC_HOP_TRACE set (rpc_daemon/hoptrace.py), so the coordinator, each
+daemon and each compute process stamp fixed points of every compute request
+with the shared monotonic clock. After a warm-up it decodes --tg single tokens
+and prints, per stage, the median time between consecutive points, then the
+step time against the sum of compute, next to an in-process run of the same
+steps in the same invocation (this machine is shared: only side by side
+numbers compare). Bounded: --tg steps (default 32) per setup.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+TRACE = tempfile.NamedTemporaryFile(prefix="hops-", suffix=".txt", delete=False).name
+os.environ["GGML_RPC_HOP_TRACE"] = TRACE  # before rpc_daemon is imported: hoptrace reads it once
+
+from coordinator import Batch, Coordinator  # noqa: E402
+from coordinator.local_workers import LocalWorkers  # noqa: E402
+
+
+def steps(c: Coordinator, n: int, greedy: bool) -> list[float]:
+    c.kv_clear()
+    c.decode(Batch.single(list(range(10, 42)), 0))
+    tok, pos, out = c.token(-1), 32, []
+    for i in range(8 + n):  # 8 warm-up steps: graphs sent, allocators placed
+        if i == 8:
+            with open(TRACE, "w"):
+                pass  # keep only the measured steps
+        t = time.perf_counter()
+        if c.decode(Batch.single([tok], pos), greedy=greedy) != 0:
+            raise SystemExit(f"decode failed: {c.last_error}")
+        out.append(time.perf_counter() - t)
+        tok, pos = c.token(-1), pos + 1
+    return out[8:]
+
+
+def hops(path: str, n_stages: int) -> list[list[tuple[str, float]]]:
+    """Per stage: (from -> to, median microseconds) between consecutive points."""
+    events = []
+    for line in open(path).read().splitlines():
+        point, t = line.split(" ", 1)[1].rsplit(" ", 1)  # "pid point words microseconds"
+        events.append((int(t), point))
+    events.sort()
+    requests, cur = [], None
+    for t, point in events:
+        if point == "client send":
+            cur = [(t, point)]
+            requests.append(cur)
+        elif cur is not None:
+            cur.append((t, point))
+    gaps = [collections.defaultdict(list) for _ in range(n_stages)]
+    for k, req in enumerate(requests):
+        if k % n_stages and k >= 1:  # the coordinator passes one stage's output to the next
+            gaps[k % n_stages]["(previous stage's reply -> client send)"].append(req[0][0] - requests[k - 1][-1][0])
+        for (t0, a), (t1, b) in zip(req, req[1:]):
+            gaps[k % n_stages][f"{a} -> {b}"].append(t1 - t0)
+    return [[(name, statistics.median(v)) for name, v in g.items() if len(v) * 2 >= len(requests) // n_stages]
+            for g in gaps]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--greedy", action="store_true", help="the last worker returns the argmax, not the logits")
+    args = ap.parse_args()
+    with LocalWorkers(2, threads=1) as workers:
+        endpoints = workers.endpoints
+        local = Coordinator(["local"], model=args.model, n_ctx=256, threads=1)
+        remote = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1)
+        try:
+            local_steps = steps(local, args.tg, args.greedy)
+            remote_steps = steps(remote, args.tg, args.greedy)
+            table = hops(TRACE, len(endpoints))
+        finally:
+            remote.close()
+            local.close()
+    os.unlink(TRACE)
+    what = "greedy (argmax returned)" if args.greedy else "full logits returned"
+    print(f"tg step, {what}, median over {args.tg} steps")
+    for i, rows in enumerate(table):
+        print(f"stage {i} ({endpoints[i]}):")
+        for name, us in rows:
+            print(f"  {name:<42} {us:8.0f} us")
+        hop_us = sum(us for name, us in rows if name != "compute start -> compute end")
+        print(f"  {'everything but compute':<42} {hop_us:8.0f} us")
+    loc, rem = statistics.median(local_steps) * 1e3, statistics.median(remote_steps) * 1e3
+    print(f"in-process step {loc:.2f} ms; remote step {rem:.2f} ms; ratio {loc / rem:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
