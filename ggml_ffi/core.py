@@ -194,6 +194,10 @@ class Gallocr:
     def alloc_graph(self, gf) -> bool:
         return bool(lib.ggml_gallocr_alloc_graph(self.ptr, gf))
 
+    def buffer_size(self) -> int:
+        """Bytes of the compute buffer it holds (0 before the first allocation)."""
+        return int(lib.ggml_gallocr_get_buffer_size(self.ptr, 0))
+
     def close(self) -> None:
         if self.ptr is not None:
             lib.ggml_gallocr_free(self.ptr)

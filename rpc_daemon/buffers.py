@@ -2,6 +2,8 @@
 
 The compute process maps the same memory, so its death loses no data. The
 registry enforces the daemon-wide byte cap (`--mem`) and per-client ownership.
+The cap covers the compute process's intermediates too (`compute_bytes`, as
+it last reported them): a buffer is refused if it would not fit beside them.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import itertools
 import mmap
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 ALIGNMENT = 64  # every buffer base is page aligned; tensors inside should be 64-byte aligned
 
@@ -38,12 +41,13 @@ class BufferRegistry:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.allocated = 0
+        self.compute_bytes: Callable[[], int] = lambda: 0  # set by the daemon: its compute process's share
         self._buffers: dict[int, SharedBuffer] = {}
         self._keys = itertools.count(1)
 
     def alloc(self, owner: int, size: int) -> SharedBuffer | None:
         """A zero-filled buffer, or None if the cap or the system refuses."""
-        if size <= 0 or self.allocated + size > self.max_bytes:
+        if size <= 0 or self.allocated + self.compute_bytes() + size > self.max_bytes:
             return None
         key = next(self._keys)
         try:

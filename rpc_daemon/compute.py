@@ -41,6 +41,7 @@ class ComputeProcess:
         self.known_graphs: set[str] = set()
         self.pending_unmaps: set[int] = set()
         self.pending_drops: set[str] = set()
+        self.compute_bytes = 0  # the child's graph allocators' buffers, as its last reply said
         self._lock: asyncio.Lock | None = None
         # outputs come back through this shared area, not through the link: a
         # megabyte of logits per step costs a memcpy instead of a socket round
@@ -69,6 +70,7 @@ class ComputeProcess:
         self.known_graphs.clear()
         self.pending_unmaps.clear()
         self.pending_drops.clear()
+        self.compute_bytes = 0
         log.info("compute process started", pid=self.proc.pid, threads=self.n_threads, generation=self.generation)
 
     def warm(self) -> None:
@@ -99,6 +101,7 @@ class ComputeProcess:
             self.sock.close()
         self.sock = None
         self.proc = None
+        self.compute_bytes = 0  # its memory went with it
         self.restarts += 1
 
     def close(self) -> None:
@@ -222,6 +225,9 @@ class ComputeProcess:
                 self._busy = False
             if hoptrace.ON:
                 hoptrace.mark("daemon from compute")
+            self.compute_bytes = reply.get("compute_bytes", self.compute_bytes)
+            if reply.get("graph_dropped") and key is not None:
+                self.known_graphs.discard(key)  # refused for memory: the spec goes again next time
             if reply.get("arena_bytes"):
                 out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
             return reply, out

@@ -30,9 +30,11 @@ class ComputeState:
         # re-plans on every switch, and a plan kept across graphs of equal
         # topology but other sizes overruns its buffer.
         self.graphs: dict[str, tuple] = {}
-        # graphs whose allocator has placed every tensor: a graph that does not
-        # change keeps its addresses, so later computes skip the allocator's pass
-        self.allocated: set[str] = set()
+        # graphs whose allocator has placed every tensor, and the bytes its compute
+        # buffer holds: a graph that does not change keeps its addresses, so later
+        # computes skip the allocator's pass
+        self.allocated: dict[str, int] = {}
+        self.compute_bytes = 0  # all graphs' compute buffers: counted against --mem by the daemon
 
     def map_buffer(self, key: int, size: int, fd: int) -> None:
         mm = mmap.mmap(fd, size)
@@ -61,7 +63,7 @@ class ComputeState:
 
     def drop_graph(self, key: str) -> None:
         entry = self.graphs.pop(key, None)
-        self.allocated.discard(key)
+        self.compute_bytes -= self.allocated.pop(key, 0)
         if entry:
             entry[3].close()
             lib.ggml_free(entry[0])
@@ -83,7 +85,17 @@ class ComputeState:
         if key not in self.allocated:
             if not galloc.alloc_graph(gf):
                 return {"status": int(lib.GGML_STATUS_ALLOC_FAILED), "error": "cannot allocate the graph's compute buffer"}, b""
-            self.allocated.add(key)
+            need = galloc.buffer_size()
+            self.allocated[key] = need
+            self.compute_bytes += need
+            # intermediates count against the daemon's --mem cap as client buffers do;
+            # their pages are not touched before compute, so refusing here costs nothing
+            budget = header.get("budget")
+            if budget is not None and self.compute_bytes > budget:
+                self.drop_graph(key)
+                return {"status": int(lib.GGML_STATUS_ALLOC_FAILED), "graph_dropped": True,
+                        "error": f"the graph needs {need} bytes of compute memory and the daemon's memory cap "
+                                 f"(--mem) leaves {max(0, budget - self.compute_bytes)}"}, b""
         src = ffi.from_buffer(blob) if blob else None
         for tensor, off, size in header["inputs"]:
             ffi.memmove(ptrs[tensor].data, src + off, size)
@@ -133,6 +145,7 @@ def serve(sock: socket.socket, n_threads: int) -> None:
                 reply, out = state.compute(header, blob)
             else:
                 reply, out = {"status": 0}, b""
+            reply["compute_bytes"] = state.compute_bytes
             compute_link.send(sock, reply, out)
             if hoptrace.ON and header.get("kind") == "compute":
                 hoptrace.mark("compute sent")

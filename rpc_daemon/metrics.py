@@ -26,6 +26,9 @@ class DaemonCollector:
         yield GaugeMetricFamily("ggml_rpc_buffer_bytes", "Bytes allocated to clients", value=d.buffers.allocated)
         yield GaugeMetricFamily("ggml_rpc_buffer_bytes_max", "Cap on bytes allocated to clients (--mem)",
                                 value=d.buffers.max_bytes)
+        yield GaugeMetricFamily("ggml_rpc_compute_bytes", "Bytes of graph intermediates the compute process "
+                                                          "holds (counted against --mem)",
+                                value=d.compute.compute_bytes)
 
 
 def serve_metrics(daemon, host: str, port: int):

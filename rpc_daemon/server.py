@@ -79,6 +79,7 @@ class Daemon:
         self.config = config
         self.buffers = BufferRegistry(config.mem or physical_memory())
         self.compute = ComputeProcess(config.threads, config.compute_timeout)
+        self.buffers.compute_bytes = lambda: self.compute.compute_bytes
         self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
@@ -477,7 +478,7 @@ async def handle_device_info(c: Connection, h, blob, direct):
                                   "avx512_vbmi", "avx512_vnni", "avx512_bf16", "neon", "arm_fma", "fp16_va",
                                   "dotprod", "matmul_int8", "sve")
                 if getattr(lib, f"ggml_cpu_has_{name}", lambda: 0)()]
-    free = min(reg.max_bytes - reg.allocated, available_memory())
+    free = min(reg.max_bytes - reg.allocated - reg.compute_bytes(), available_memory())
     return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": max(0, free),
             "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": c.daemon.config.threads,
             "cpu_features": features, "tensor_cache": c.daemon.cache is not None}
@@ -507,7 +508,8 @@ async def handle_alloc_buffer(c: Connection, h, blob, direct):
     if buf is None:
         reg = c.daemon.buffers
         return {"status": Status.ALLOC_FAILED,
-                "error": f"cannot allocate {size} bytes ({reg.max_bytes - reg.allocated} of {reg.max_bytes} free)"}
+                "error": f"cannot allocate {size} bytes ({max(0, reg.max_bytes - reg.allocated - reg.compute_bytes())} "
+                         f"of {reg.max_bytes} free; {reg.compute_bytes()} held by compute)"}
     return {"buffer": buf.key, "size": buf.size, "alignment": ALIGNMENT}
 
 
@@ -608,7 +610,8 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
         hoptrace.mark("daemon validated")
     try:
         reply, out = await c.daemon.compute.call(
-            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,
+            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs,
+             "budget": c.daemon.buffers.max_bytes - c.daemon.buffers.allocated}, blob, bufs, spec,
             out_size=sum(spec.tensors[i].nbytes for i in outputs))
     except ComputeFailed as exc:
         c.daemon.stats["compute_restarts"] += 1
@@ -652,6 +655,7 @@ async def handle_graph_free(c: Connection, h, blob, direct):
     graph_id = P.field_int(h, "graph_id", 1)
     if c.graphs.pop(graph_id, None) is not None:
         c.daemon.compute.forget_graph(c.graph_key(graph_id))
+        c.daemon.compute.flush_soon()  # its compute memory is returned (and counted free) now, not at the next compute
     return {}
 
 

@@ -443,15 +443,75 @@ def test_mem_cap(start_daemon):
             for b in (b2, b3):
                 await c.request(Command.FREE_BUFFER, {"buffer": b})
             assert await free_memory(c) == MiB
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB})
+            # a graph's intermediates count against the cap too: leave them room
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB - 4096})
             x = np.arange(12, dtype=np.float32)
-            await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": MiB - 48, "size": 48}, x.tobytes())
-            await check_compute(c, h["buffer"], MiB - 48, x)
+            at = MiB - 4096 - 48
+            await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": at, "size": 48}, x.tobytes())
+            await check_compute(c, h["buffer"], at, x)
         finally:
             await c.aclose()
 
     run(scenario())
     run(_served_when_free(d))
+
+
+def outer_product_graph(n: int):
+    """z = a x b (mul_mat of two inline [1, n] f32 vectors): 8n bytes in, a 4n*n-byte intermediate."""
+    from ggml_ffi import Context
+    from rpc_daemon.graph_codec import encode_graph
+
+    ctx = Context(8)
+    try:
+        a = ctx.new_tensor(lib.GGML_TYPE_F32, [1, n], "a")
+        b = ctx.new_tensor(lib.GGML_TYPE_F32, [1, n], "b")
+        for t in (a, b):
+            lib.ggml_set_input(t)
+        z = lib.ggml_mul_mat(ctx.ptr, a, b)
+        lib.ggml_set_output(z)
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, z)
+        tensors, index_of = encode_graph(gf, lambda t: None)
+        ia, ib, iz = index_of[a], index_of[b], index_of[z]
+    finally:
+        ctx.close()
+    va, vb = np.linspace(-1, 1, n, dtype=np.float32), np.linspace(2, 3, n, dtype=np.float32)
+    fields = {"tensors": tensors, "inputs": [[ia, 0, 4 * n], [ib, 4 * n, 4 * n]], "outputs": [iz]}
+    return fields, va.tobytes() + vb.tobytes(), np.outer(vb, va)
+
+
+def test_mem_cap_counts_compute_memory(start_daemon):
+    """--mem covers what a graph's intermediates take in the compute process, not only client buffers: a
+    graph whose compute buffer does not fit is refused (ALLOC_FAILED, saying so) before any compute, and a
+    graph that fits shows up in free_memory until it is freed."""
+    d = start_daemon("-t", "1", "-m", "2")
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            big, big_blob, _ = outer_product_graph(1024)  # a 4 MiB intermediate under a 2 MiB cap
+            await expect_error(c.request(Command.GRAPH_COMPUTE, dict(big, graph_id=1), big_blob), Status.ALLOC_FAILED,
+                               "compute memory", "--mem")
+            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 1, "inputs": big["inputs"],
+                                                                   "outputs": big["outputs"]}, big_blob),
+                               Status.ALLOC_FAILED, "compute memory")  # the cached graph: refused again, no crash
+            assert await free_memory(c) == 2 * MiB
+            small, small_blob, expect = outer_product_graph(256)  # 256 KiB
+            h, out = await c.request(Command.GRAPH_COMPUTE, dict(small, graph_id=2), small_blob)
+            np.testing.assert_allclose(np.frombuffer(out, np.float32).reshape(256, 256), expect, rtol=1e-6)
+            held = 2 * MiB - await free_memory(c)
+            assert 256 << 10 <= held < MiB
+            await expect_error(c.request(Command.ALLOC_BUFFER, {"size": 2 * MiB - held + 1}), Status.ALLOC_FAILED,
+                               "held by compute")
+            await c.request(Command.GRAPH_FREE, {"graph_id": 2})
+            await c.request(Command.GRAPH_FREE, {"graph_id": 1})
+            await wait_free_memory(c, 2 * MiB)  # the compute process dropped the graph: the memory is back
+            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 2 * MiB})
+        finally:
+            await c.aclose()
+
+    run(scenario())
+    assert_served(d)
 
 
 async def _served_when_free(d):
@@ -491,7 +551,7 @@ def _disconnect_mid_set_tensor(port):
 def _disconnect_after_compute(port):
     async def scenario():
         c = await RpcClient.connect(f"127.0.0.1:{port}")
-        h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB})
+        h, _ = await c.request(Command.ALLOC_BUFFER, {"size": MiB - 4096})  # room for the graph's intermediates
         x = np.ones(12, np.float32)
         await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": 48}, x.tobytes())
         await check_compute(c, h["buffer"], 0, x, graph_id=3)

@@ -44,13 +44,24 @@ async def device_info(endpoint: str) -> dict:
         await c.aclose()
 
 
+def free_memory_settled(endpoint: str, want: int, timeout: float = 10.0) -> int:
+    """free_memory once it reads `want` (a departed client's graphs are dropped by the compute process
+    just after it leaves), or what it reads at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = asyncio.run(device_info(endpoint))["free_memory"]
+        if free == want or time.monotonic() > deadline:
+            return free
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def fuzzed():
     """The daemon under fuzz, its baseline, and the one fuzzing client."""
     d = DaemonProcess("-t", "1", "-m", str(MEM_MIB), "--max-requests-per-second", "0")
     try:
         assert_served(d)  # compute process up, first allocations made: a fair baseline
-        baseline = {"free_memory": asyncio.run(device_info(d.endpoint))["free_memory"], "rss": rss(d.proc.pid),
+        baseline = {"free_memory": free_memory_settled(d.endpoint, MEM_MIB << 20), "rss": rss(d.proc.pid),
                     "started": time.monotonic()}
         client = FuzzClient(d.port)
         yield d, client, baseline
@@ -120,12 +131,7 @@ def test_daemon_after_fuzzing(fuzzed):
     _check_alive(d)
     for seed in range(3):
         assert_served(d, seed=seed)
-    deadline = time.monotonic() + 10
-    while True:
-        free = asyncio.run(device_info(d.endpoint))["free_memory"]
-        if free == baseline["free_memory"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    free = free_memory_settled(d.endpoint, MEM_MIB << 20)
     assert free == baseline["free_memory"] == MEM_MIB << 20, (free, baseline)
     grown = rss(d.proc.pid) - baseline["rss"]
     assert grown < 64 << 20, f"daemon RSS grew by {grown >> 20} MiB over {cases} cases"
