@@ -270,12 +270,10 @@ class RpcClient(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ requests
     def _write(self, frame: bytes, blob) -> None:
-        if len(blob) and len(blob) < 1 << 16:
-            self.transport.write(frame + bytes(blob))  # one system call for the usual small request
+        if len(blob):
+            self.transport.writelines([frame, blob])  # one vectored write, one segment for a small request
         else:
             self.transport.write(frame)
-            if len(blob):
-                self.transport.write(blob)
         self.frames_sent += 1
         self._wbuf = self.transport.get_write_buffer_size()
 

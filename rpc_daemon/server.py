@@ -383,9 +383,12 @@ class Connection(asyncio.BufferedProtocol):
         self.daemon.stats["bytes_out"] += len(frame) + len(blob)
         if hoptrace.ON:
             hoptrace.mark("daemon reply")
-        self.transport.write(frame)
         if len(blob):
-            self.transport.write(blob)
+            # one vectored write: the frame alone would leave as its own segment and
+            # wake the client once for it and once more for the blob
+            self.transport.writelines([frame, blob])
+        else:
+            self.transport.write(frame)
 
     async def _dispatch(self, header: dict, blob, direct: bool) -> None:
         req_id = header.get("id")
