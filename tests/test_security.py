@@ -8,6 +8,7 @@ to see the daemon refuse to start (it exits before listening).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import hmac
@@ -105,18 +106,26 @@ def raw_session(d) -> RawConn:
     return conn
 
 
+@contextlib.contextmanager
+def attacker_and_victim(d, fill: int):
+    """Two sessions, each with a 4 KiB buffer; the victim's is filled with `fill`.
+    Yields (conn, its buffer, other, the victim buffer)."""
+    with raw_session(d) as conn, raw_session(d) as other:
+        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 4096})
+        buf = h["buffer"]
+        h, _ = other.call(Command.ALLOC_BUFFER, {"size": 4096})
+        victim = h["buffer"]
+        other.call(Command.BUFFER_CLEAR, {"buffer": victim, "value": fill})
+        yield conn, buf, other, victim
+
+
 # ================================================================ advisories
 
 def test_write_what_where_set_tensor(d):
     """CVE-2024-42479 (rpc-server set_tensor: write anywhere through a buffer
     base plus an unchecked offset). Ours: every SET_TENSOR range is checked
     against the size of a buffer this connection owns."""
-    with raw_session(d) as conn, raw_session(d) as other:
-        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 4096})
-        buf = h["buffer"]
-        h, _ = other.call(Command.ALLOC_BUFFER, {"size": 4096})
-        victim = h["buffer"]
-        other.call(Command.BUFFER_CLEAR, {"buffer": victim, "value": 0x42})
+    with attacker_and_victim(d, 0x42) as (conn, buf, other, victim):
         cases = [
             ({"buffer": buf, "offset": 4096, "size": 8}, b"\xee" * 8, Status.INVALID_REQUEST, "runs past the end"),
             ({"buffer": buf, "offset": 2**63 - 8, "size": 8}, b"\xee" * 8, Status.INVALID_REQUEST, "runs past"),
@@ -143,12 +152,7 @@ def test_write_what_where_set_tensor(d):
 def test_arbitrary_read_get_tensor(d):
     """CVE-2024-42478 (rpc-server get_tensor: read anywhere). Ours: a refused
     read returns an error and not one byte of data."""
-    with raw_session(d) as conn, raw_session(d) as other:
-        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 4096})
-        buf = h["buffer"]
-        h, _ = other.call(Command.ALLOC_BUFFER, {"size": 4096})
-        victim = h["buffer"]
-        other.call(Command.BUFFER_CLEAR, {"buffer": victim, "value": 0x5E})
+    with attacker_and_victim(d, 0x5E) as (conn, buf, other, victim):
         for fields, fragment in [
             ({"buffer": buf, "offset": 4000, "size": 200}, "runs past the end"),
             ({"buffer": buf, "offset": 0, "size": 1 << 40}, "runs past the end"),
