@@ -53,12 +53,13 @@ class PeerFailed(Exception):
         self.message = message
 
 
-def _oserror_text(exc: OSError) -> str:
-    if exc.errno == errno.ECONNREFUSED or isinstance(exc, ConnectionRefusedError):
+def _oserror_text(exc: BaseException) -> str:
+    code = getattr(exc, "errno", None)  # the transport may pass any exception, not only OSError
+    if code == errno.ECONNREFUSED or isinstance(exc, ConnectionRefusedError):
         return "connection refused (is the daemon running on that port?)"
-    if exc.errno is not None:
-        return os.strerror(exc.errno).lower()
-    return str(exc)
+    if isinstance(code, int):
+        return os.strerror(code).lower()
+    return str(exc) or type(exc).__name__
 
 
 class RpcClient(asyncio.BufferedProtocol):
@@ -167,9 +168,16 @@ class RpcClient(asyncio.BufferedProtocol):
                                               f"is it a ggml-rpc-server speaking protocol {P.PROTOCOL_VERSION}?"))
         except PeerFailed as exc:
             self._fail(exc)
+        except MemoryError:
+            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a reply too large to hold in memory"))
+        except Exception as exc:  # e.g. an unhashable reply id: the stream is not ours to trust any more
+            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a bad reply "
+                                              f"({type(exc).__name__}: {exc})"))
 
     def _deliver(self, header: dict, blob) -> None:
         req_id = header.get("id")
+        if req_id is not None and type(req_id) is not int:
+            raise PeerFailed("protocol", f"worker {self.endpoint} sent a reply with id {req_id!r}")
         fut = self._pending.pop(req_id, None)
         if fut is not None:
             if not fut.done():
@@ -182,7 +190,12 @@ class RpcClient(asyncio.BufferedProtocol):
                                          f"{header.get('error', 'protocol error')}")
 
     def eof_received(self) -> bool:
-        return False  # close our side too: connection_lost follows
+        # fail now: closing our side waits for our write buffer to drain, which a
+        # peer that stopped reading never does
+        where = " in the middle of a reply" if self._frames.partial else ""
+        self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
+                                        f"(crashed, killed or restarted?)"))
+        return False
 
     def connection_lost(self, exc) -> None:
         if exc is None:

@@ -635,3 +635,91 @@ def test_coordinator_process_survives_with_default_sigpipe(model, start_daemon, 
     assert "sigpipe blocked on the I/O thread: True" in proc.stdout
     assert "codes: [0, 0, 0, -4]" in proc.stdout, proc.stdout
     assert "reconnect failed: True" in proc.stdout and "survived" in proc.stdout
+
+
+# ---------------------------------------------------------------- a worker that misbehaves at the byte level
+
+def _scripted_worker(after_hello):
+    """A loopback listener that answers HELLO, then runs `after_hello(sock, frame_reader)` on its thread."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        s, _ = lsock.accept()
+        reader = P.FrameReader(P.Limits())
+
+        def next_header():
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                buf = reader.buffer()
+                n = s.recv_into(buf)
+                if not n:
+                    return None
+                frames = reader.received(n)
+                if frames:
+                    return frames[0][0]
+            return None
+
+        h = next_header()
+        s.sendall(P.encode_frame({"id": h["id"], "status": 0, "version": P.PROTOCOL_VERSION}))
+        try:
+            after_hello(s, next_header)
+            done.wait(10)
+        finally:
+            s.close()
+            lsock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{lsock.getsockname()[1]}", done
+
+
+@pytest.mark.parametrize("liveness", [None, 2.0])
+def test_reply_with_a_bad_id_fails_the_request(liveness):
+    """A reply whose id is not an integer (here a list: unhashable) is a protocol failure at once, with or
+    without liveness pings; it used to escape into connection_lost and leave the request waiting forever."""
+    def bad_id(s, next_header):
+        h = next_header()
+        s.sendall(P.encode_frame({"id": [h["id"]], "status": 0}))
+
+    endpoint, done = _scripted_worker(bad_id)
+
+    async def scenario():
+        c = await RpcClient.connect(endpoint, liveness_timeout=liveness)
+        try:
+            started = time.monotonic()
+            with pytest.raises(PeerFailed) as info:
+                await asyncio.wait_for(c.request(Command.DEVICE_INFO), 5)
+            return info.value, time.monotonic() - started
+        finally:
+            done.set()
+            await c.aclose()
+
+    exc, took = run(scenario())
+    assert exc.kind == "protocol" and "id [" in exc.message, exc.message
+    assert took < 1.0, took
+
+
+def test_worker_half_close_with_our_request_unsent_fails_at_once():
+    """The worker sends FIN and reads nothing more while 64 MiB of our request still sit in the write
+    buffer: the request fails 'closed' at the EOF instead of waiting for a drain that never comes."""
+    def half_close(s, next_header):
+        time.sleep(0.3)  # the request fills the socket buffers; none of it is read
+        s.shutdown(socket.SHUT_WR)
+
+    endpoint, done = _scripted_worker(half_close)
+
+    async def scenario():
+        c = await RpcClient.connect(endpoint, liveness_timeout=None)
+        try:
+            started = time.monotonic()
+            with pytest.raises(PeerFailed) as info:
+                await asyncio.wait_for(c.request(Command.SET_TENSOR, {"buffer": 1, "offset": 0, "size": 64 << 20},
+                                                 bytes(64 << 20)), 5)
+            return info.value, time.monotonic() - started
+        finally:
+            done.set()
+            await c.aclose()
+
+    exc, took = run(scenario())
+    assert exc.kind == "closed" and "closed the connection" in exc.message, exc.message
+    assert took < 2.0, took
