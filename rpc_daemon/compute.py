@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Callable
 
 import structlog
 
@@ -42,6 +43,14 @@ class ComputeProcess:
         self.pending_unmaps: set[int] = set()
         self.pending_drops: set[str] = set()
         self.compute_bytes = 0  # the child's graph allocators' buffers, as its last reply said
+        # --mem left for intermediates (set by the daemon), taken under the lock right before a call
+        self.budget: Callable[[], int] | None = None
+        # graphs whose allocation the daemon has seen (so compute_bytes holds them), and calls in
+        # flight that may allocate: buffer allocations wait for those, so the two cannot both take
+        # the same free memory
+        self.sized: set[str] = set()
+        self._sizing = 0
+        self._settled: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         # outputs come back through this shared area, not through the link: a
         # megabyte of logits per step costs a memcpy instead of a socket round
@@ -70,6 +79,7 @@ class ComputeProcess:
         self.known_graphs.clear()
         self.pending_unmaps.clear()
         self.pending_drops.clear()
+        self.sized.clear()
         self.compute_bytes = 0
         log.info("compute process started", pid=self.proc.pid, threads=self.n_threads, generation=self.generation)
 
@@ -145,7 +155,16 @@ class ComputeProcess:
         except ComputeFailed:
             pass  # a lost child holds nothing any more
 
+    async def allocations_settled(self) -> None:
+        """Return once no call that may allocate a new graph's intermediates is in flight."""
+        while self._sizing:
+            if self._settled is None:
+                self._settled = asyncio.Event()
+            self._settled.clear()
+            await self._settled.wait()
+
     def forget_graph(self, key: str) -> None:
+        self.sized.discard(key)
         if key in self.known_graphs:
             self.known_graphs.discard(key)
             self.pending_drops.add(key)
@@ -193,6 +212,11 @@ class ComputeProcess:
             key = header.get("graph_key")
             if key is not None and key not in self.known_graphs:
                 header["graph"] = spec
+            sizing = key is not None and key not in self.sized
+            if sizing:
+                self._sizing += 1
+                if self.budget is not None:
+                    header["budget"] = self.budget()
             self._busy = True
             try:
                 if hoptrace.ON:
@@ -223,11 +247,17 @@ class ComputeProcess:
                 raise ComputeFailed(cause) from None
             finally:
                 self._busy = False
+                if sizing:
+                    self._sizing -= 1
+                    if not self._sizing and self._settled is not None:
+                        self._settled.set()
             if hoptrace.ON:
                 hoptrace.mark("daemon from compute")
             self.compute_bytes = reply.get("compute_bytes", self.compute_bytes)
             if reply.get("graph_dropped") and key is not None:
                 self.known_graphs.discard(key)  # refused for memory: the spec goes again next time
+            elif sizing and reply.get("status") == 0:
+                self.sized.add(key)
             if reply.get("arena_bytes"):
                 out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
             return reply, out

@@ -80,6 +80,7 @@ class Daemon:
         self.buffers = BufferRegistry(config.mem or physical_memory())
         self.compute = ComputeProcess(config.threads, config.compute_timeout)
         self.buffers.compute_bytes = lambda: self.compute.compute_bytes
+        self.compute.budget = lambda: self.buffers.max_bytes - self.buffers.allocated
         self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
@@ -507,6 +508,7 @@ async def handle_alloc_buffer(c: Connection, h, blob, direct):
     if cap and sum(b.size for b in owned) + size > cap:
         raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes: this client holds "
                                                    f"{sum(b.size for b in owned)} of its {cap}-byte limit")
+    await c.daemon.compute.allocations_settled()  # a graph's first compute may be taking memory right now
     buf = c.daemon.buffers.alloc(c.client_id, size)
     if buf is None:
         reg = c.daemon.buffers
@@ -613,8 +615,7 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
         hoptrace.mark("daemon validated")
     try:
         reply, out = await c.daemon.compute.call(
-            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs,
-             "budget": c.daemon.buffers.max_bytes - c.daemon.buffers.allocated}, blob, bufs, spec,
+            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,
             out_size=sum(spec.tensors[i].nbytes for i in outputs))
     except ComputeFailed as exc:
         c.daemon.stats["compute_restarts"] += 1

@@ -514,6 +514,37 @@ def test_mem_cap_counts_compute_memory(start_daemon):
     assert_served(d)
 
 
+def test_mem_cap_compute_and_buffer_race(start_daemon):
+    """A graph's first compute (6.4 MiB of intermediates) and another client's 6 MiB buffer each fit an
+    8 MiB cap alone: sent together, exactly one is admitted, whichever order the daemon serves them in."""
+    d = start_daemon("-t", "1", "-m", "8")
+
+    async def scenario():
+        a = await RpcClient.connect(d.endpoint)
+        b = await RpcClient.connect(d.endpoint)
+        try:
+            for attempt in range(3):
+                g, blob, _ = outer_product_graph(1300)
+                comp = asyncio.ensure_future(a.request(Command.GRAPH_COMPUTE, dict(g, graph_id=1), blob))
+                await asyncio.sleep(0.002 * attempt)
+                alloc = asyncio.ensure_future(b.request(Command.ALLOC_BUFFER, {"size": 6 * MiB}))
+                got = await asyncio.gather(comp, alloc, return_exceptions=True)
+                ok = [not isinstance(r, Exception) for r in got]
+                assert ok.count(True) == 1, got
+                assert all(r.status == Status.ALLOC_FAILED for r in got if isinstance(r, Exception)), got
+                h, _ = await b.request(Command.DEVICE_INFO)
+                assert h["free_memory"] <= 2 * MiB, h  # one of the two holds its 6+ MiB
+                if ok[1]:
+                    await b.request(Command.FREE_BUFFER, {"buffer": got[1][0]["buffer"]})
+                await a.request(Command.GRAPH_FREE, {"graph_id": 1})
+                await wait_free_memory(b, 8 * MiB)
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    run(scenario())
+
+
 async def _served_when_free(d):
     """A normal session needs 4 KiB: it fits once the last client's 1 MiB is freed."""
     c = await RpcClient.connect(d.endpoint)
