@@ -72,6 +72,9 @@ def available_memory() -> int:
     return physical_memory()
 
 
+MAX_QUEUED = 64  # requests queued per connection before it stops reading
+
+
 class Daemon:
     """State shared by all connections."""
 
@@ -118,6 +121,8 @@ class Connection(asyncio.BufferedProtocol):
         # header and blob) takes one receive and one pass, not three
         self._rx = memoryview(bytearray(1 << 16))
         self._rx_used = False
+        # bytes received past a full queue: parsed once the queue drains (reading is paused meanwhile)
+        self._backlog = b""
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
         self._warn_budget = TokenBucket(5.0, 20)  # refusals logged per client: no log flood
@@ -199,6 +204,9 @@ class Connection(asyncio.BufferedProtocol):
                 except ProtocolError as exc:  # framing broken: answer and hang up
                     self._reply(None, exc.status, exc.message)
                     self.abort(exc.message)
+                    return
+                if self.queue.qsize() > MAX_QUEUED and pos < len(data):
+                    self._backlog += bytes(data[pos:])  # the queue bound holds within one receive too
                     return
 
     def _advance(self) -> None:
@@ -282,7 +290,7 @@ class Connection(asyncio.BufferedProtocol):
         if hoptrace.ON:
             hoptrace.mark("daemon queued")
         self.queue.put_nowait((header, blob, direct))
-        if self.queue.qsize() > 64 and self.transport is not None:
+        if self.queue.qsize() > MAX_QUEUED and self.transport is not None:
             self.transport.pause_reading()
 
     # ------------------------------------------------------------ lifecycle
@@ -323,8 +331,18 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._can_write.set()
-        if self.queue.qsize() < 16 and self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._resume_reading()
+
+    def _resume_reading(self) -> None:
+        """Read again once the queue is short: first what was received past a full queue."""
+        if self.queue.qsize() >= 16 or self.transport is None or self.transport.is_closing():
+            return
+        if self._backlog:
+            backlog, self._backlog = self._backlog, b""
+            self._consume(memoryview(backlog))
+            if self._backlog or self.transport.is_closing():
+                return
+        self.transport.resume_reading()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -339,6 +357,7 @@ class Connection(asyncio.BufferedProtocol):
         # drop views into client buffers (a half-read SET_TENSOR blob, queued requests)
         # so the buffers can be unmapped now
         self._reset_frame()
+        self._backlog = b""
         while not self.queue.empty():
             self.queue.get_nowait()
         for gid in [*self.graphs, -1]:  # -1: the key of one-off graphs
@@ -360,8 +379,7 @@ class Connection(asyncio.BufferedProtocol):
                     await self._can_write.wait()
                     if self.closed:
                         return
-                if self.queue.qsize() < 16 and self.transport is not None and not self.transport.is_closing():
-                    self.transport.resume_reading()
+                self._resume_reading()
                 header, blob, direct = item
                 self.worker_busy = True
                 try:

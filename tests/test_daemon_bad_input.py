@@ -643,3 +643,92 @@ def test_disconnect_frees_buffers(start_daemon, leave):
     run(watch())
     assert_served(d)
     assert not any("Traceback" in line for line in d.log_lines), "".join(d.log_lines[-30:])
+
+
+def test_pipelined_flood_in_one_write_answered_in_order(d):
+    """3000 small requests in one write (far more than one receive and than the per-connection queue
+    bound): the daemon parses at most a queue's worth, pauses, and resumes with the bytes it kept, so every
+    request is answered, once, in order."""
+    conn = RawConn(d.port)
+    try:
+        conn.hello()
+        ids = list(range(100, 3100))
+        conn.send_raw(b"".join(P.encode_frame({"cmd": int(Command.PING), "id": i}) if i % 3 == 0 else
+                               P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in ids))
+        got = [conn.recv_frame()[0] for _ in ids]
+        # PINGs are answered at once when parsed, queued commands in queue order: ids stay in order per kind
+        assert [h["id"] for h in got if h["id"] % 3] == [i for i in ids if i % 3]
+        assert sorted(h["id"] for h in got) == ids
+        assert all(h["status"] == Status.SUCCESS for h in got)
+    finally:
+        conn.close()
+    assert_served(d)
+
+
+def test_queue_bound_holds_within_one_receive():
+    """Sans-I/O, on the connection object: one 64 KiB receive full of small requests queues no more than
+    the bound, and the rest is parsed once the queue drains."""
+    from rpc_daemon.server import MAX_QUEUED, Connection, Daemon, DaemonConfig
+
+    class Transport:  # the asyncio transport surface the connection uses
+        def __init__(self):
+            self.out, self.paused, self.closing = bytearray(), False, False
+
+        def write(self, data):
+            self.out += data
+
+        def writelines(self, parts):
+            for p in parts:
+                self.out += p
+
+        def is_closing(self):
+            return self.closing
+
+        def close(self):
+            self.closing = True
+
+        abort = close
+
+        def pause_reading(self):
+            self.paused = True
+
+        def resume_reading(self):
+            self.paused = False
+
+        def get_write_buffer_size(self):
+            return 0
+
+        def get_extra_info(self, key, default=None):
+            return ("127.0.0.1", 1) if key == "peername" else None
+
+    async def scenario():
+        daemon = Daemon(DaemonConfig(max_requests_per_second=0))
+        conn, transport = Connection(daemon), Transport()
+        conn.connection_made(transport)
+        try:
+            data = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION}) + \
+                b"".join(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 5000))
+            buf = conn.get_buffer(-1)
+            n = len(buf)
+            buf[:n] = data[:n]
+            conn.buffer_updated(n)
+            assert transport.paused and conn.queue.qsize() == MAX_QUEUED + 1, conn.queue.qsize()
+            for _ in range(2000):  # the worker task drains the queue, and parsing resumes from the kept bytes
+                if not transport.paused and conn.queue.empty():
+                    break
+                await asyncio.sleep(0)
+            assert conn.queue.qsize() <= MAX_QUEUED + 1
+            frames, replies, pos = P.FrameReader(P.Limits()), [], 0
+            while pos < len(transport.out):
+                room = frames.buffer()
+                k = min(len(room), len(transport.out) - pos)
+                room[:k] = transport.out[pos: pos + k]
+                pos += k
+                replies += frames.received(k)
+            complete = n // len(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 4999}))
+            assert [h["id"] for h, _ in replies][: complete] == list(range(complete))
+        finally:
+            conn.connection_lost(None)
+            daemon.close()
+
+    asyncio.run(scenario())
