@@ -24,6 +24,7 @@ from rpc_daemon import compute_link, hoptrace
 
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
+FDS_PER_MESSAGE = 200  # the kernel passes at most 253 descriptors with one message (SCM_MAX_FD)
 
 
 class ComputeFailed(Exception):
@@ -219,10 +220,16 @@ class ComputeProcess:
                     header["budget"] = self.budget()
             self._busy = True
             try:
+                while len(header["maps"]) > FDS_PER_MESSAGE:  # a graph over many buffers: map them in batches
+                    batch, header["maps"] = header["maps"][:FDS_PER_MESSAGE], header["maps"][FDS_PER_MESSAGE:]
+                    batch_fds, fds = fds[:FDS_PER_MESSAGE], fds[FDS_PER_MESSAGE:]
+                    await compute_link.asend(loop, self.sock, {"kind": "sync", "maps": batch}, b"", batch_fds)
+                    await asyncio.wait_for(compute_link.arecv(loop, self.sock), self.timeout)
+                    self.mapped.update(k for k, _ in batch)
                 if hoptrace.ON:
                     hoptrace.mark("daemon to compute")
                 await compute_link.asend(loop, self.sock, header, blob, fds)
-                self.mapped.update(k for k, _ in maps)
+                self.mapped.update(k for k, _ in header["maps"])
                 self.pending_unmaps.clear()
                 self.pending_drops.clear()
                 if key is not None:

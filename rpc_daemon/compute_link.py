@@ -23,6 +23,7 @@ class LinkClosed(Exception):
 # strictly request/reply (one message in flight each way), so a receive of up
 # to FIRST_READ bytes never takes bytes of a following message.
 FIRST_READ = 1 << 16
+MAX_FDS = 253  # SCM_MAX_FD: the most descriptors one message can carry
 
 
 def _frame(header: dict, blob, n_fds: int) -> bytes:
@@ -70,7 +71,7 @@ def _split(first: bytes, more) -> tuple[dict, bytearray]:
 def recv(sock: socket.socket) -> tuple[dict, bytearray, list[int]]:
     fds: list[int] = []
     # descriptors arrive with the first bytes: read them with recvmsg so they are not lost
-    data, ancdata, _flags, _addr = sock.recvmsg(FIRST_READ, socket.CMSG_SPACE(64 * array.array("i").itemsize))
+    data, ancdata, _flags, _addr = sock.recvmsg(FIRST_READ, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize))
     if not data:
         raise LinkClosed("peer closed the link")
     for level, kind, payload in ancdata:

@@ -732,3 +732,46 @@ def test_queue_bound_holds_within_one_receive():
             daemon.close()
 
     asyncio.run(scenario())
+
+
+def test_graph_over_more_buffers_than_one_message_carries(d):
+    """A graph whose tensors live in 300 buffers: their descriptors reach the compute process in batches
+    (one message carries at most 253), and the sum over all of them is right."""
+    from ggml_ffi import Context
+    from rpc_daemon.graph_codec import encode_graph
+
+    n_bufs = 300
+    values = np.arange(n_bufs * 4, dtype=np.float32).reshape(n_bufs, 4) / 7
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            bufs = []
+            for row in values:
+                h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
+                await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": 16}, row.tobytes())
+                bufs.append(h["buffer"])
+            ctx = Context(2 * n_bufs + 8)
+            try:
+                xs = [ctx.new_tensor(lib.GGML_TYPE_F32, [4], f"x{i}") for i in range(n_bufs)]
+                total = xs[0]
+                for x in xs[1:]:
+                    total = lib.ggml_add(ctx.ptr, total, x)
+                lib.ggml_set_output(total)
+                gf = ctx.new_graph(2 * n_bufs)
+                lib.ggml_build_forward_expand(gf, total)
+                where = {x: (b, 0) for x, b in zip(xs, bufs)}
+                tensors, index_of = encode_graph(gf, where.get)
+                out_index = index_of[total]
+            finally:
+                ctx.close()
+            h, out = await c.request(Command.GRAPH_COMPUTE, {"tensors": tensors, "outputs": [out_index]})
+            expect = np.zeros(4, np.float32)
+            for row in values:
+                expect = expect + row
+            np.testing.assert_array_equal(np.frombuffer(out, np.float32), expect)
+        finally:
+            await c.aclose()
+
+    run(scenario())
+    assert_served(d)
