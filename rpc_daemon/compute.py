@@ -157,7 +157,10 @@ class ComputeProcess:
             pass  # a lost child holds nothing any more
 
     async def allocations_settled(self) -> None:
-        """Return once no call that may allocate a new graph's intermediates is in flight."""
+        """Return once no call that may allocate a new graph's intermediates is in
+        flight, and freed graphs have been dropped (so their memory counts free)."""
+        if self._flush_task is not None and not self._flush_task.done():
+            await asyncio.shield(self._flush_task)
         while self._sizing:
             if self._settled is None:
                 self._settled = asyncio.Event()
@@ -215,9 +218,9 @@ class ComputeProcess:
                 header["graph"] = spec
             sizing = key is not None and key not in self.sized
             if sizing:
-                self._sizing += 1
                 if self.budget is not None:
                     header["budget"] = self.budget()
+                self._sizing += 1  # from here on the finally below undoes it
             self._busy = True
             try:
                 while len(header["maps"]) > FDS_PER_MESSAGE:  # a graph over many buffers: map them in batches
@@ -228,7 +231,14 @@ class ComputeProcess:
                     self.mapped.update(k for k, _ in batch)
                 if hoptrace.ON:
                     hoptrace.mark("daemon to compute")
-                await compute_link.asend(loop, self.sock, header, blob, fds)
+                sending = compute_link.asend(loop, self.sock, header, blob, fds)
+                if len(blob) > LINK_BUFFER // 2:
+                    # only a message larger than the link's buffers can block on a child that stopped
+                    # reading; bounded, it cannot hold the lock (nor ALLOC_BUFFER, waiting for a graph
+                    # being sized) for ever. Smaller ones skip wait_for's extra task on the hot path.
+                    await asyncio.wait_for(sending, self.timeout)
+                else:
+                    await sending
                 self.mapped.update(k for k, _ in header["maps"])
                 self.pending_unmaps.clear()
                 self.pending_drops.clear()

@@ -337,10 +337,13 @@ class Connection(asyncio.BufferedProtocol):
         """Read again once the queue is short: first what was received past a full queue."""
         if self.queue.qsize() >= 16 or self.transport is None or self.transport.is_closing():
             return
+        if not self._can_write.is_set():
+            return  # the client does not read its replies: resume_writing comes back here
         if self._backlog:
             backlog, self._backlog = self._backlog, b""
             self._consume(memoryview(backlog))
-            if self._backlog or self.transport.is_closing():
+            # what it answered may have filled the write buffer (pause_writing) or the queue again
+            if self._backlog or self.transport.is_closing() or not self._can_write.is_set():
                 return
         self.transport.resume_reading()
 

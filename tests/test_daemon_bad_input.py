@@ -665,45 +665,55 @@ def test_pipelined_flood_in_one_write_answered_in_order(d):
     assert_served(d)
 
 
+class PlainTransport:
+    """The asyncio transport surface a daemon Connection uses, for driving it without sockets. With
+    `high_water`, writes past it call the protocol's pause_writing, as a peer that reads nothing causes."""
+
+    def __init__(self, protocol, high_water: int | None = None):
+        self.protocol, self.high_water = protocol, high_water
+        self.out, self.paused, self.closing, self.events = bytearray(), False, False, []
+
+    def write(self, data):
+        self.out += data
+        if self.high_water is not None and len(self.out) > self.high_water and "pause_writing" not in self.events:
+            self.events.append("pause_writing")
+            self.protocol.pause_writing()
+
+    def writelines(self, parts):
+        self.write(b"".join(bytes(p) for p in parts))
+
+    def is_closing(self):
+        return self.closing
+
+    def close(self):
+        self.closing = True
+
+    abort = close
+
+    def pause_reading(self):
+        self.paused = True
+        self.events.append("pause_reading")
+
+    def resume_reading(self):
+        self.paused = False
+        self.events.append("resume_reading")
+
+    def get_write_buffer_size(self):
+        return len(self.out)
+
+    def get_extra_info(self, key, default=None):
+        return ("127.0.0.1", 1) if key == "peername" else None
+
+
 def test_queue_bound_holds_within_one_receive():
     """Sans-I/O, on the connection object: one 64 KiB receive full of small requests queues no more than
     the bound, and the rest is parsed once the queue drains."""
     from rpc_daemon.server import MAX_QUEUED, Connection, Daemon, DaemonConfig
 
-    class Transport:  # the asyncio transport surface the connection uses
-        def __init__(self):
-            self.out, self.paused, self.closing = bytearray(), False, False
-
-        def write(self, data):
-            self.out += data
-
-        def writelines(self, parts):
-            for p in parts:
-                self.out += p
-
-        def is_closing(self):
-            return self.closing
-
-        def close(self):
-            self.closing = True
-
-        abort = close
-
-        def pause_reading(self):
-            self.paused = True
-
-        def resume_reading(self):
-            self.paused = False
-
-        def get_write_buffer_size(self):
-            return 0
-
-        def get_extra_info(self, key, default=None):
-            return ("127.0.0.1", 1) if key == "peername" else None
-
     async def scenario():
         daemon = Daemon(DaemonConfig(max_requests_per_second=0))
-        conn, transport = Connection(daemon), Transport()
+        conn = Connection(daemon)
+        transport = PlainTransport(conn)
         conn.connection_made(transport)
         try:
             data = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION}) + \
@@ -775,3 +785,53 @@ def test_graph_over_more_buffers_than_one_message_carries(d):
 
     run(scenario())
     assert_served(d)
+
+
+def test_kept_bytes_do_not_resume_reading_for_a_client_that_reads_nothing():
+    """Parsing the bytes kept past a full queue answers PINGs on the spot; when those replies fill the write
+    buffer (pause_writing), reading stays paused: a client that reads none of its replies cannot make the
+    daemon's write buffer grow by sending more."""
+    from rpc_daemon.server import Connection, Daemon, DaemonConfig
+
+    async def scenario():
+        daemon = Daemon(DaemonConfig(max_requests_per_second=0))
+        conn = Connection(daemon)
+        transport = PlainTransport(conn, high_water=64 << 10)
+        conn.connection_made(transport)
+        try:
+            data = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION}) + \
+                b"".join(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 66))
+            ping = P.encode_frame({"cmd": int(Command.PING), "id": 7})
+            buf = conn.get_buffer(-1)
+            data += ping * ((len(buf) - len(data)) // len(ping))
+            buf[: len(data)] = data
+            conn.buffer_updated(len(data))
+            for _ in range(500):
+                await asyncio.sleep(0)
+            assert "pause_writing" in transport.events, transport.events
+            assert transport.paused, transport.events  # still not reading
+            assert transport.events[-1] == "pause_reading", transport.events
+        finally:
+            conn.connection_lost(None)
+            daemon.close()
+
+    asyncio.run(scenario())
+
+
+def test_alloc_right_after_graph_free_sees_the_memory_free(start_daemon):
+    """GRAPH_FREE then, pipelined behind it, an ALLOC_BUFFER that fits only once the graph's intermediates
+    are gone: the allocation waits for the compute process to drop the graph, and succeeds."""
+    d = start_daemon("-t", "1", "-m", "8")
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            g, blob, _ = outer_product_graph(1300)  # 6.4 MiB of intermediates
+            await c.request(Command.GRAPH_COMPUTE, dict(g, graph_id=1), blob)
+            _, (h, _) = await asyncio.gather(c.request(Command.GRAPH_FREE, {"graph_id": 1}),
+                                             c.request(Command.ALLOC_BUFFER, {"size": 6 * MiB}))
+            assert h["size"] == 6 * MiB
+        finally:
+            await c.aclose()
+
+    run(scenario())
