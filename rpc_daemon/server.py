@@ -175,11 +175,7 @@ class Connection(asyncio.BufferedProtocol):
         self._pos += nbytes
         want = self._blob_len if self._stage == "discard" else len(self._target)
         if self._pos >= want:
-            try:
-                self._advance()
-            except ProtocolError as exc:  # framing broken: answer and hang up
-                self._reply(None, exc.status, exc.message)
-                self.abort(exc.message)
+            self._advance_or_hang_up()
 
     def _consume(self, data: memoryview) -> None:
         """Run received bytes through the frame state machine: copied into the
@@ -199,15 +195,20 @@ class Connection(asyncio.BufferedProtocol):
             self._pos += k
             pos += k
             if self._pos >= want:
-                try:
-                    self._advance()
-                except ProtocolError as exc:  # framing broken: answer and hang up
-                    self._reply(None, exc.status, exc.message)
-                    self.abort(exc.message)
+                if not self._advance_or_hang_up():
                     return
                 if self.queue.qsize() > MAX_QUEUED and pos < len(data):
                     self._backlog += bytes(data[pos:])  # the queue bound holds within one receive too
                     return
+
+    def _advance_or_hang_up(self) -> bool:
+        try:
+            self._advance()
+            return True
+        except ProtocolError as exc:  # framing broken: answer and hang up
+            self._reply(None, exc.status, exc.message)
+            self.abort(exc.message)
+            return False
 
     def _advance(self) -> None:
         if self._stage == "prefix":

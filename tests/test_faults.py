@@ -673,6 +673,22 @@ def _scripted_worker(after_hello):
     return f"127.0.0.1:{lsock.getsockname()[1]}", done
 
 
+def _first_failure(endpoint: str, done: threading.Event, liveness, cmd, fields=None, blob=b""):
+    """Connect to a scripted worker, send one request, return (the PeerFailed it raised, seconds taken)."""
+    async def scenario():
+        c = await RpcClient.connect(endpoint, liveness_timeout=liveness)
+        try:
+            started = time.monotonic()
+            with pytest.raises(PeerFailed) as info:
+                await asyncio.wait_for(c.request(cmd, fields, blob), 5)
+            return info.value, time.monotonic() - started
+        finally:
+            done.set()
+            await c.aclose()
+
+    return run(scenario())
+
+
 @pytest.mark.parametrize("liveness", [None, 2.0])
 def test_reply_with_a_bad_id_fails_the_request(liveness):
     """A reply whose id is not an integer (here a list: unhashable) is a protocol failure at once, with or
@@ -681,20 +697,7 @@ def test_reply_with_a_bad_id_fails_the_request(liveness):
         h = next_header()
         s.sendall(P.encode_frame({"id": [h["id"]], "status": 0}))
 
-    endpoint, done = _scripted_worker(bad_id)
-
-    async def scenario():
-        c = await RpcClient.connect(endpoint, liveness_timeout=liveness)
-        try:
-            started = time.monotonic()
-            with pytest.raises(PeerFailed) as info:
-                await asyncio.wait_for(c.request(Command.DEVICE_INFO), 5)
-            return info.value, time.monotonic() - started
-        finally:
-            done.set()
-            await c.aclose()
-
-    exc, took = run(scenario())
+    exc, took = _first_failure(*_scripted_worker(bad_id), liveness, Command.DEVICE_INFO)
     assert exc.kind == "protocol" and "id [" in exc.message, exc.message
     assert took < 1.0, took
 
@@ -706,20 +709,7 @@ def test_worker_half_close_with_our_request_unsent_fails_at_once():
         time.sleep(0.3)  # the request fills the socket buffers; none of it is read
         s.shutdown(socket.SHUT_WR)
 
-    endpoint, done = _scripted_worker(half_close)
-
-    async def scenario():
-        c = await RpcClient.connect(endpoint, liveness_timeout=None)
-        try:
-            started = time.monotonic()
-            with pytest.raises(PeerFailed) as info:
-                await asyncio.wait_for(c.request(Command.SET_TENSOR, {"buffer": 1, "offset": 0, "size": 64 << 20},
-                                                 bytes(64 << 20)), 5)
-            return info.value, time.monotonic() - started
-        finally:
-            done.set()
-            await c.aclose()
-
-    exc, took = run(scenario())
+    exc, took = _first_failure(*_scripted_worker(half_close), None, Command.SET_TENSOR,
+                               {"buffer": 1, "offset": 0, "size": 64 << 20}, bytes(64 << 20))
     assert exc.kind == "closed" and "closed the connection" in exc.message, exc.message
     assert took < 2.0, took
