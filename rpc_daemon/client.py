@@ -192,16 +192,17 @@ class RpcClient(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         # fail now: closing our side waits for our write buffer to drain, which a
         # peer that stopped reading never does
-        where = " in the middle of a reply" if self._frames.partial else ""
-        self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
-                                        f"(crashed, killed or restarted?)"))
+        self._fail(self._closed_by_worker())
         return False
+
+    def _closed_by_worker(self) -> PeerFailed:
+        where = " in the middle of a reply" if self._frames.partial else ""
+        return PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
+                                    f"(crashed, killed or restarted?)")
 
     def connection_lost(self, exc) -> None:
         if exc is None:
-            where = " in the middle of a reply" if self._frames.partial else ""
-            self._fail(PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
-                                            f"(crashed, killed or restarted?)"), abort=False)
+            self._fail(self._closed_by_worker(), abort=False)
         else:
             self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"),
                        abort=False)
