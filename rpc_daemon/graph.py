@@ -7,6 +7,7 @@ Its nodes are the tensors whose op is not NONE, computed in list order.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Callable
@@ -434,6 +435,21 @@ def rule_argmax(t, tensors):
     _need(t.type == I32 and t.ne == (a.ne[1], 1, 1, 1), t, "result must be i32 [src0.ne1]")
 
 
+def rule_arange(t, tensors):
+    _srcs(t, tensors, 0)
+    _need(t.type == F32 and t.nb[0] == 4, t, "result must be contiguous f32")
+    start, stop, step = (t.param_f32(i) for i in range(3))
+    _need(all(math.isfinite(x) for x in (start, stop, step)) and step != 0, t, "start, stop, step must be finite, "
+                                                                               "step non-zero")
+    # the kernel asserts nelements == ceilf((stop - start) / step), computed in f32
+    steps = math.ceil(_f32(_f32(stop - start) / step))
+    _need(t.ne == (steps, 1, 1, 1), t, f"result must be f32 [{steps}] (ceil((stop - start) / step))")
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_NONE: rule_none,
     lib.GGML_OP_ADD: rule_binary,
@@ -458,6 +474,7 @@ OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_UNARY: rule_unary,
     lib.GGML_OP_GLU: rule_glu,
     lib.GGML_OP_ARGMAX: rule_argmax,
+    lib.GGML_OP_ARANGE: rule_arange,
 }
 SUPPORTED_OPS = frozenset(OP_RULES)
 

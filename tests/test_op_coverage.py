@@ -450,6 +450,21 @@ def _(b):  # greedy decoding on the worker: the output head's argmax per row
     b.output(lib.ggml_argmax(b.c, logits))
 
 
+@case("ARANGE", "0-1000")
+def _(b):
+    b.output(lib.ggml_arange(b.c, 0.0, 1000.0, 1.0))
+
+
+@case("ARANGE", "argmax_first-ties")
+def _(b):  # greedy on the worker, ties to the lowest id: logits of 4 rows with every value 5 times
+    from coordinator.models.common import argmax_first
+    rng = np.random.default_rng(7)
+    data = np.repeat(rng.integers(-8, 8, (4, 200)).astype(np.float32), 5, axis=1)
+    best, value = argmax_first(b.c, b.input(F32, [1000, 4], data=data.tobytes()))
+    b.output(best)
+    b.output(value)
+
+
 # ---------------------------------------------------------------- running a case
 
 @dataclass
@@ -610,6 +625,24 @@ def test_set_rows_with_more_src_planes_than_dst_is_refused():
     with pytest.raises(ProtocolError, match="batch dims"):
         parse_graph({"tensors": tensors}, Limits(), buffer_size)
 
+
+
+def test_arange_whose_length_the_kernel_would_assert_on_is_refused():
+    from rpc_daemon.graph import parse_graph
+    from rpc_daemon.protocol import Limits, ProtocolError
+
+    with Context(8) as ctx:
+        r = lib.ggml_arange(ctx.ptr, 0.5, 10.0, 0.75)  # ceil(9.5 / 0.75) = 13 elements
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, r)
+        tensors, index_of = encode_graph(gf, lambda x: None)
+    assert tensors[index_of[r]]["ne"][0] == 13
+    parse_graph({"tensors": tensors}, Limits(), lambda key: None)  # as built by ggml: accepted
+    for ne0 in (12, 14):
+        tensors[index_of[r]]["ne"][0] = ne0
+        tensors[index_of[r]]["nb"][1:] = [4 * ne0] * 3
+        with pytest.raises(ProtocolError, match=r"ARANGE: result must be f32 \[13\]"):
+            parse_graph({"tensors": tensors}, Limits(), lambda key: None)
 
 
 BF16 = lib.GGML_TYPE_BF16
