@@ -10,6 +10,10 @@ and prints, per stage, the median time between consecutive points, then the
 step time against the sum of compute, next to an in-process run of the same
 steps in the same invocation (this machine is shared: only side by side
 numbers compare). Bounded: --tg steps (default 32) per setup.
+
+The hop table is of the layer chain alone (head_split=False: one request per
+stage, in order); the last line adds the step time with the output head split
+over the workers (the default), whose concurrent requests it does not break down.
 """
 from __future__ import annotations
 
@@ -77,12 +81,15 @@ def main() -> int:
     with LocalWorkers(2, threads=1) as workers:
         endpoints = workers.endpoints
         local = Coordinator(["local"], model=args.model, n_ctx=256, threads=1)
-        remote = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1)
+        remote = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, head_split=False)
+        shared = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1)
         try:
             local_steps = steps(local, args.tg, args.greedy)
             remote_steps = steps(remote, args.tg, args.greedy)
             table = hops(TRACE, len(endpoints))
+            shared_steps = steps(shared, args.tg, args.greedy)
         finally:
+            shared.close()
             remote.close()
             local.close()
     os.unlink(TRACE)
@@ -95,7 +102,9 @@ def main() -> int:
         hop_us = sum(us for name, us in rows if name != "compute start -> compute end")
         print(f"  {'everything but compute':<42} {hop_us:8.0f} us")
     loc, rem = statistics.median(local_steps) * 1e3, statistics.median(remote_steps) * 1e3
-    print(f"in-process step {loc:.2f} ms; remote step {rem:.2f} ms; ratio {loc / rem:.3f}")
+    sh = statistics.median(shared_steps) * 1e3
+    print(f"in-process step {loc:.2f} ms; remote step {rem:.2f} ms (head whole), ratio {loc / rem:.3f}; "
+          f"with the head split: {sh:.2f} ms, ratio {loc / sh:.3f}")
     return 0
 
 

@@ -122,6 +122,14 @@ def default_model_path() -> str:
     return str(assemble())
 
 
+def plan_rows(n: int, weights: Sequence[float]) -> list[range]:
+    """Contiguous ranges of 0..n-1 proportional to `weights` (some may be empty)."""
+    w = np.asarray(weights, dtype=float)
+    bounds = [0, *np.round(np.cumsum(w) / w.sum() * n).astype(int)]
+    bounds[-1] = n
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def plan_split(n_layer: int, weights: Sequence[float]) -> list[range]:
     """Contiguous layer ranges proportional to `weights`, each at least one layer."""
     if len(weights) > n_layer:
@@ -139,13 +147,37 @@ def plan_split(n_layer: int, weights: Sequence[float]) -> list[range]:
     return ranges
 
 
+def _bounds(r: range | None) -> list[int] | None:
+    return None if r is None else [r.start, r.stop]
+
+
+def _sized(p: _Placement, out: bytes, expect: int) -> bytes:
+    if len(out) != expect:
+        raise StageFailed("compute", p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
+                                                 f"{len(out)} bytes, expected {expect}")
+    return out
+
+
+def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
+    if ((tokens < 0) | (tokens >= n_vocab)).any():
+        raise StageFailed("compute", endpoint, f"compute failed on worker {endpoint}: argmax token id out of range")
+    return tokens
+
+
+def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
+    if not np.isfinite(logits).all():
+        raise StageFailed("compute", endpoint, f"compute failed on worker {endpoint}: logits contain NaN or infinity")
+    return logits
+
+
 class Coordinator:
     def __init__(self, endpoints: Sequence[str] = ("local",), model: str | None = None,
                  split: Sequence[float] | None = None, n_ctx: int = 2048, n_batch: int = 512,
                  threads: int = 1, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
                  use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
                  auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] = (0.25, 8.0),
-                 secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None):
+                 secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
+                 head_split: bool = True):
         """Fault handling: `connect_timeout` bounds connecting plus HELLO;
         `liveness_timeout` is the detection bound for a stopped, hung or cut-off
         worker while a request is outstanding (None disables the liveness pings:
@@ -157,12 +189,19 @@ class Coordinator:
         Security (docs/security.md): `secret` or `secret_file` (else the
         environment variable GGML_RPC_SECRET) is the workers' shared secret,
         proven in both directions at HELLO; `tls_ca` (a PEM CA bundle) turns on
-        TLS and verifies each worker's certificate against it."""
+        TLS and verifies each worker's certificate against it.
+
+        `head_split` (with several endpoints): every endpoint computes a share
+        of the output head's vocabulary rows, in the split's proportions, all at
+        once after the last layer, instead of the last endpoint computing all of
+        it (coordinator/stage.py). Same logits; faster when the head is a large
+        part of a step."""
         if not endpoints:
             raise ValueError("at least one endpoint is required")
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
         self.threads = threads
+        self.head_split = bool(head_split) and len(endpoints) > 1
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
                            # security (docs/security.md): the workers' shared secret (else $GGML_RPC_SECRET), TLS CA
@@ -231,14 +270,16 @@ class Coordinator:
             split = free if all(f > 0 for f in free) else [1.0] * len(endpoints)
         if len(split) != len(endpoints):
             raise ValueError(f"split has {len(split)} proportions for {len(endpoints)} endpoints")
-        for index, (p, layers) in enumerate(zip(self._places, plan_split(self.hp.n_layer, split))):
+        heads = plan_rows(self.hp.n_vocab, split) if self.head_split else [None] * len(self._places)
+        for index, (p, layers, head_rows) in enumerate(zip(self._places, plan_split(self.hp.n_layer, split), heads)):
             p.layers = layers
-            p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx)
+            p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
+                                   head_rows)
         await self._load_all(progress)
 
     async def _load_all(self, progress: bool, places=None) -> None:
         places = places or self._places
-        total = sum(len(self.gguf.tensor_data(n)) for p in places for n in p.stage.weights)
+        total = sum(len(p.stage.weight_data(self.gguf, n)) for p in places for n in p.stage.weights)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -258,6 +299,7 @@ class Coordinator:
     # ------------------------------------------------------------ status
     def endpoints(self) -> list[dict]:
         return [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
+                 "head_rows": _bounds(p.stage.head_rows) if p.stage else None,
                  "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self._places]
 
     def failed_endpoints(self) -> list[EndpointFailure]:
@@ -435,22 +477,48 @@ class Coordinator:
                 inputs["hidden"] = np.frombuffer(hidden, dtype=np.float32)
             if p.stage.last:
                 inputs["out_rows"] = out_rows
-            out = await p.executor.run(p.stage, shape, inputs)
-            expect = p.stage.output_size(shape)
-            if len(out) != expect:
-                raise StageFailed("compute", p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
-                                                         f"{len(out)} bytes, expected {expect}")
-            hidden = out
+            hidden = _sized(p, await p.executor.run(p.stage, shape, inputs), p.stage.output_size(shape))
+        if self.head_split:
+            return await self._head(hidden, shape)
+        last = self._places[-1].endpoint
         if greedy:
-            tokens = np.frombuffer(hidden, dtype=np.int32)
-            if ((tokens < 0) | (tokens >= self.hp.n_vocab)).any():
-                raise StageFailed("compute", self._places[-1].endpoint, f"compute failed on worker "
-                                  f"{self._places[-1].endpoint}: argmax token id out of range")
-            return tokens
-        logits = np.frombuffer(hidden, dtype=np.float32).reshape(len(out_rows), self.hp.n_vocab)
-        if not np.isfinite(logits).all():
-            raise StageFailed("compute", self._places[-1].endpoint,
-                              f"compute failed on worker {self._places[-1].endpoint}: logits contain NaN or infinity")
+            return _checked_tokens(np.frombuffer(hidden, dtype=np.int32), self.hp.n_vocab, last)
+        return _checked_logits(np.frombuffer(hidden, dtype=np.float32).reshape(len(out_rows), self.hp.n_vocab), last)
+
+    async def _head(self, normed: bytes, shape: StepShape) -> np.ndarray:
+        """Every endpoint's shard of the output head at once; then the logits
+        side by side, or (greedy) each row's token from the shard whose best
+        logit is highest (the first such shard: the lowest id, as argmax)."""
+        places = [p for p in self._places if len(p.stage.head_rows)]
+        inputs = {"head_in": np.frombuffer(normed, dtype=np.float32)}
+        # every shard's request runs to its end (or failure): none is left in flight past this decode
+        results = await asyncio.gather(*(p.executor.run(p.stage, shape, inputs, head=True) for p in places),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for exc in failures:
+            if not isinstance(exc, StageFailed):
+                raise exc
+        if failures:
+            lost = [exc for exc in failures if exc.kind == "endpoint"]
+            for exc in lost[1:]:  # the decode reports one; every endpoint that failed is latched
+                self._latch(next(p for p in self._places if p.endpoint == exc.endpoint), exc)
+            raise (lost or failures)[0]
+        n_out = shape.n_outputs
+        if shape.argmax:
+            best, value = [], []
+            for p, out in zip(places, results):
+                out = _sized(p, out, p.stage.output_size(shape, head=True))
+                r = p.stage.head_rows
+                best.append(_checked_tokens(np.frombuffer(out, np.int32, n_out), len(r), p.endpoint) + r.start)
+                value.append(np.frombuffer(out, np.float32, n_out, n_out * 4))
+            winner = np.argmax(np.stack(value), axis=0)
+            return np.stack(best)[winner, np.arange(n_out)].astype(np.int32)
+        logits = np.empty((n_out, self.hp.n_vocab), dtype=np.float32)
+        for p, out in zip(places, results):
+            out = _sized(p, out, p.stage.output_size(shape, head=True))
+            r = p.stage.head_rows
+            logits[:, r.start: r.stop] = _checked_logits(np.frombuffer(out, np.float32).reshape(n_out, len(r)),
+                                                         p.endpoint)
         return logits
 
     def _row(self, i: int) -> int:

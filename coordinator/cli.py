@@ -16,13 +16,16 @@ EXIT_DECODE_FAILED = 2
 EXIT_CONNECT_FAILED = 3
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
     p.add_argument("--local-workers", type=int, default=2, help="workers to start when --endpoints is not given")
     p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
     p.add_argument("-t", "--threads", type=int, default=1, help="compute threads per worker")
     p.add_argument("-c", "--ctx-size", type=int, default=2048)
     p.add_argument("--split", default=None, help="comma-separated layer proportions, e.g. 1,2")
+    if with_head_flag:
+        p.add_argument("--no-head-split", dest="head_split", action="store_false",
+                       help="the last worker computes the whole output head (default: every worker a share)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
@@ -48,10 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--parallel", type=int, default=4, help="slots decoding together (continuous batching)")
     s.add_argument("--ctx-per-slot", type=int, default=2048)
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
-    _common(b)
+    _common(b, with_head_flag=False)
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--pp", type=int, default=64)
     b.add_argument("--tg", type=int, default=32)
+    b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
+                   help="run the workers with the output head split over them, whole on the last, or both "
+                        "(both: two rows side by side; the workers hold the model twice)")
     return p.parse_args(argv)
 
 
@@ -82,7 +88,7 @@ def cmd_generate(args) -> int:
     with endpoints_for(args) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size, **_security(args),
-                            threads=args.threads, progress=sys.stderr.isatty())
+                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
             return EXIT_CONNECT_FAILED
@@ -101,7 +107,9 @@ def cmd_generate(args) -> int:
             n = c.stats["generated"] - generated0
             n_layer = c.hp.n_layer
             share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1} "
-                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})" for e in c.endpoints())
+                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
+                              + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
+                                 if e["head_rows"] else "") for e in c.endpoints())
             print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
     return 0
 
@@ -139,11 +147,21 @@ def cmd_bench(args) -> int:
 
     results = {}
     with endpoints_for(args) as endpoints:
-        setups = {"local": ["local"], f"rpc x{len(endpoints)}": endpoints}
-        coords = {name: Coordinator(eps, model=args.model, split=_split(args) if name != "local" else None,
-                                    n_ctx=max(args.ctx_size, args.pp + args.tg + 1), threads=args.threads,
-                                    **_security(args))
-                  for name, eps in setups.items()}
+        rpc = f"rpc x{len(endpoints)}"
+        setups = {"local": (["local"], {})}
+        if args.head_split in ("on", "both") or len(endpoints) == 1:
+            setups[rpc] = (endpoints, {"split": _split(args)})
+        if args.head_split in ("off", "both") and len(endpoints) > 1:
+            setups[rpc + " head whole"] = (endpoints, {"split": _split(args), "head_split": False})
+        coords = {}
+        try:
+            for name, (eps, opts) in setups.items():
+                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
+                                           threads=args.threads, **opts, **_security(args))
+        except BaseException:
+            for c in coords.values():
+                c.close()
+            raise
         try:
             for c in coords.values():
                 _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
@@ -154,14 +172,19 @@ def cmd_bench(args) -> int:
             for c in coords.values():
                 c.close()
     cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
-    print(f"{'setup':<12}" + "".join(f"{c:>14}" for c in cols))
+    width = max(len(name) for name in results) + 8
+    print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
     med = {}
     for name, rs in results.items():
         med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
-        print(f"{name:<12}" + "".join(f"{v:>14.1f}" for v in med[name]))
-    base, rpc = med["local"], med[[k for k in med if k != "local"][0]]
-    print(f"{'ratio':<12}" + "".join(f"{r / b:>14.3f}" for r, b in zip(rpc, base)))
+        print(f"{name:<{width}}" + "".join(f"{v:>14.1f}" for v in med[name]))
+    for name in med:
+        if name != "local":
+            print(f"{'ratio ' + name:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med["local"])))
     print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
+    if any(name.endswith("head whole") for name in med):
+        print("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
+              "split it over the workers, computed at the same time")
     return 0
 
 
@@ -175,7 +198,8 @@ def cmd_serve(args) -> int:
     with endpoints_for(args) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=_split(args), threads=args.threads, **_security(args),
-                            n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty())
+                            n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
+                            head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
             return EXIT_CONNECT_FAILED

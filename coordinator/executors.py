@@ -96,13 +96,13 @@ class LocalExecutor:
         for t, off in offsets.items():
             lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
         for name, t in todo:
-            data = gguf.tensor_data(name)
+            data = stage.weight_data(gguf, name)
             ffi.memmove(t.data, ffi.from_buffer(data), len(data))
             if progress:
                 progress(len(data))
 
-    def _run(self, stage, shape, inputs: dict) -> bytes:
-        g, evicted = stage.graph(shape)
+    def _run(self, stage, shape, inputs: dict, head: bool) -> bytes:
+        g, evicted = stage.graph(shape, head)
         for old in evicted:
             galloc = self.gallocs.pop(id(old), None)
             self.allocated.discard(id(old))
@@ -123,10 +123,10 @@ class LocalExecutor:
         status = self.backend.compute(g.gf)
         if status != lib.GGML_STATUS_SUCCESS:
             raise StageFailed("compute", self.endpoint, f"local compute returned ggml status {status}")
-        return bytes(ffi.buffer(g.output.data, lib.ggml_nbytes(g.output)))
+        return b"".join(ffi.buffer(out.data, lib.ggml_nbytes(out)) for out in g.outputs)
 
-    async def run(self, stage, shape, inputs: dict) -> bytes:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs)
+    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
 
     async def close(self) -> None:
         for galloc in self.gallocs.values():
@@ -189,7 +189,7 @@ class RemoteExecutor:
         self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
         cached = self.use_cache and self.info.get("tensor_cache")
         for name, t in weights:
-            data = gguf.tensor_data(name)
+            data = stage.weight_data(gguf, name)
             base = offsets[t]
             for start in range(0, len(data), UPLOAD_CHUNK):
                 chunk = data[start: start + UPLOAD_CHUNK]
@@ -212,8 +212,8 @@ class RemoteExecutor:
                 if progress:
                     progress(len(chunk))
 
-    async def run(self, stage, shape, inputs: dict) -> bytes:
-        g, evicted = stage.graph(shape)
+    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
+        g, evicted = stage.graph(shape, head)
         for old in evicted:
             if old.graph_id in self.sent_graphs:
                 self.sent_graphs.discard(old.graph_id)
@@ -229,7 +229,7 @@ class RemoteExecutor:
             parts.append(arr.tobytes())
             off += arr.nbytes
         blob = b"".join(parts)
-        fields = {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[g.output]]}
+        fields = {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[out] for out in g.outputs]}
         if g.graph_id in self.sent_graphs:
             try:
                 started = time.monotonic()

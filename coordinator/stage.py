@@ -1,13 +1,22 @@
 """A stage: a contiguous range of layers that runs on one endpoint, with the
 weights and KV cache those layers need, and its step graphs built once per
-shape and reused."""
+shape and reused.
+
+With the output head split (the coordinator's `head_split`), every stage also
+holds a shard of the output head: a range of vocabulary rows. The last stage's
+layer graph then ends at the normalized rows that want logits, and every stage
+multiplies them by its rows in a separate head graph, all at the same time. On
+a model whose head is a large part of the work (Gemma 3: a 262k vocabulary)
+this turns the slowest serial part of a step into a parallel one; the logits
+are the same bits, row for row, since each is the same dot product."""
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
 
 from ggml_ffi import Context, lib
-from coordinator.models.common import F16, F32, I32, I64, GraphBuilder, HParams, StepInputs, StepShape
+from coordinator.models.common import (F16, F32, I32, I64, GraphBuilder, HParams, StepInputs, StepShape,
+                                       argmax_first, head_source)
 
 MAX_CACHED_GRAPHS = 8
 TENSORS_PER_LAYER = 80
@@ -18,7 +27,7 @@ class BuiltGraph:
     ctx: Context
     gf: object
     inputs: dict  # name -> tensor
-    output: object
+    outputs: list  # tensors whose data the step returns, concatenated in this order
     graph_id: int
     wire: object = None  # (tensors, index_of), encoded on first remote use
 
@@ -49,42 +58,90 @@ class Stage:
     layers: range
     first: bool
     last: bool
-    weights: dict  # name -> tensor (from the GGUF context)
+    weights: dict  # name -> tensor (from the GGUF context, or cut from one: see `cuts`)
     kv: StageKV
+    # vocabulary rows of the output head this stage computes in its head graph
+    # (None: the head is not split; the last stage's layer graph computes it whole)
+    head_rows: range | None = None
+    head_weight: str | None = None  # the weight the head graph multiplies by (all its rows, or a cut)
+    # name -> (GGUF tensor, first byte, end byte): weights that are a row range of a GGUF tensor
+    cuts: dict = field(default_factory=dict)
+    own_ctx: Context | None = None  # holds the tensors of `cuts`
     graphs: "collections.OrderedDict[tuple, BuiltGraph]" = field(default_factory=collections.OrderedDict)
     _next_graph_id: int = 1
 
     @classmethod
-    def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int) -> "Stage":
+    def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
+               head_rows: range | None = None) -> "Stage":
         first, last = layers.start == 0, layers.stop == n_layer
         names = [n for n in gguf.tensors if n.startswith("blk.") and int(n.split(".")[1]) in layers]
         if first:
             names.append("token_embd.weight")
         if last:
-            names += ["output_norm.weight", "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"]
+            names.append("output_norm.weight")
+            if head_rows is None:
+                names.append(head_source(gguf.tensors))
         if hp.arch == "llama" and "rope_freqs.weight" in gguf.tensors:  # llama 3.x RoPE frequency factors
             names.append("rope_freqs.weight")
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
-        return cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx))
+        stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows)
+        if head_rows is not None and len(head_rows):
+            src = head_source(gguf.tensors)
+            # a stage that holds the whole tensor anyway (the first, with a tied embedding)
+            # multiplies by a view of its rows; the others hold only their rows
+            stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
+        return stage
 
-    def output_size(self, shape: StepShape) -> int:
+    def _cut_head(self, gguf, src_name: str) -> str:
+        """Hold only this stage's rows of the head weight, as a tensor of their own."""
+        src = gguf.tensor(src_name)
+        rows = self.head_rows
+        self.own_ctx = Context(1)
+        name = f"{src_name}[{rows.start}:{rows.stop}]"
+        self.weights[name] = self.own_ctx.new_tensor(src.type, [src.ne[0], len(rows)], name)
+        self.cuts[name] = (src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
+        return name
+
+    def weight_data(self, gguf, name: str) -> memoryview:
+        """The bytes of weight `name`, straight from the GGUF file's memory map."""
+        cut = self.cuts.get(name)
+        if cut is None:
+            return gguf.tensor_data(name)
+        src_name, start, stop = cut
+        return gguf.tensor_data(src_name)[start:stop]
+
+    def output_size(self, shape: StepShape, head: bool = False) -> int:
+        if head:
+            # argmax: each row's best token in this shard and its logit, for the coordinator to compare shards
+            return (2 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
+        if self.last and self.head_rows is not None:
+            return self.hp.n_embd * shape.n_outputs * 4
         if self.last:
             return (1 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4
         return self.hp.n_embd * shape.n_tokens * 4
 
-    def graph(self, shape: StepShape) -> tuple[BuiltGraph, list]:
-        """The step graph for `shape` and the graphs evicted to make room for it."""
-        key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax)
+    def graph(self, shape: StepShape, head: bool = False) -> tuple[BuiltGraph, list]:
+        """The step graph for `shape` (its head graph if `head`) and the graphs
+        evicted to make room for it."""
+        if head:
+            key = ("head", shape.n_outputs, shape.argmax)
+        else:
+            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and self.head_rows is None)
         evicted = []
         g = self.graphs.get(key)
         if g is not None:
             self.graphs.move_to_end(key)
             return g, evicted
-        g = self._build(shape)
+        g = self._build_head(shape) if head else self._build(shape)
         self.graphs[key] = g
         while len(self.graphs) > MAX_CACHED_GRAPHS:
             evicted.append(self.graphs.popitem(last=False)[1])
         return g, evicted
+
+    def _new_id(self) -> int:
+        graph_id = self._next_graph_id
+        self._next_graph_id += 1
+        return graph_id
 
     def _build(self, shape: StepShape) -> BuiltGraph:
         hp = self.hp
@@ -108,12 +165,37 @@ class Stage:
             x = self.arch.embed(b, tokens)
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
-        out = b.output_head(x) if self.last else x
-        if self.last and shape.argmax:
-            # greedy decoding needs one token id per row, not a megabyte of logits on the wire
-            out = lib.ggml_argmax(ctx.ptr, out)
-        lib.ggml_set_output(out)
-        lib.ggml_build_forward_expand(gf, out)
-        graph_id = self._next_graph_id
-        self._next_graph_id += 1
-        return BuiltGraph(ctx, gf, inputs.tensors, out, graph_id)
+        if self.last and self.head_rows is not None:
+            out = b.final_norm(x)  # the head shards, this stage's among them, take it from here
+        elif self.last:
+            out = b.output_head(x)
+            if shape.argmax:
+                # greedy decoding needs one token id per row, not a megabyte of logits on the wire
+                out, _ = argmax_first(ctx.ptr, out)
+        else:
+            out = x
+        return self._finish(ctx, gf, inputs, [out])
+
+    def _build_head(self, shape: StepShape) -> BuiltGraph:
+        """This stage's shard of the output head: its vocabulary rows times the
+        normalized rows that want logits; with argmax, each row's best token in
+        the shard and that token's logit."""
+        hp, rows, n_out = self.hp, self.head_rows, shape.n_outputs
+        ctx = Context(32)
+        c = ctx.ptr
+        gf = ctx.new_graph()
+        inputs = StepInputs()
+        x = inputs.new(ctx, "head_in", F32, [hp.n_embd, n_out])
+        w = self.weights[self.head_weight]
+        if self.head_weight not in self.cuts:
+            w = lib.ggml_view_2d(c, w, w.ne[0], len(rows), w.nb[1], rows.start * w.nb[1])
+        logits = lib.ggml_mul_mat(c, w, x)
+        if not shape.argmax:
+            return self._finish(ctx, gf, inputs, [logits])
+        return self._finish(ctx, gf, inputs, list(argmax_first(c, logits)))
+
+    def _finish(self, ctx, gf, inputs: StepInputs, outputs: list) -> BuiltGraph:
+        for out in outputs:
+            lib.ggml_set_output(out)
+            lib.ggml_build_forward_expand(gf, out)
+        return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id())

@@ -124,20 +124,35 @@ def endpoints_for(daemons, workers):
 # ---------------------------------------------------------------- split == in process
 # 1:3 gives gemma3's first stage layers 0-3, all sliding-window: that stage's graph
 # never uses the global mask input (it used to crash the in-process path and make the
-# remote one raise KeyError). "local x2" is two in-process stages.
-SPLITS = [("local x2", [1, 3]), (2, [1, 1]), (2, [1, 3]), (3, [3, 1, 1]), (3, [1, 1, 1])]
+# remote one raise KeyError). "local x2" is two in-process stages. The output head is
+# split over the endpoints (head_split, the default) except where the id says "whole".
+SPLITS = [("local x2", [1, 3], True), (2, [1, 1], True), (2, [1, 1], False), (2, [1, 3], True),
+          (3, [3, 1, 1], True), (3, [1, 1, 1], True)]
 
 
-@pytest.mark.parametrize("workers,split", SPLITS, ids=[f"{w}-{':'.join(map(str, s))}" for w, s in SPLITS])
+@pytest.mark.parametrize("workers,split,head_split", SPLITS,
+                         ids=[f"{w}-{':'.join(map(str, s))}{'' if h else '-head-whole'}" for w, s, h in SPLITS])
 @pytest.mark.parametrize("model", ["gemma3", "tiny"])
-def test_split_greedy_equals_in_process(model, workers, split, daemons, model_paths, reference):
+def test_split_greedy_equals_in_process(model, workers, split, head_split, daemons, model_paths, reference):
     ref_first, ref_tokens, ref_last = reference(model)
-    with Coordinator(endpoints_for(daemons, workers), model=model_paths[model], split=split, n_ctx=N_CTX) as c:
+    with Coordinator(endpoints_for(daemons, workers), model=model_paths[model], split=split, n_ctx=N_CTX,
+                     head_split=head_split) as c:
         bounds = [e["layers"] for e in c.endpoints()]
         assert len(bounds) == len(split)
         starts, stops = [b[0] for b in bounds], [b[1] for b in bounds]
         assert starts[0] == 0 and stops[-1] == c.hp.n_layer and starts[1:] == stops[:-1]
         assert all(a < b for a, b in bounds)
+        heads = [e["head_rows"] for e in c.endpoints()]
+        if head_split:  # the vocabulary in contiguous shares, in the split's proportions
+            assert heads[0][0] == 0 and heads[-1][1] == c.hp.n_vocab
+            assert all(a[1] == b[0] for a, b in zip(heads, heads[1:]))
+            shares = np.diff([0] + [h[1] for h in heads]) / c.hp.n_vocab
+            assert np.allclose(shares, np.array(split) / sum(split), atol=0.01)
+            # no stage holds the whole head except the first, whose embedding it is (tied)
+            for p in c._places[1:]:
+                assert not {"output.weight", "token_embd.weight"} & set(p.stage.weights)
+        else:
+            assert heads == [None] * len(split)
         first, tokens, last = greedy(c, c.tokenize(PROMPTS[model]), N_GREEDY)
     assert tokens == ref_tokens
     assert np.abs(first - ref_first).max() <= 1e-4
@@ -438,8 +453,8 @@ def test_cli_generate_with_local_workers(local):
                        timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stdout
-    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*layers 0-\d+ \(\d+%\).*layers \d+-17 \(\d+%\)\]", r.stderr), \
-        r.stderr
+    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*layers 0-\d+ \(\d+%\) head \d+%"
+                     r".*layers \d+-17 \(\d+%\) head \d+%\]", r.stderr), r.stderr
     c = local["gemma3"]
     c.kv_clear()
     assert r.stdout == c.generate(prompt, max_tokens=8)
@@ -475,6 +490,30 @@ def test_greedy_decode_returns_the_argmax_of_the_logits(gemma, reference):
     gemma.kv_clear()
     assert gemma.generate(PROMPTS["gemma3"], max_tokens=12) == gemma.detokenize(want)
 
+
+@pytest.mark.parametrize("head", ["ties", "tied"])
+def test_head_shards_combine_as_one_head(head, daemons, tmp_path):
+    """The output head split over three workers gives the in-process logits bit
+    for bit, and greedy picks what argmax over the whole row picks. "ties": every
+    logit is tied with those of 5 other ids, in other shards too, so the lowest
+    id must win; "tied": the head is the token embedding, which the first worker
+    holds whole and multiplies by a view of its rows."""
+    path = write_tiny_llama(tmp_path / f"tiny-{head}.gguf", seed=3, head=head)
+    eps = [d.endpoint for d in daemons[:3]]
+    with Coordinator(["local"], model=path, n_ctx=N_CTX) as ref, \
+            Coordinator(eps, model=path, split=[1, 2, 1], n_ctx=N_CTX) as c:
+        assert [e["head_rows"] for e in c.endpoints()] == [[0, 75], [75, 225], [225, 300]]
+        ids = list(range(3, 40))
+        for x in (ref, c):
+            ok(x, Batch.single(ids, 0, all_logits=True))
+        for i in range(len(ids)):
+            assert np.array_equal(c.logits(i), ref.logits(i))
+        want = [int(ref.logits(i).argmax()) for i in range(len(ids))]
+        if head == "ties":
+            assert max(want) < 50  # the first of each tied group
+        c.kv_clear()
+        assert c.decode(Batch.single(ids, 0, all_logits=True), greedy=True) is OK
+        assert [c.token(i) for i in range(len(ids))] == want
 
 def test_local_workers_die_with_a_killed_coordinator(tmp_path):
     """ggml-coordinator started its own workers; SIGKILL it: they must not linger."""

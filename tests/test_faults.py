@@ -1,7 +1,9 @@
 """Fault semantics end to end (docs/failure-semantics.md), with real processes.
 
 The fault matrix runs one coordinator over two workers, A (stage 0) and B
-(stage 1, the one that returns logits). Only B is ever faulted; it is
+(stage 1). With the output head split (the default) each answers two graph
+requests per decode: its layers, then its share of the logits, B's and A's at
+the same time; the `after=` counts below are of B's. Only B is ever faulted; it is
 restarted on the same port for every repetition with a `--test-fault` spec
 that starts disarmed. Each repetition first checks recovery (reconnect, re-feed
 the prompt, same greedy text as the undisturbed run), then arms the fault with
@@ -9,8 +11,10 @@ SIGUSR1 and drives decodes into it:
 
     faults: kill -9 (the daemon SIGKILLs itself and its compute process),
             SIGSTOP (the daemon stops itself), the worker closes the socket;
-    phases: weight upload (during reconnect()), GRAPH_COMPUTE (while the
-            compute process works), the logits reply in flight (half of it sent).
+    phases: weight upload (during reconnect()), GRAPH_COMPUTE of B's layers
+            (while the compute process works), of its share of the output
+            head (while A computes its share too), the logits reply in flight
+            (half of it sent).
 
 The coordinator runs in this process, so a crash of it would end the run.
 A subprocess variant runs with SIGPIPE at its default action.
@@ -176,10 +180,11 @@ FAULTS = {  # name: (action, the kind of failure the coordinator must report, de
     "sigstop": ("stop", "timeout", LIVENESS),
     "close": ("close", "closed", None),
 }
-PHASES = {  # name: fault spec without the action
+PHASES = {  # name: fault spec without the action; B's graph requests 4 and 5 are the third decode's
     "upload": f"cmd={UPLOAD_CMDS},after=3,point=request",
-    "compute": f"cmd={GRAPH_CMDS},after=2,point=compute",
-    "reply": f"cmd={GRAPH_CMDS},after=2,point=half",
+    "compute": f"cmd={GRAPH_CMDS},after=4,point=compute",
+    "head": f"cmd={GRAPH_CMDS},after=5,point=compute",
+    "reply": f"cmd={GRAPH_CMDS},after=5,point=half",
 }
 
 
@@ -300,7 +305,7 @@ def test_compute_failure_keeps_the_connection(rig, how):
     assert rig.clients()[1] is client and client.failed is None
     if how == "crash-compute":
         assert any("compute process" in line and "SIGKILL" in line for line in rig.b.log_lines)
-    rig.restart_b(f"cmd={GRAPH_CMDS},after=1,point=reply,action=fail")
+    rig.restart_b(f"cmd={GRAPH_CMDS},after=3,point=reply,action=fail")  # the second decode's logits
     rig.recover()
     rig.arm()
     with pytest.raises(DecodeError) as info:  # through generate: the cause is named
@@ -343,7 +348,7 @@ def test_long_compute_is_not_a_timeout(rig):
 def test_sigstop_detected_within_the_default_bound(rig, model):
     """The default bound (2 s) holds even while a long compute is in progress:
     the worker is stopped 0.5 s into a reply delayed by 5 s."""
-    rig.restart_b(f"cmd={GRAPH_CMDS},after=1,point=reply,action=delay:5")
+    rig.restart_b(f"cmd={GRAPH_CMDS},after=2,point=reply,action=delay:5")  # the second decode's layers
     c2 = Coordinator([rig.a.endpoint, rig.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX)
     try:
         bound = c2._exec_opts["liveness_timeout"]
@@ -511,6 +516,25 @@ async def load_chain(c: RpcClient, steps: int):
     return buf, tensors, iz, x0
 
 
+def test_head_round_failures_latch_every_endpoint(model, start_daemon):
+    """Both workers die while computing their shares of the output head: the
+    decode reports the first, and both are latched (none is left looking healthy)."""
+    spec = f"cmd={GRAPH_CMDS},after=5,point=compute,action=kill"  # the third decode's head, on each
+    a = start_daemon("-t", "1", "--test-fault", spec)
+    b = start_daemon("-t", "1", "--test-fault", spec)
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is OK
+        assert c.decode(Batch.single([5], len(ids))) is OK
+        assert c.decode(Batch.single([6], len(ids) + 1)) is ENDPOINT_FAILED
+        assert c.last_failed_endpoint == a.endpoint and c.last_cause == "closed", c.last_error
+        assert [f.endpoint for f in c.failed_endpoints()] == [a.endpoint, b.endpoint]
+        assert all(f.kind == "closed" for f in c.failed_endpoints())
+        assert c.health()["status"] == "failed" and c.needs_refeed() == [0]
+        with pytest.raises(RuntimeError):
+            c.logits(-1)
+
+
 def test_real_long_compute_with_a_short_bound(start_daemon):
     """A real compute of about a second against a liveness bound of 0.3 s: the
     daemon's event loop answers the pings while its compute process works."""
@@ -624,8 +648,8 @@ SUBPROCESS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("spec", [f"cmd={GRAPH_CMDS},after=3,point=half,action=kill",
-                                  f"cmd={GRAPH_CMDS},after=3,point=compute,action=exit"])
+@pytest.mark.parametrize("spec", [f"cmd={GRAPH_CMDS},after=7,point=half,action=kill",  # the 4th decode: logits
+                                  f"cmd={GRAPH_CMDS},after=6,point=compute,action=exit"])  # its layers
 def test_coordinator_process_survives_with_default_sigpipe(model, start_daemon, spec):
     a = start_daemon("-t", "1")
     b = start_daemon("-t", "1", "--test-fault", spec)

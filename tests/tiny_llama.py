@@ -63,7 +63,12 @@ def tiny_vocab(n_vocab: int = N_VOCAB) -> tuple[list[str], list[float], list[int
     return tokens, scores, types
 
 
-def write_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
+def write_tiny_llama(path: str | os.PathLike, seed: int = 0, head: str = "own") -> str:
+    """head: "own" (an output.weight of its own), "tied" (none: the token embedding
+    is the output head, as gemma's), or "ties" (output.weight whose rows repeat
+    every 50 tokens, so every logit is tied with those of 5 other token ids)."""
+    if head not in ("own", "tied", "ties"):
+        raise ValueError(head)
     rng = np.random.default_rng(seed)
     tokens, scores, types = tiny_vocab()
     n_vocab = len(tokens)
@@ -126,7 +131,10 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
         add(p + "ffn_up.weight", mat(N_FF, N_EMBD, 0.1), small)
         add(p + "ffn_down.weight", mat(N_EMBD, N_FF, 0.05), big)
     add("output_norm.weight", norm_weight(), "f32")
-    add("output.weight", mat(n_vocab, N_EMBD, 0.3), "q8_0")
+    if head == "own":
+        add("output.weight", mat(n_vocab, N_EMBD, 0.3), "q8_0")
+    elif head == "ties":
+        add("output.weight", mat(50, N_EMBD, 0.3)[np.arange(n_vocab) % 50], "q8_0")
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -123,13 +123,35 @@ class GraphBuilder:
         up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
         return lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up))
 
-    def output_head(self, x):
+    def final_norm(self, x):
+        """The rows that want logits, normalized: what the output head multiplies."""
         x = lib.ggml_get_rows(self.c, x, self.inputs.tensors["out_rows"])
-        x = self.norm(x, self.w["output_norm.weight"])
+        return self.norm(x, self.w["output_norm.weight"])
+
+    def output_head(self, x):
         out = self.w.get("output.weight")
         if out is None:  # tied output embedding
             out = self.w["token_embd.weight"]
-        return lib.ggml_mul_mat(self.c, out, x)
+        return lib.ggml_mul_mat(self.c, out, self.final_norm(x))
+
+
+def argmax_first(c, logits):
+    """Each column's argmax with ties going to the lowest id, as numpy's argmax
+    and llama.cpp's greedy sampler (ggml_argmax alone gives the highest), and the
+    column's maximum. Exact: x - max is 0 only where x equals the max, so
+    sgn(x - max) * n - id is above -n exactly there, highest at the first."""
+    n, cols = logits.ne[0], logits.ne[1]
+    last = lib.ggml_argmax(c, logits)
+    # the maximum of column j is row last[j] of the [1, n] slice j: a get_rows per column
+    best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), lib.ggml_reshape_2d(c, last, 1, cols))
+    below = lib.ggml_sgn(c, lib.ggml_sub(c, logits, lib.ggml_reshape_2d(c, best, 1, cols)))  # -1 or 0
+    score = lib.ggml_sub(c, lib.ggml_scale(c, below, float(n)), lib.ggml_arange(c, 0.0, float(n), 1.0))
+    return lib.ggml_argmax(c, score), best
+
+
+def head_source(tensors) -> str:
+    """The GGUF tensor the output head multiplies by (gemma ties it to the embedding)."""
+    return "output.weight" if "output.weight" in tensors else "token_embd.weight"
 
 
 def default_attn_scale(hp: HParams) -> float:
