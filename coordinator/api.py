@@ -462,6 +462,9 @@ class Coordinator:
 
     async def _forward(self, batch, rows, tok_pos, tok_seq, out_rows, greedy: bool = False) -> np.ndarray:
         n = len(batch.tokens)
+        wanted = len(out_rows)
+        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped below
+            out_rows = np.array([n - 1], dtype=np.int32)
         n_kv = self.kv.n_kv()
         shape = StepShape(n, n_kv, len(out_rows), greedy)
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
@@ -478,11 +481,15 @@ class Coordinator:
             if p.stage.last:
                 inputs["out_rows"] = out_rows
             hidden = _sized(p, await p.executor.run(p.stage, shape, inputs), p.stage.output_size(shape))
+        if not wanted:  # the KV rows are written; no head round for rows nobody wants
+            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
         if self.head_split:
             return await self._head(hidden, shape)
         last = self._places[-1].endpoint
         if greedy:
-            return _checked_tokens(np.frombuffer(hidden, dtype=np.int32), self.hp.n_vocab, last)
+            n_out = len(out_rows)
+            _checked_logits(np.frombuffer(hidden, np.float32, n_out, n_out * 4), last)  # the rows' sums
+            return _checked_tokens(np.frombuffer(hidden, np.int32, n_out), self.hp.n_vocab, last)
         return _checked_logits(np.frombuffer(hidden, dtype=np.float32).reshape(len(out_rows), self.hp.n_vocab), last)
 
     async def _head(self, normed: bytes, shape: StepShape) -> np.ndarray:
@@ -495,20 +502,20 @@ class Coordinator:
         results = await asyncio.gather(*(p.executor.run(p.stage, shape, inputs, head=True) for p in places),
                                        return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
-        for exc in failures:
-            if not isinstance(exc, StageFailed):
-                raise exc
         if failures:
-            lost = [exc for exc in failures if exc.kind == "endpoint"]
-            for exc in lost[1:]:  # the decode reports one; every endpoint that failed is latched
+            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.kind == "endpoint"]
+            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
+            # the decode reports one failure (_decode latches it); every endpoint that failed is latched
+            for exc in lost[1 if bug is None else 0:]:
                 self._latch(next(p for p in self._places if p.endpoint == exc.endpoint), exc)
-            raise (lost or failures)[0]
+            raise bug or (lost or failures)[0]
         n_out = shape.n_outputs
         if shape.argmax:
             best, value = [], []
             for p, out in zip(places, results):
                 out = _sized(p, out, p.stage.output_size(shape, head=True))
                 r = p.stage.head_rows
+                _checked_logits(np.frombuffer(out, np.float32, n_out, 2 * n_out * 4), p.endpoint)  # the rows' sums
                 best.append(_checked_tokens(np.frombuffer(out, np.int32, n_out), len(r), p.endpoint) + r.start)
                 value.append(np.frombuffer(out, np.float32, n_out, n_out * 4))
             winner = np.argmax(np.stack(value), axis=0)

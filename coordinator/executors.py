@@ -19,6 +19,9 @@ from rpc_daemon.tls import client_context
 
 ALIGN = 64
 UPLOAD_CHUNK = 16 << 20
+# the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
+GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "PERMUTE",
+             "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SUB", "SUM_ROWS", "UNARY", "VIEW")
 CACHE_MIN_BYTES = 128 << 10  # below this a send is cheaper than a hash look-up round trip, even on a LAN
 
 
@@ -178,6 +181,11 @@ class RemoteExecutor:
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
         self.info, _ = await self._request(Command.DEVICE_INFO, kind_on_error="endpoint")
+        missing = sorted(set(GRAPH_OPS) - set(self.info.get("ops") or ()))
+        if missing:  # an older daemon: say so now, not as a failed compute at the first greedy step
+            raise StageFailed("endpoint", self.endpoint, f"worker {self.endpoint} runs an older ggml-rpc-server "
+                              f"without op(s) {', '.join(missing)}, which this coordinator's graphs use; "
+                              f"upgrade it", "protocol")
         self.sent_graphs.clear()
         return self.info
 

@@ -112,12 +112,12 @@ class Stage:
 
     def output_size(self, shape: StepShape, head: bool = False) -> int:
         if head:
-            # argmax: each row's best token in this shard and its logit, for the coordinator to compare shards
-            return (2 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
+            # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
+            return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
         if self.last and self.head_rows is not None:
             return self.hp.n_embd * shape.n_outputs * 4
         if self.last:
-            return (1 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4
+            return (2 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4  # argmax: token and row sum
         return self.hp.n_embd * shape.n_tokens * 4
 
     def graph(self, shape: StepShape, head: bool = False) -> tuple[BuiltGraph, list]:
@@ -171,7 +171,8 @@ class Stage:
             out = b.output_head(x)
             if shape.argmax:
                 # greedy decoding needs one token id per row, not a megabyte of logits on the wire
-                out, _ = argmax_first(ctx.ptr, out)
+                first, _, total = argmax_first(ctx.ptr, out)
+                return self._finish(ctx, gf, inputs, [first, total])
         else:
             out = x
         return self._finish(ctx, gf, inputs, [out])

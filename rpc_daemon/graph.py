@@ -435,6 +435,13 @@ def rule_argmax(t, tensors):
     _need(t.type == I32 and t.ne == (a.ne[1], 1, 1, 1), t, "result must be i32 [src0.ne1]")
 
 
+def rule_sum_rows(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _types(t, a, (F32,), "src0")
+    _need(a.nb[0] == 4, t, "src0 rows must be contiguous")
+    _need(t.type == F32 and t.nb[0] == 4 and t.ne == (1,) + a.ne[1:], t, "result must be f32 [1, src0.ne1, ne2, ne3]")
+
+
 def rule_arange(t, tensors):
     _srcs(t, tensors, 0)
     _need(t.type == F32 and t.nb[0] == 4, t, "result must be contiguous f32")
@@ -442,12 +449,19 @@ def rule_arange(t, tensors):
     _need(all(math.isfinite(x) for x in (start, stop, step)) and step != 0, t, "start, stop, step must be finite, "
                                                                                "step non-zero")
     # the kernel asserts nelements == ceilf((stop - start) / step), computed in f32
-    steps = math.ceil(_f32(_f32(stop - start) / step))
+    span = _f32(stop - start)
+    steps = None if span is None else _f32(span / step)
+    _need(steps is not None, t, "(stop - start) / step overflows f32")
+    steps = math.ceil(steps)
     _need(t.ne == (steps, 1, 1, 1), t, f"result must be f32 [{steps}] (ceil((stop - start) / step))")
 
 
-def _f32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
+def _f32(x: float) -> float | None:
+    """x rounded to f32 as the kernel computes it; None where f32 overflows."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return None
 
 
 OP_RULES: dict[int, Callable] = {
@@ -475,8 +489,10 @@ OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_GLU: rule_glu,
     lib.GGML_OP_ARGMAX: rule_argmax,
     lib.GGML_OP_ARANGE: rule_arange,
+    lib.GGML_OP_SUM_ROWS: rule_sum_rows,
 }
 SUPPORTED_OPS = frozenset(OP_RULES)
+SUPPORTED_OP_NAMES = sorted(op_name(op) for op in SUPPORTED_OPS)
 
 
 def check_op(t: TensorSpec, earlier: list[TensorSpec]) -> None:

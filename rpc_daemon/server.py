@@ -24,7 +24,7 @@ from rpc_daemon import protocol as P
 from rpc_daemon import row_ids
 from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer
 from rpc_daemon.compute import ComputeFailed, ComputeProcess
-from rpc_daemon.graph import GraphSpec, parse_graph
+from rpc_daemon.graph import SUPPORTED_OP_NAMES, GraphSpec, parse_graph
 from rpc_daemon.protocol import Command, ProtocolError, Status
 from rpc_daemon.ratelimit import TokenBucket
 from rpc_daemon.sockets import tune_socket
@@ -507,7 +507,8 @@ async def handle_device_info(c: Connection, h, blob, direct):
     free = min(reg.max_bytes - reg.allocated - reg.compute_bytes(), available_memory())
     return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": max(0, free),
             "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": c.daemon.config.threads,
-            "cpu_features": features, "tensor_cache": c.daemon.cache is not None}
+            "cpu_features": features, "tensor_cache": c.daemon.cache is not None,
+            "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect
 
 
 def cpu_model() -> str:

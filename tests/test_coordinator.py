@@ -547,3 +547,39 @@ def test_local_workers_die_with_a_killed_coordinator(tmp_path):
     for c in alive:
         os.kill(c, signal.SIGKILL)
     assert not alive, f"local workers {alive} outlived the killed coordinator"
+
+
+@pytest.mark.parametrize("where", ["local x2", "2 workers", "2 workers head whole"])
+def test_batch_without_logit_rows_writes_the_kv_only(where, daemons, model_paths, reference):
+    """A prompt fed in chunks of which only the last wants logits (what the HTTP
+    server does with prompts longer than n_batch): the chunks without logit rows
+    decode OK, return no logits, and the text continues as the reference."""
+    eps = ["local", "local"] if where == "local x2" else [d.endpoint for d in daemons[:2]]
+    _, ref_tokens, _ = reference("tiny")
+    with Coordinator(eps, model=model_paths["tiny"], split=[1, 1], n_ctx=N_CTX,
+                     head_split=not where.endswith("whole")) as c:
+        ids = c.tokenize(PROMPTS["tiny"])
+        half = len(ids) // 2
+        for greedy_step in (False, True):
+            c.kv_clear()
+            no_logits = Batch(ids[:half], list(range(half)), [[0]] * half, [False] * half)
+            assert c.decode(no_logits, greedy=greedy_step) is OK, c.last_error
+            with pytest.raises(IndexError):
+                c.logits(-1) if not greedy_step else c.token(-1)
+            ok(c, Batch.single(ids[half:], half))
+            assert int(c.logits(-1).argmax()) == ref_tokens[0]
+
+
+@pytest.mark.parametrize("where", ["local", "2 workers", "2 workers head whole"])
+def test_nan_logits_fail_greedy_steps_too(where, daemons, tmp_path):
+    """A model whose head makes one logit NaN: COMPUTE_FAILED with or without
+    greedy=True (a greedy step must not hand out a token picked around a NaN)."""
+    path = write_tiny_llama(tmp_path / "tiny-nan.gguf", seed=0, head="nan")
+    eps = ["local"] if where == "local" else [d.endpoint for d in daemons[:2]]
+    with Coordinator(eps, model=path, n_ctx=N_CTX, head_split=not where.endswith("whole")) as c:
+        for greedy_step in (False, True):
+            c.kv_clear()
+            assert c.decode(Batch.single([5, 6, 7], 0), greedy=greedy_step) is DecodeResult.COMPUTE_FAILED
+            assert "NaN or infinity" in c.last_error and c.failed_endpoints() == []
+            with pytest.raises(RuntimeError):
+                c.token(-1)

@@ -726,6 +726,24 @@ def test_reply_with_a_bad_id_fails_the_request(liveness):
     assert took < 1.0, took
 
 
+def test_older_daemon_is_refused_at_connect(model):
+    """A worker whose DEVICE_INFO lists no ops (a daemon from before the list, without ARANGE) is refused
+    when the coordinator connects, naming the ops and the fix, not at the first greedy step."""
+    def old_device_info(s, next_header):
+        h = next_header()
+        s.sendall(P.encode_frame({"id": h["id"], "status": 0, "name": "CPU", "free_memory": 1 << 30}))
+
+    endpoint, done = _scripted_worker(old_device_info)
+    try:
+        with pytest.raises(EndpointUnavailable) as info:
+            Coordinator([endpoint], model=model, n_ctx=N_CTX, connect_timeout=2.0)
+    finally:
+        done.set()
+    e = info.value
+    assert e.kind == "protocol" and e.endpoint == endpoint, e
+    assert "older ggml-rpc-server" in e.message and "ARANGE" in e.message and "upgrade" in e.message, e.message
+
+
 def test_worker_half_close_with_our_request_unsent_fails_at_once():
     """The worker sends FIN and reads nothing more while 64 MiB of our request still sit in the write
     buffer: the request fails 'closed' at the EOF instead of waiting for a drain that never comes."""

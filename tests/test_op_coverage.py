@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -450,6 +451,11 @@ def _(b):  # greedy decoding on the worker: the output head's argmax per row
     b.output(lib.ggml_argmax(b.c, logits))
 
 
+@case("SUM_ROWS", "f32")
+def _(b):
+    b.output(lib.ggml_sum_rows(b.c, b.input(F32, [1000, 3], lo=-4, hi=4)))
+
+
 @case("ARANGE", "0-1000")
 def _(b):
     b.output(lib.ggml_arange(b.c, 0.0, 1000.0, 1.0))
@@ -460,9 +466,8 @@ def _(b):  # greedy on the worker, ties to the lowest id: logits of 4 rows with 
     from coordinator.models.common import argmax_first
     rng = np.random.default_rng(7)
     data = np.repeat(rng.integers(-8, 8, (4, 200)).astype(np.float32), 5, axis=1)
-    best, value = argmax_first(b.c, b.input(F32, [1000, 4], data=data.tobytes()))
-    b.output(best)
-    b.output(value)
+    for out in argmax_first(b.c, b.input(F32, [1000, 4], data=data.tobytes())):
+        b.output(out)
 
 
 # ---------------------------------------------------------------- running a case
@@ -643,6 +648,9 @@ def test_arange_whose_length_the_kernel_would_assert_on_is_refused():
         tensors[index_of[r]]["nb"][1:] = [4 * ne0] * 3
         with pytest.raises(ProtocolError, match=r"ARANGE: result must be f32 \[13\]"):
             parse_graph({"tensors": tensors}, Limits(), lambda key: None)
+    tensors[index_of[r]]["params"] = struct.pack("<3f", -3e38, 3e38, 1e-30)  # (stop - start) overflows f32
+    with pytest.raises(ProtocolError, match="overflows f32"):
+        parse_graph({"tensors": tensors}, Limits(), lambda key: None)
 
 
 BF16 = lib.GGML_TYPE_BF16

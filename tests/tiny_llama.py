@@ -66,8 +66,9 @@ def tiny_vocab(n_vocab: int = N_VOCAB) -> tuple[list[str], list[float], list[int
 def write_tiny_llama(path: str | os.PathLike, seed: int = 0, head: str = "own") -> str:
     """head: "own" (an output.weight of its own), "tied" (none: the token embedding
     is the output head, as gemma's), or "ties" (output.weight whose rows repeat
-    every 50 tokens, so every logit is tied with those of 5 other token ids)."""
-    if head not in ("own", "tied", "ties"):
+    every 50 tokens, so every logit is tied with those of 5 other token ids), or
+    "nan" (output.weight whose row 260 is NaN: that logit is NaN in every step)."""
+    if head not in ("own", "tied", "ties", "nan"):
         raise ValueError(head)
     rng = np.random.default_rng(seed)
     tokens, scores, types = tiny_vocab()
@@ -110,7 +111,8 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0, head: str = "own") 
         elif kind == "f16":
             w.add_tensor(name, x.astype(np.float16))
         elif kind == "q8_0":
-            w.add_tensor(name, gguf.quants.quantize(x, q8), raw_dtype=q8)
+            with np.errstate(invalid="ignore"):  # head="nan": a NaN row quantizes to a NaN scale
+                w.add_tensor(name, gguf.quants.quantize(x, q8), raw_dtype=q8)
         else:
             raise ValueError(kind)
 
@@ -133,6 +135,10 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0, head: str = "own") 
     add("output_norm.weight", norm_weight(), "f32")
     if head == "own":
         add("output.weight", mat(n_vocab, N_EMBD, 0.3), "q8_0")
+    elif head == "nan":
+        out = mat(n_vocab, N_EMBD, 0.3)
+        out[260] = np.nan
+        add("output.weight", out, "q8_0")
     elif head == "ties":
         add("output.weight", mat(50, N_EMBD, 0.3)[np.arange(n_vocab) % 50], "q8_0")
 

@@ -137,16 +137,18 @@ class GraphBuilder:
 
 def argmax_first(c, logits):
     """Each column's argmax with ties going to the lowest id, as numpy's argmax
-    and llama.cpp's greedy sampler (ggml_argmax alone gives the highest), and the
-    column's maximum. Exact: x - max is 0 only where x equals the max, so
-    sgn(x - max) * n - id is above -n exactly there, highest at the first."""
+    and llama.cpp's greedy sampler (ggml_argmax alone gives the highest), the
+    column's maximum, and its sum (not finite: a NaN or infinite logit, which the
+    coordinator refuses as it refuses such logits). Exact for finite logits:
+    x - max is 0 only where x equals the max, so sgn(x - max) * n - id is above
+    -n exactly there, highest at the first."""
     n, cols = logits.ne[0], logits.ne[1]
     last = lib.ggml_argmax(c, logits)
     # the maximum of column j is row last[j] of the [1, n] slice j: a get_rows per column
     best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), lib.ggml_reshape_2d(c, last, 1, cols))
     below = lib.ggml_sgn(c, lib.ggml_sub(c, logits, lib.ggml_reshape_2d(c, best, 1, cols)))  # -1 or 0
     score = lib.ggml_sub(c, lib.ggml_scale(c, below, float(n)), lib.ggml_arange(c, 0.0, float(n), 1.0))
-    return lib.ggml_argmax(c, score), best
+    return lib.ggml_argmax(c, score), best, lib.ggml_sum_rows(c, logits)
 
 
 def head_source(tensors) -> str:
