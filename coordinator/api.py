@@ -555,11 +555,30 @@ class Coordinator:
         return int(np.argmax(self.logits(i)))
 
     # ------------------------------------------------------------ KV management
+    # The cell table is the decode step's: find_slot, assign and the masks run on
+    # the loop thread while a step is in flight. A call from another thread runs
+    # there too, between steps (under the decode lock); interleaved, a seq_rm
+    # could empty rows a step had just claimed, and the text would go wrong.
+    def _kv_op(self, fn, *args):
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+
+        async def between_steps():
+            async with self._lock:
+                return fn(*args)
+        return self._run(between_steps())
+
     def kv_clear(self) -> None:
+        self._kv_op(self._kv_clear)
+
+    def _kv_clear(self) -> None:
         self.kv.clear()
         self._needs_refeed.clear()
 
     def kv_seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        self._kv_op(self._kv_seq_rm, seq, p0, p1)
+
+    def _kv_seq_rm(self, seq: int, p0: int, p1: int) -> None:
         self.kv.seq_rm(seq, p0, p1)
         if p0 <= 0 and p1 < 0:  # the whole sequence: nothing left to re-feed
             if seq < 0:
@@ -568,10 +587,10 @@ class Coordinator:
                 self._needs_refeed.discard(seq)
 
     def kv_seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        self.kv.seq_cp(src, dst, p0, p1)
+        self._kv_op(self.kv.seq_cp, src, dst, p0, p1)
 
     def kv_seq_pos_max(self, seq: int) -> int:
-        return self.kv.seq_pos_max(seq)
+        return self._kv_op(self.kv.seq_pos_max, seq)
 
     # ------------------------------------------------------------ recovery
     def reconnect(self, endpoint: str | None = None) -> list[int]:

@@ -87,8 +87,7 @@ class Scheduler:
         return len(self.active)
 
     async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str]) -> Slot:
-        seq = await self.free.get()
-        self.coord.kv_seq_rm(seq)
+        seq = await self.free.get()  # a free sequence holds no KV rows: _release removed them
         slot = Slot(seq, prompt, max_tokens, sampler, tuple(stop), Detokenizer(self.coord.tokenizer),
                     pending=list(prompt))
         self.active.append(slot)
