@@ -755,3 +755,54 @@ def test_worker_half_close_with_our_request_unsent_fails_at_once():
                                {"buffer": 1, "offset": 0, "size": 64 << 20}, bytes(64 << 20))
     assert exc.kind == "closed" and "closed the connection" in exc.message, exc.message
     assert took < 2.0, took
+
+
+def test_kv_calls_from_another_thread_wait_for_the_step_in_flight(model, start_daemon):
+    """KV management called from another thread while a decode step is in flight
+    runs after the step, not into it: the cell table is the step's until it
+    ends (a seq_rm interleaved with find_slot/assign once emptied rows a step had
+    just claimed, and batched texts went wrong). B holds its layers' reply for
+    a second, so the step is certainly in flight when the calls are made."""
+    b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after=4,point=reply,action=delay:1.0")
+    a = start_daemon("-t", "1")
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is OK  # B's graph requests 1 and 2: layers, head
+        assert c.decode(Batch.single(ids[:2], 0, seq=1)) is OK  # 3 and 4
+        results = []
+        decodes = c.stats["decodes"]  # counts a step when it ends
+        t = threading.Thread(target=lambda: results.append(c.decode(Batch.single([5], len(ids)))))
+        t.start()  # B's graph request 5 (its layers) is held
+        try:
+            b.wait_log("test fault fired", timeout=10)
+            seen = (c.kv_seq_pos_max(0), c.stats["decodes"] - decodes)
+            c.kv_seq_rm(1)
+        finally:
+            t.join(timeout=30)
+        assert results == [OK], c.last_error
+        assert seen == (len(ids), 1), "the KV call ran while the step was in flight"
+        assert c.kv_seq_pos_max(1) == -1 and c.kv_seq_pos_max(0) == len(ids)
+
+
+def test_a_bug_in_one_head_shard_still_latches_the_endpoint_lost_in_another(model, start_daemon, monkeypatch):
+    """In the head round, shard A's request raises an unexpected error (a bug of
+    ours, injected) while B dies computing its share: the decode reports the
+    internal error as COMPUTE_FAILED, and B is latched all the same."""
+    b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after=1,point=compute,action=kill")
+    a = start_daemon("-t", "1")
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+        ids = c.tokenize(PROMPT)
+        executor = c._places[0].executor
+        real_run = executor.run
+
+        async def run_with_a_bug(stage, shape, inputs, head=False):
+            if head:
+                await asyncio.sleep(0.2)  # let B's failure arrive first: the bug must still win the report
+                raise RuntimeError("injected bug")
+            return await real_run(stage, shape, inputs, head)
+
+        monkeypatch.setattr(executor, "run", run_with_a_bug)
+        assert c.decode(Batch.single(ids, 0)) is COMPUTE_FAILED
+        assert c.last_cause == "internal" and "injected bug" in c.last_error, c.last_error
+        assert [f.endpoint for f in c.failed_endpoints()] == [b.endpoint]
+        assert c.health()["status"] != "ok"
