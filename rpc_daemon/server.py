@@ -351,11 +351,11 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
-        self.log.info("client disconnected", error=str(exc) if exc else None)
         if self.worker is not None:
             self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends
         else:
             self._release()
+        self.log.info("client disconnected", error=str(exc) if exc else None)
 
     def _release(self) -> None:
         # drop views into client buffers (a half-read SET_TENSOR blob, queued requests)

@@ -265,3 +265,42 @@ def test_sigterm_during_long_compute(start_daemon):
     conn.close()
     assert compute_pids(d)
     assert eventually(lambda: all(_gone(p) for p in compute_pids(d))), "compute process outlived the daemon"
+
+
+def test_daemon_whose_log_reader_is_gone_serves_and_stops(tmp_path):
+    """Its stderr's reader gone (the coordinator that started it died, journald
+    restarted): every log write fails with EPIPE. The daemon must still answer
+    HELLO (it once did not: the log call in connection_made raised) and stop on
+    SIGTERM (its shutdown once hung)."""
+    import subprocess
+    import sys
+
+    from conftest import _LISTEN
+    proc = subprocess.Popen([sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", "0", "-t", "1",
+                             "--log-level", "info"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        port = None
+        for _ in range(200):  # bounded; readline returns "" if the daemon exits
+            line = proc.stderr.readline()
+            m = _LISTEN.search(line)
+            if m or not line:
+                port = int(m.group(1)) if m else None
+                break
+        assert port, "the daemon did not start"
+        proc.stderr.close()
+
+        async def three_clients():
+            for _ in range(3):
+                c = await RpcClient.connect(f"127.0.0.1:{port}")
+                h, _ = await c.request(Command.DEVICE_INFO)
+                assert "free_memory" in h
+                await c.aclose()
+
+        run(three_clients(), timeout=30)
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
