@@ -13,7 +13,9 @@ the async face (`adecode`, `astream`) both submit to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import math
 import signal
 import threading
 import time
@@ -24,15 +26,16 @@ from typing import AsyncIterator, Iterator, Sequence
 import numpy as np
 import structlog
 
-from coordinator.executors import StageFailed, make_executor
+from coordinator.executors import StageFailed, make_executor, peer_failed
 from coordinator.gguf_file import GGUFFile
-from coordinator.kv_cache import MAX_SEQ, KVCells
+from coordinator.kv_cache import MAX_POS, MAX_SEQ, KVCells
 from coordinator.models import architecture
 from coordinator.models.common import StepShape
 from coordinator.sampling import Sampler
 from coordinator.stage import Stage
 from coordinator.tokenizer import Detokenizer, Tokenizer
 from rpc_daemon.auth import load_secret
+from rpc_daemon.client import parse_endpoint
 
 log = structlog.get_logger("coordinator")
 
@@ -147,6 +150,41 @@ def plan_split(n_layer: int, weights: Sequence[float]) -> list[range]:
     return ranges
 
 
+def _checked_setup(endpoints, split, n_batch, threads) -> tuple[list[str], list[float] | None]:
+    """Refuse a bad configuration before the model is read or anything is connected."""
+    if isinstance(endpoints, str):
+        raise ValueError(f"endpoints must be a list of 'host:port' strings (or ['local']), not the string "
+                         f"{endpoints!r}")
+    endpoints = list(endpoints)
+    if not endpoints:
+        raise ValueError("at least one endpoint is required")
+    for e in endpoints:
+        if e != "local":
+            parse_endpoint(e)
+    if split is not None:
+        split = list(split)
+        if len(split) != len(endpoints):
+            raise ValueError(f"split has {len(split)} proportions for {len(endpoints)} endpoints")
+        if not all(isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, bool)
+                   and math.isfinite(w) and w > 0 for w in split):
+            raise ValueError(f"split proportions must be positive numbers (every endpoint holds at least one "
+                             f"layer): {split}")
+    for name, value in (("n_batch", n_batch), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, not {value!r}")
+    return endpoints, split
+
+
+async def _aclose_when_idle(agen) -> None:
+    """aclose() a generation, once a step cancelled from the caller's side has
+    finished unwinding on this loop (aclose of a running generator raises)."""
+    for _ in range(3000):  # bounded: a cancelled step unwinds in a few loop iterations
+        if not agen.ag_running:
+            break
+        await asyncio.sleep(0.01)
+    await agen.aclose()
+
+
 def _bounds(r: range | None) -> list[int] | None:
     return None if r is None else [r.start, r.stop]
 
@@ -196,8 +234,7 @@ class Coordinator:
         once after the last layer, instead of the last endpoint computing all of
         it (coordinator/stage.py). Same logits; faster when the head is a large
         part of a step."""
-        if not endpoints:
-            raise ValueError("at least one endpoint is required")
+        endpoints, split = _checked_setup(endpoints, split, n_batch, threads)
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
         self.threads = threads
@@ -216,6 +253,9 @@ class Coordinator:
         self._thread = threading.Thread(target=self._loop_main, name="coordinator-loop", daemon=True)
         self._thread.start()
         self._lock = asyncio.Lock()
+        self._connection_tasks: set = set()  # latching a connection that failed between decodes
+        self._generation_lock = asyncio.Lock()  # generate/stream/astream use sequence 0: one at a time
+        self._generation_owner = None  # the thread or task whose generation holds it
         self._logits: np.ndarray | None = None  # after an OK decode: rows that wanted logits...
         self._tokens: np.ndarray | None = None  # ...or, after greedy=True, their argmax tokens
         self._logit_rows: dict[int, int] = {}
@@ -265,6 +305,8 @@ class Coordinator:
             infos = await asyncio.gather(*(p.executor.open() for p in self._places))
         except StageFailed as exc:
             raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
+        for p in self._places:
+            self._watch_connection(p, p.executor)
         if split is None:
             free = [i.get("free_memory", 0) for i in infos]
             split = free if all(f > 0 for f in free) else [1.0] * len(endpoints)
@@ -295,6 +337,23 @@ class Coordinator:
         finally:
             if bar:
                 bar.close()
+
+    def _watch_connection(self, p: _Placement, ex) -> None:
+        """Latch `p` as soon as its connection fails, also between decodes (a
+        worker that dies, hangs or drops us while we are idle), so health() and
+        failed_endpoints() tell the truth before the next decode finds out."""
+        client = getattr(ex, "client", None)
+        if client is not None:
+            client.on_failure = lambda failure: self._connection_tasks.add(
+                self._loop.create_task(self._connection_lost(p, ex, failure)))
+
+    async def _connection_lost(self, p: _Placement, ex, failure) -> None:
+        try:
+            async with self._lock:  # between steps: a step in flight latches its own failures
+                if p.executor is ex and p.failure is None and not getattr(self, "_closed", False):
+                    self._latch(p, peer_failed(p.endpoint, failure))
+        finally:
+            self._connection_tasks.discard(asyncio.current_task())
 
     # ------------------------------------------------------------ status
     def endpoints(self) -> list[dict]:
@@ -357,6 +416,12 @@ class Coordinator:
         return await self._call(self._decode(batch, greedy))
 
     def _check_batch(self, batch: Batch) -> str | None:
+        try:
+            return self._batch_problem(batch)
+        except Exception as exc:  # None, strings, ragged lists...: a code, never an exception out of decode
+            return f"malformed batch: {type(exc).__name__}: {exc}"
+
+    def _batch_problem(self, batch: Batch) -> str | None:
         n = len(batch.tokens)
         if n == 0:
             return "batch is empty"
@@ -369,11 +434,33 @@ class Coordinator:
         if toks.dtype.kind not in "iu" or (toks < 0).any() or (toks >= self.hp.n_vocab).any():
             return f"token ids must be integers in 0..{self.hp.n_vocab - 1}"
         pos = np.asarray(batch.pos)
-        if pos.dtype.kind not in "iu" or (pos < 0).any():
-            return "positions must be non-negative integers"
+        if pos.dtype.kind not in "iu" or (pos < 0).any() or (pos > MAX_POS).any():
+            return f"positions must be integers in 0..{MAX_POS}"
         for ids in batch.seq_ids or ():
-            if not ids or any(not isinstance(s, (int, np.integer)) or not 0 <= s < MAX_SEQ for s in ids):
+            if not ids or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < MAX_SEQ
+                              for s in ids):
                 return f"every token needs sequence ids in 0..{MAX_SEQ - 1}"
+        return self._position_clash(pos.astype(np.int64), batch.seq_ids or [[0]] * n)
+
+    def _position_clash(self, tok_pos: np.ndarray, seq_ids) -> str | None:
+        """A (sequence, position) given twice, in the batch or already in the KV
+        cache: the sequence would attend to two different tokens at one place."""
+        tok_seq = np.array([sum(1 << int(s) for s in ids) for ids in seq_ids], dtype=np.uint64)
+        twice = (tok_pos[:, None] == tok_pos[None, :]) & ((tok_seq[:, None] & tok_seq[None, :]) != 0)
+        np.fill_diagonal(twice, False)
+        if twice.any():
+            i, j = (int(k) for k in np.argwhere(twice)[0])
+            s = (int(tok_seq[i] & tok_seq[j]) & -int(tok_seq[i] & tok_seq[j])).bit_length() - 1
+            return f"tokens {i} and {j} both put sequence {s} at position {int(tok_pos[i])}"
+        used = self.kv.pos >= 0
+        cached = (tok_pos[:, None] == self.kv.pos[used][None, :]) \
+            & ((tok_seq[:, None] & self.kv.seqs[used][None, :]) != 0)
+        if cached.any():
+            i, cell = (int(k) for k in np.argwhere(cached)[0])
+            both = int(tok_seq[i] & self.kv.seqs[used][cell])
+            s = (both & -both).bit_length() - 1
+            return (f"sequence {s} already has position {int(tok_pos[i])} in the KV cache; remove it first "
+                    f"(kv_seq_rm) to decode that position again")
         return None
 
     def _failed(self, code: DecodeResult, message: str, cause: str, endpoint: str | None = None) -> DecodeResult:
@@ -568,6 +655,21 @@ class Coordinator:
                 return fn(*args)
         return self._run(between_steps())
 
+    @staticmethod
+    def _checked_seq(seq, allow_all: bool = False) -> int:
+        low = -1 if allow_all else 0
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not low <= seq < MAX_SEQ:
+            raise ValueError(f"sequence id must be an integer in {low}..{MAX_SEQ - 1}"
+                             f"{' (-1: every sequence)' if allow_all else ''}, not {seq!r}")
+        return int(seq)
+
+    @staticmethod
+    def _checked_range(p0, p1) -> tuple[int, int]:
+        for name, p in (("p0", p0), ("p1", p1)):
+            if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer position, not {p!r}")
+        return max(int(p0), 0), int(p1)
+
     def kv_clear(self) -> None:
         self._kv_op(self._kv_clear)
 
@@ -576,7 +678,9 @@ class Coordinator:
         self._needs_refeed.clear()
 
     def kv_seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
-        self._kv_op(self._kv_seq_rm, seq, p0, p1)
+        """Remove sequence `seq` (-1: every sequence) from positions [p0, p1)
+        (p1 < 0: to the end)."""
+        self._kv_op(self._kv_seq_rm, self._checked_seq(seq, allow_all=True), *self._checked_range(p0, p1))
 
     def _kv_seq_rm(self, seq: int, p0: int, p1: int) -> None:
         self.kv.seq_rm(seq, p0, p1)
@@ -587,10 +691,13 @@ class Coordinator:
                 self._needs_refeed.discard(seq)
 
     def kv_seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        self._kv_op(self.kv.seq_cp, src, dst, p0, p1)
+        """Let sequence `dst` share `src`'s cells in positions [p0, p1) (p1 < 0:
+        to the end); nothing is copied on the workers."""
+        self._kv_op(self.kv.seq_cp, self._checked_seq(src), self._checked_seq(dst), *self._checked_range(p0, p1))
 
     def kv_seq_pos_max(self, seq: int) -> int:
-        return self._kv_op(self.kv.seq_pos_max, seq)
+        """The highest position sequence `seq` has in the KV cache, -1 if none."""
+        return self._kv_op(self.kv.seq_pos_max, self._checked_seq(seq))
 
     # ------------------------------------------------------------ recovery
     def reconnect(self, endpoint: str | None = None) -> list[int]:
@@ -645,6 +752,7 @@ class Coordinator:
             async with self._lock:
                 p.stage.graphs.clear()  # their wire form names the old connection's buffer
                 p.executor = ex
+                self._watch_connection(p, ex)
                 p.failure = None
                 self.stats["reconnects"] += 1
                 log.info("endpoint reconnected", endpoint=p.endpoint, needs_refeed=sorted(self._needs_refeed))
@@ -711,21 +819,29 @@ class Coordinator:
 
     def stream(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
-        agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop)
+        agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
+                             ("thread", threading.get_ident()))
+        step: Future | None = None
         try:
             while True:
+                if getattr(self, "_closed", False):
+                    raise RuntimeError("the coordinator is closed")
+                step = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
                 try:
-                    piece = self._run(agen.__anext__())
+                    piece = step.result()
                 except StopAsyncIteration:
                     return
                 yield piece
         finally:
+            if step is not None and not step.done():  # interrupted mid-step (KeyboardInterrupt): stop the step
+                step.cancel()
             if not getattr(self, "_closed", False):
-                self._run(agen.aclose())
+                self._run(_aclose_when_idle(agen))
 
     async def astream(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                       top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> AsyncIterator[str]:
-        agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop)
+        agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
+                             ("task", id(asyncio.current_task())))
         try:
             while True:
                 try:
@@ -735,15 +851,37 @@ class Coordinator:
                 yield piece
         finally:
             if not getattr(self, "_closed", False):
-                await self._call(agen.aclose())
+                await self._call(_aclose_when_idle(agen))
 
     def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                  top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> str:
         return "".join(self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop))
 
-    async def _astream(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop):
+    async def _astream(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, owner):
+        # Generations all use sequence 0, so they take turns: interleaved, their
+        # steps would continue each other's text. One waiting for a generation its
+        # own thread (or task) still holds open would wait forever: refuse it.
+        if owner == self._generation_owner:
+            raise RuntimeError("this thread already has a generation open on this coordinator (a stream not yet "
+                               "exhausted or closed); finish or close it first")
+        async with self._generation_lock:
+            self._generation_owner = owner
+            try:
+                async with contextlib.aclosing(self._generate(prompt, max_tokens, temperature, top_k, top_p, seed,
+                                                              stop)) as pieces:
+                    async for piece in pieces:
+                        yield piece
+            finally:
+                self._generation_owner = None
+
+    async def _generate(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be a non-negative integer, not {max_tokens!r}")
+        if isinstance(stop, str):  # one stop string, not a set of characters
+            stop = (stop,)
         ids = self.tokenize(prompt)
-        if len(ids) + max_tokens > self.n_ctx:
+        # the last new token is sampled, never decoded: it needs no KV cell
+        if len(ids) + max(max_tokens - 1, 0) > self.n_ctx:
             raise DecodeError(DecodeResult.NO_KV_SLOT, None, f"context full: prompt of {len(ids)} tokens plus "
                               f"{max_tokens} new ones exceeds n_ctx {self.n_ctx}", "context_full")
         sampler = Sampler(temperature, top_k, top_p, seed)

@@ -33,8 +33,10 @@ class GGUFError(ValueError):
 class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             raise GGUFError(f"model file {self.path} does not exist")
+        if not self.path.is_file():
+            raise GGUFError(f"model {self.path} is not a file (give the path of a .gguf file)")
         ctx_out = ffi.new("struct ggml_context **")
         params = ffi.new("struct gguf_init_params *", {"no_alloc": True, "ctx": ctx_out})
         self.gguf = lib.gguf_init_from_file(str(self.path).encode(), params[0])

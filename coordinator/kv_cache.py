@@ -8,6 +8,7 @@ import numpy as np
 
 PAD = 256  # n_kv is padded to this, so one graph serves many consecutive steps
 MAX_SEQ = 64  # sequence ids are bits of an int64 mask
+MAX_POS = 2**31 - 1  # positions go to the graphs as int32
 
 
 class KVCells:

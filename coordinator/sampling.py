@@ -6,8 +6,12 @@ import numpy as np
 
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int | None = None):
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        if not temperature >= 0 or temperature == float("inf"):  # NaN fails too
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), not {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no limit), not {top_k!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {top_p!r}")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.rng = np.random.default_rng(seed)
 

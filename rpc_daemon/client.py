@@ -25,6 +25,7 @@ import asyncio
 import errno
 import itertools
 import os
+import socket
 import ssl
 import time
 
@@ -57,6 +58,8 @@ def _oserror_text(exc: BaseException) -> str:
     code = getattr(exc, "errno", None)  # the transport may pass any exception, not only OSError
     if code == errno.ECONNREFUSED or isinstance(exc, ConnectionRefusedError):
         return "connection refused (is the daemon running on that port?)"
+    if isinstance(exc, socket.gaierror):  # its errno is a resolver code, not an errno
+        return f"cannot resolve the host name ({exc.strerror or exc})"
     if isinstance(code, int):
         return os.strerror(code).lower()
     return str(exc) or type(exc).__name__
@@ -84,10 +87,16 @@ class RpcClient(asyncio.BufferedProtocol):
         self._lost = self._loop.create_future()  # done when the transport is gone
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._abandoned: dict[int, int] = {}  # id -> command of a request whose caller was cancelled
         self._deadlines: dict[int, tuple[float, float]] = {}  # id -> (absolute deadline, seconds)
         self._pings: set[int] = set()
         self._failure: PeerFailed | None = None
         self._watch: asyncio.TimerHandle | None = None
+        self._watch_idle = False  # the armed timer is the idle keepalive's, not a request's
+        self.keepalive_interval: float | None = None  # set from HELLO: ping an idle connection this often
+        self._keepalive_at: float | None = None  # an idle keepalive ping went out then, unanswered yet
+        self._keepalive_id: int | None = None
+        self.on_failure = None  # called once with the PeerFailed when the connection fails (not by close())
         self._last_ping = 0.0
         self._wbuf = 0  # transport write-buffer size after our last write
         self.last_rx = time.monotonic()  # last sign of life: a byte received or sent-progress
@@ -146,6 +155,11 @@ class RpcClient(asyncio.BufferedProtocol):
             client.close()
             raise
         client.server_hello = hello
+        idle = hello.get("idle_timeout")
+        if isinstance(idle, (int, float)) and idle > 0:
+            # the worker drops a connection idle this long, and with it our buffers: keep ours alive
+            client.keepalive_interval = idle / 3
+            client._arm()
         return client
 
     # ------------------------------------------------------------ transport callbacks
@@ -180,10 +194,15 @@ class RpcClient(asyncio.BufferedProtocol):
             raise PeerFailed("protocol", f"worker {self.endpoint} sent a reply with id {req_id!r}")
         fut = self._pending.pop(req_id, None)
         if fut is not None:
-            if not fut.done():
+            cmd = self._abandoned.pop(req_id, None)
+            if cmd is not None:
+                self._reclaim(cmd, header)
+            elif not fut.done():
                 fut.set_result((header, blob))
         elif req_id in self._pings:
             self._pings.discard(req_id)
+            if req_id == self._keepalive_id:
+                self._keepalive_answered()
         elif req_id is None and header.get("status", 0) != 0:
             # the daemon refused something at the framing level and will hang up
             raise PeerFailed("protocol", f"worker {self.endpoint} refused the connection: "
@@ -216,13 +235,16 @@ class RpcClient(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._can_write.set()
 
-    def _fail(self, failure: PeerFailed, abort: bool = True) -> None:
+    def _fail(self, failure: PeerFailed, abort: bool = True, by_us: bool = False) -> None:
         if self._failure is None:
             self._failure = failure
+            if self.on_failure is not None and not by_us:
+                self._loop.call_soon(self.on_failure, failure)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(self._failure)
         self._pending.clear()
+        self._abandoned.clear()
         self._deadlines.clear()
         if self._watch is not None:
             self._watch.cancel()
@@ -236,8 +258,17 @@ class RpcClient(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ watchdog
     def _arm(self) -> None:
-        if self._watch is not None or self._failure is not None or not self._pending:
+        if self._failure is not None:
             return
+        if self._watch is not None:
+            if not (self._watch_idle and self._pending):
+                return
+            self._watch.cancel()  # a request went out: its liveness bound replaces the idle timer
+            self._watch = None
+        if not self._pending:
+            self._arm_idle()
+            return
+        self._keepalive_at = self._keepalive_id = None  # the request's liveness bound takes over
         now = time.monotonic()
         at = float("inf")
         if self.liveness_timeout is not None:
@@ -246,10 +277,35 @@ class RpcClient(asyncio.BufferedProtocol):
             at = min(at, min(d for d, _ in self._deadlines.values()))
         if at != float("inf"):
             self._watch = self._loop.call_later(max(0.0, at - now), self._tick)
+            self._watch_idle = False
+
+    def _arm_idle(self) -> None:
+        """Nothing pending: wake for the next keepalive ping or, with one
+        unanswered, to give up on it after the liveness bound."""
+        if self.keepalive_interval is None:
+            return
+        if self._keepalive_at is None:
+            at = max(self.last_rx, self._last_ping) + self.keepalive_interval
+        elif self.liveness_timeout is not None:
+            at = self._keepalive_at + self.liveness_timeout
+        else:
+            return  # the pong re-arms
+        self._watch = self._loop.call_later(max(0.0, at - time.monotonic()), self._tick)
+        self._watch_idle = True
+
+    def _keepalive_answered(self) -> None:
+        self._keepalive_at = self._keepalive_id = None
+        if self._watch is not None and self._watch_idle:
+            self._watch.cancel()
+            self._watch = None
+        self._arm()
 
     def _tick(self) -> None:
         self._watch = None
-        if self._failure is not None or not self._pending:
+        if self._failure is not None:
+            return
+        if not self._pending:
+            self._idle_tick()
             return
         now = time.monotonic()
         wbuf = self.transport.get_write_buffer_size()
@@ -273,7 +329,20 @@ class RpcClient(asyncio.BufferedProtocol):
                 self._send_ping(now)
         self._arm()
 
-    def _send_ping(self, now: float) -> None:
+    def _idle_tick(self) -> None:
+        now = time.monotonic()
+        if self._keepalive_at is not None:
+            if self.liveness_timeout is not None and now - self._keepalive_at >= self.liveness_timeout:
+                self._fail(PeerFailed("timeout", f"worker {self.endpoint} timed out: it did not answer a keepalive "
+                                                 f"ping within {self.liveness_timeout:g} s while idle; stopped, "
+                                                 f"hung or cut off"))
+                return
+        elif now - max(self.last_rx, self._last_ping) >= self.keepalive_interval:
+            self._keepalive_id = self._send_ping(now)
+            self._keepalive_at = now
+        self._arm_idle()
+
+    def _send_ping(self, now: float) -> int:
         req_id = next(self._ids)
         self._pings.add(req_id)
         if len(self._pings) > 64:  # pongs that never came back while other bytes did: forget old ids
@@ -281,6 +350,7 @@ class RpcClient(asyncio.BufferedProtocol):
         self._write(P.encode_frame({"cmd": int(Command.PING), "id": req_id}, 0), b"")
         self._last_ping = now
         self.pings_sent += 1
+        return req_id
 
     # ------------------------------------------------------------ requests
     def _write(self, frame: bytes, blob) -> None:
@@ -326,7 +396,11 @@ class RpcClient(asyncio.BufferedProtocol):
             if traced:
                 hoptrace.mark("client has reply")
         except asyncio.CancelledError:
-            self._fail(PeerFailed("closed", "request cancelled; connection closed to keep replies in order"))
+            # The frame is whole in the transport's buffer: the worker will answer it.
+            # The request stays pending (the liveness watch keeps running) and its
+            # reply is dropped when it comes; the connection stays up.
+            if self._failure is None and req_id in self._pending:
+                self._abandoned[req_id] = int(cmd)
             raise
         finally:
             self._deadlines.pop(req_id, None)
@@ -337,13 +411,23 @@ class RpcClient(asyncio.BufferedProtocol):
             raise RpcError(status if isinstance(status, int) else Status.FAILED, str(header.get("error", "")), header)
         return header, out
 
+    def _reclaim(self, cmd: int, header: dict) -> None:
+        """The reply to an abandoned request: give back what it created."""
+        buffer = header.get("buffer")
+        if cmd == Command.ALLOC_BUFFER and header.get("status") == Status.SUCCESS and type(buffer) is int:
+            req_id, fut = self._send(Command.FREE_BUFFER, {"buffer": buffer}, b"")
+            fut.cancel()  # nobody waits for it; the reply is dropped like any abandoned one
+            self._abandoned[req_id] = int(Command.FREE_BUFFER)
+            self._arm()
+
     async def ping(self) -> float:
         await self.request(Command.PING)
         return self.rtt
 
     def close(self) -> None:
         flushed = not self.transport.get_write_buffer_size()
-        self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed by us"), abort=not flushed)
+        self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed by us"), abort=not flushed,
+                   by_us=True)
         if flushed:
             self.transport.close()
 
@@ -375,7 +459,11 @@ async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> di
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    if not isinstance(endpoint, str):
+        raise ValueError(f"endpoint {endpoint!r} must be a 'host:port' string")
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"endpoint {endpoint!r} must be host:port")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        raise ValueError(f"endpoint {endpoint!r} must be host:port (no scheme or path), e.g. 10.0.0.2:50052")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"endpoint {endpoint!r}: port {port} is not in 1..65535")
     return host.strip("[]"), int(port)

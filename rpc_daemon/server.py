@@ -453,7 +453,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.hello_done = True
         self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=self.features(),
-                    server="ggml-rpc-server (python)", max_blob=self.limits.max_blob)
+                    server="ggml-rpc-server (python)", max_blob=self.limits.max_blob,
+                    idle_timeout=self.daemon.config.idle_timeout)
 
     def _auth(self, req_id, header: dict) -> None:
         try:
@@ -465,7 +466,8 @@ class Connection(asyncio.BufferedProtocol):
         self.hello_done = True
         self.log.info("client authenticated")
         self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=self.features(),
-                    server="ggml-rpc-server (python)", max_blob=self.limits.max_blob, proof=server_proof)
+                    server="ggml-rpc-server (python)", max_blob=self.limits.max_blob,
+                    idle_timeout=self.daemon.config.idle_timeout, proof=server_proof)
 
     def features(self) -> list[str]:
         return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]

@@ -330,6 +330,14 @@ def invalid_batches(n_vocab: int, n_batch: int):
         "seq id 64": Batch([1], [0], [[64]]),
         "negative seq id": Batch([1], [0], [[-1]]),
         "too large": Batch.single([1] * (n_batch + 1), 0),
+        "pos 2**31": Batch([1], [2**31]),
+        "pos 2**63": Batch([1], [2**63]),
+        "tokens None": Batch(None, [0]),
+        "pos a string": Batch([1], "0"),
+        "bool seq id": Batch([1], [0], [[True]]),
+        "same position twice": Batch([1, 2], [7, 7], [[1], [1]]),
+        "same position twice, shared": Batch([1, 2], [7, 7], [[1, 2], [2]]),
+        "position already cached": Batch.single([1], 0),
     }
 
 
@@ -358,6 +366,17 @@ def test_invalid_batches_are_refused(tiny_small):
 
 
 # ---------------------------------------------------------------- KV management
+def test_kv_calls_refuse_bad_arguments(tiny_small):
+    c = tiny_small
+    for call in (lambda: c.kv_seq_rm(64), lambda: c.kv_seq_rm(-2), lambda: c.kv_seq_rm("0"),
+                 lambda: c.kv_seq_rm(0, 1.5), lambda: c.kv_seq_cp(0, -1), lambda: c.kv_seq_cp(64, 0),
+                 lambda: c.kv_seq_pos_max(99), lambda: c.kv_seq_pos_max(True)):
+        with pytest.raises(ValueError, match="must be an integer"):
+            call()
+    c.kv_seq_rm(-1)  # -1: every sequence
+    assert c.kv_seq_pos_max(0) == -1
+
+
 def test_seq_rm_tail_then_redecode(gemma):
     c = gemma
     ids = c.tokenize("The quick brown fox jumps over the lazy dog because")
@@ -439,6 +458,61 @@ def test_async_face_matches_sync(gemma):
     assert "".join(pieces) == text
     assert len(pieces) >= 2
     assert ticks > 1  # the caller's loop kept running while the coordinator worked
+
+
+# ---------------------------------------------------------------- generations
+GEN_PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello"]
+
+
+def test_concurrent_generations_take_turns(local):
+    """generate/stream/astream share sequence 0: called at the same time from
+    several threads or tasks, each still gets exactly its text alone."""
+    from concurrent.futures import ThreadPoolExecutor
+    c = local["tiny"]
+    alone = {p: c.generate(p, max_tokens=12) for p in GEN_PROMPTS}
+    with ThreadPoolExecutor(len(GEN_PROMPTS)) as pool:
+        texts = list(pool.map(lambda p: c.generate(p, max_tokens=12), GEN_PROMPTS * 2))
+    assert texts == [alone[p] for p in GEN_PROMPTS * 2]
+
+    async def collect(prompt):
+        return "".join([piece async for piece in c.astream(prompt, max_tokens=12)])
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in GEN_PROMPTS))
+
+    assert asyncio.run(asyncio.wait_for(main(), 120)) == [alone[p] for p in GEN_PROMPTS]
+
+
+def test_a_second_generation_from_the_thread_holding_one_is_refused(local):
+    """Waiting for a generation its own thread keeps open would wait forever."""
+    c = local["tiny"]
+    first = c.stream("Once upon a time", max_tokens=8)
+    next(first)
+    with pytest.raises(RuntimeError, match="already has a generation open"):
+        c.generate("Hello", max_tokens=2)
+    first.close()  # closing it frees the turn
+    assert c.generate("Hello", max_tokens=4) == c.generate("Hello", max_tokens=4)
+
+
+def test_generate_options(local):
+    c = local["tiny"]
+    text = c.generate("The capital of France is", max_tokens=16)
+    word = next(w for w in text.split() if len(w) >= 2)
+    cut = text.index(word)
+    # a string is one stop string, not a set of characters
+    assert c.generate("The capital of France is", max_tokens=16, stop=word) == text[:cut]
+    assert c.generate("The capital of France is", max_tokens=0) == ""
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError):
+            c.generate("x", max_tokens=bad)
+    # the last new token is sampled, never decoded: prompt + max_tokens - 1 cells
+    n = len(c.tokenize("The capital of France is"))
+    with Coordinator(["local"], model=c.model_path, n_ctx=n + 3) as small:
+        assert small.generate("The capital of France is", max_tokens=4) == c.generate("The capital of France is",
+                                                                                       max_tokens=4)
+        with pytest.raises(DecodeError) as info:
+            small.generate("The capital of France is", max_tokens=5)
+        assert info.value.code is DecodeResult.NO_KV_SLOT
 
 
 # ---------------------------------------------------------------- CLI

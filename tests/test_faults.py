@@ -22,6 +22,7 @@ A subprocess variant runs with SIGPIPE at its default action.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import socket
@@ -210,6 +211,7 @@ def test_fault_matrix(rig, fault, phase):
             pos = 3
         else:
             ids = c.tokenize(PROMPT)
+            c.kv_seq_rm(0)  # recover() left its text there
             assert c.decode(Batch.single(ids, 0)) is OK  # graph request 1 on B
             pos, tok = len(ids), int(c.logits(-1).argmax())
             assert c.decode(Batch.single([tok], pos)) is OK  # 2
@@ -285,6 +287,7 @@ def test_compute_failure_keeps_the_connection(rig, how):
     rig.arm()
     client = rig.clients()[1]
     ids = c.tokenize(PROMPT)
+    c.kv_seq_rm(0)  # recover() left its text there
     assert c.decode(Batch.single(ids, 0)) is OK
     toks, pos = [], len(ids)
     failures = 0
@@ -806,3 +809,106 @@ def test_a_bug_in_one_head_shard_still_latches_the_endpoint_lost_in_another(mode
         assert c.last_cause == "internal" and "injected bug" in c.last_error, c.last_error
         assert [f.endpoint for f in c.failed_endpoints()] == [b.endpoint]
         assert c.health()["status"] != "ok"
+
+
+# ---------------------------------------------------------------- cancellation
+
+def test_cancelled_request_keeps_the_connection_and_gives_back_its_buffer(start_daemon):
+    """A caller cancelled while its request is in flight: the connection stays
+    up, the late reply is dropped (not taken for the next request's), and a
+    buffer the cancelled ALLOC_BUFFER created is freed when its reply comes."""
+    d = start_daemon("-t", "1", "-m", "17", "--test-fault", "cmd=ALLOC_BUFFER,point=reply,action=delay:0.5")
+    cap = 17 << 20
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint)
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.request(Command.ALLOC_BUFFER, {"size": 4 << 20}), 0.1)
+            assert c.failed is None
+            h, _ = await c.request(Command.DEVICE_INFO)  # answered after the late ALLOC reply, and not mixed up
+            assert "free_memory" in h and "buffer" not in h
+            deadline = time.monotonic() + 10
+            while (await c.request(Command.DEVICE_INFO))[0]["free_memory"] != cap:
+                assert time.monotonic() < deadline, "the abandoned buffer was not freed"
+                await asyncio.sleep(0.05)
+            assert c.failed is None
+        finally:
+            await c.aclose()
+
+    run(scenario())
+    assert_served(d)
+
+
+def test_cancelled_adecode_leaves_every_endpoint_healthy(model, start_daemon):
+    """adecode cancelled mid-step (asyncio.wait_for): CancelledError to the
+    caller, the step rolled back, no endpoint latched, and the same text as an
+    undisturbed run afterwards."""
+    b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after={2 * (N_GEN + 2)},point=reply,action=delay:0.5")
+    a = start_daemon("-t", "1")
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+        expected = greedy(c, N_GEN)  # N_GEN + 1 decodes, two graph requests each on B
+        c.kv_seq_rm(0)
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is OK
+        out = [c.token(-1)]
+
+        async def cancelled():  # B holds this step's layers reply for 0.5 s
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.adecode(Batch.single(out[:1], len(ids))), 0.1)
+
+        asyncio.run(cancelled())
+        assert c.failed_endpoints() == [] and c.health()["status"] == "ok"
+        assert c.kv_seq_pos_max(0) == len(ids) - 1  # the cancelled step's row was rolled back
+        with pytest.raises(RuntimeError):
+            c.logits(-1)
+        for pos in range(len(ids), len(ids) + N_GEN - 1):
+            assert c.decode(Batch.single(out[-1:], pos)) is OK, c.last_error
+            out.append(c.token(-1))
+        assert out == expected
+
+
+# ---------------------------------------------------------------- between decodes
+
+def wait_latched(c: Coordinator, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while not c.failed_endpoints():
+        assert time.monotonic() < deadline, "no endpoint latched"
+        time.sleep(0.02)
+    return c.failed_endpoints()
+
+
+def test_idle_connections_outlive_the_workers_idle_timeout(model, start_daemon):
+    """A coordinator idle longer than the workers' --idle-timeout keeps its
+    connections (and so its weights and KV cache): it pings them."""
+    a, b = (start_daemon("-t", "1", "--idle-timeout", "1") for _ in range(2))
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is OK
+        time.sleep(2.5)
+        assert c.failed_endpoints() == []
+        assert c.decode(Batch.single([c.token(-1)], len(ids))) is OK, c.last_error
+    assert not any("closing idle client" in line for d in (a, b) for line in d.log_lines)
+
+
+@pytest.mark.parametrize("fault, kind", [(signal.SIGKILL, "closed"), (signal.SIGSTOP, "timeout")])
+def test_worker_lost_between_decodes_is_latched_without_a_decode(model, start_daemon, fault, kind):
+    """A worker killed or stopped while the coordinator is idle: failed_endpoints()
+    and health() say so within the bounds (a stopped one: an unanswered
+    keepalive ping, every idle_timeout / 3, given up after liveness_timeout),
+    before any decode tries it; the next decode fails fast."""
+    a = start_daemon("-t", "1")
+    b = start_daemon("-t", "1", "--idle-timeout", "1.5")
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX,
+                     liveness_timeout=LIVENESS) as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is OK
+        assert c.failed_endpoints() == []
+        b.kill() if fault == signal.SIGKILL else b.signal(fault)
+        failed = wait_latched(c, timeout=0.5 + LIVENESS + 5 * SLACK)
+        assert [(f.endpoint, f.kind) for f in failed] == [(b.endpoint, kind)], failed
+        assert c.health()["status"] == "failed" and c.needs_refeed() == [0]
+        if fault == signal.SIGSTOP:
+            assert "keepalive" in failed[0].cause
+        assert c.decode(Batch.single([5], len(ids))) is ENDPOINT_FAILED
+        assert c.last_failed_endpoint == b.endpoint
