@@ -8,21 +8,48 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import statistics
 import sys
 import time
 
 EXIT_DECODE_FAILED = 2
 EXIT_CONNECT_FAILED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def _count(minimum: int):
+    """An argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+    return parse
+
+
+def _proportions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 1,2") from None
+    if not all(v > 0 and v != float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"proportions must be positive (every worker holds at least one layer): "
+                                         f"{text!r}")
+    return values
 
 
 def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
-    p.add_argument("--local-workers", type=int, default=2, help="workers to start when --endpoints is not given")
+    p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
     p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
-    p.add_argument("-t", "--threads", type=int, default=1, help="compute threads per worker")
-    p.add_argument("-c", "--ctx-size", type=int, default=2048)
-    p.add_argument("--split", default=None, help="comma-separated layer proportions, e.g. 1,2")
+    p.add_argument("-t", "--threads", type=_count(1), default=1, help="compute threads per worker")
+    p.add_argument("-c", "--ctx-size", type=_count(1), default=2048)
+    p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
                        help="the last worker computes the whole output head (default: every worker a share)")
@@ -39,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = sub.add_parser("generate", help="generate text from a prompt")
     _common(g)
     g.add_argument("-p", "--prompt", required=True)
-    g.add_argument("-n", "--n-predict", type=int, default=64)
+    g.add_argument("-n", "--n-predict", type=_count(0), default=64)
     g.add_argument("--temp", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
@@ -47,18 +74,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--parallel", type=int, default=4, help="slots decoding together (continuous batching)")
-    s.add_argument("--ctx-per-slot", type=int, default=2048)
+    s.add_argument("--port", type=_count(0), default=8080)
+    s.add_argument("--parallel", type=_count(1), default=4, help="slots decoding together (continuous batching)")
+    s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--pp", type=int, default=64)
-    b.add_argument("--tg", type=int, default=32)
+    b.add_argument("--reps", type=_count(1), default=3)
+    b.add_argument("--pp", type=_count(1), default=64)
+    b.add_argument("--tg", type=_count(1), default=32)
     b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
                    help="run the workers with the output head split over them, whole on the last, or both "
                         "(both: two rows side by side; the workers hold the model twice)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.command == "generate":
+        from coordinator.sampling import Sampler
+        try:  # before any worker is started or the model read
+            Sampler(args.temp, args.top_k, args.top_p, args.seed)
+        except ValueError as exc:
+            g.error(str(exc))
+    return args
 
 
 @contextlib.contextmanager
@@ -79,7 +113,7 @@ def _security(args) -> dict:
 
 
 def _split(args):
-    return [float(x) for x in args.split.split(",")] if args.split else None
+    return args.split
 
 
 def cmd_generate(args) -> int:
@@ -149,6 +183,9 @@ def cmd_bench(args) -> int:
     with endpoints_for(args) as endpoints:
         rpc = f"rpc x{len(endpoints)}"
         setups = {"local": (["local"], {})}
+        total = args.threads * len(endpoints)
+        if total > args.threads:  # the workers' cores, all in one process: what one machine alone would do
+            setups[f"local -t {total}"] = (["local"], {"threads": total})
         if args.head_split in ("on", "both") or len(endpoints) == 1:
             setups[rpc] = (endpoints, {"split": _split(args)})
         if args.head_split in ("off", "both") and len(endpoints) > 1:
@@ -156,8 +193,9 @@ def cmd_bench(args) -> int:
         coords = {}
         try:
             for name, (eps, opts) in setups.items():
+                opts = {"threads": args.threads, **opts}
                 coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
-                                           threads=args.threads, **opts, **_security(args))
+                                           **opts, **_security(args))
         except BaseException:
             for c in coords.values():
                 c.close()
@@ -172,15 +210,20 @@ def cmd_bench(args) -> int:
             for c in coords.values():
                 c.close()
     cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
-    width = max(len(name) for name in results) + 8
+    width = max(len(name) for name in results) + 20
     print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
     med = {}
     for name, rs in results.items():
         med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
         print(f"{name:<{width}}" + "".join(f"{v:>14.1f}" for v in med[name]))
-    for name in med:
-        if name != "local":
-            print(f"{'ratio ' + name:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med["local"])))
+    baselines = [name for name in med if name.startswith("local")]
+    for base in baselines:
+        for name in med:
+            if name not in baselines:
+                label = f"ratio {name}" + (f" / {base}" if base != "local" else "")
+                print(f"{label:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med[base])))
+    print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
+          "workers' threads")
     print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
     if any(name.endswith("head whole") for name in med):
         print("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
@@ -192,9 +235,6 @@ def cmd_serve(args) -> int:
     from coordinator import Coordinator
     from coordinator.http_server import serve_http
 
-    if args.parallel < 1 or args.ctx_per_slot < 8:
-        print("ggml-coordinator: --parallel must be >= 1 and --ctx-per-slot >= 8", file=sys.stderr)
-        return 2
     with endpoints_for(args) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=_split(args), threads=args.threads, **_security(args),
@@ -219,13 +259,31 @@ def cmd_serve(args) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so every `with` unwinds: the
+    coordinator frees its remote buffers and local workers are stopped."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     args = parse_args(argv)
     from rpc_daemon import logs
 
     logs.configure(args.log_format, args.log_level)
-    return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+    if args.command != "serve":  # serve handles its signals in its event loop (graceful drain)
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+    except KeyboardInterrupt:
+        print("\nggml-coordinator: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("\nggml-coordinator: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -621,6 +622,36 @@ def test_local_workers_die_with_a_killed_coordinator(tmp_path):
     for c in alive:
         os.kill(c, signal.SIGKILL)
     assert not alive, f"local workers {alive} outlived the killed coordinator"
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_cli_generate_stopped_by_a_signal_exits_cleanly(model_paths, sig, code, word):
+    """SIGTERM or Ctrl-C in the middle of `generate`: no traceback, the exit
+    status a shell expects, and the local workers it started are stopped (the
+    SIGTERM case once left one behind: its log writes to the dead pipe raised)."""
+    proc = subprocess.Popen(_cli() + ["generate", "-p", "Once upon a time", "-n", "100000", "-c", "100100",
+                                      "-m", str(model_paths["tiny"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.read(20), "no text came out"  # bounded: the -n 100000 run outlasts the read
+        children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        assert len(children) == 2, children
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert proc.returncode == code, (proc.returncode, err[-2000:])
+    assert f"ggml-coordinator: {word}" in err and "Traceback" not in err, err[-2000:]
+    deadline = time.monotonic() + 15
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [c for c in children if os.path.exists(f"/proc/{c}") and
+                 open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+        time.sleep(0.1)
+    for c in alive:
+        os.kill(c, signal.SIGKILL)
+    assert not alive, f"local workers {alive} outlived the stopped coordinator"
 
 
 @pytest.mark.parametrize("where", ["local x2", "2 workers", "2 workers head whole"])
