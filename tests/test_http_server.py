@@ -259,3 +259,31 @@ def test_worker_killed_then_restarted(cluster):
     assert values["ggml_reconnects_total"] >= 1
     assert values['ggml_decode_failures_total{code="ENDPOINT_FAILED"}'] >= 1
     assert values[f'ggml_endpoint_up{{endpoint="{victim.endpoint}"}}'] == 1
+
+
+def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
+    """No request in flight: /health still turns 503 within moments of a
+    worker's death (the connection's failure latches it at once), and comes
+    back once the worker is back."""
+    server, workers = cluster
+    victim = workers[0]
+    status, _ = asyncio.run(get(server.url + "/health"))
+    assert status == 200
+    killed_at = time.monotonic()
+    victim.kill()
+    health = None
+    while time.monotonic() - killed_at < 5:
+        status, health = asyncio.run(get(server.url + "/health"))
+        if status == 503:
+            break
+        time.sleep(0.05)
+    assert status == 503 and time.monotonic() - killed_at < 2.0, health
+    assert [e["endpoint"] for e in health["endpoints"] if e["failed"]] == [victim.endpoint], health
+    workers[0] = DaemonProcess("-t", "1", port=victim.port)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, health = asyncio.run(get(server.url + "/health"))
+        if status == 200:
+            break
+        time.sleep(0.2)
+    assert status == 200, health
