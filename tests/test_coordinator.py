@@ -590,6 +590,20 @@ def test_head_shards_combine_as_one_head(head, daemons, tmp_path):
         assert c.decode(Batch.single(ids, 0, all_logits=True), greedy=True) is OK
         assert [c.token(i) for i in range(len(ids))] == want
 
+def assert_gone(children: list[int], outlived: str) -> None:
+    """The local workers `children` exit within 15 s (zombies count as gone);
+    any left are killed, and the test fails."""
+    deadline = time.monotonic() + 15
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [c for c in children if os.path.exists(f"/proc/{c}") and
+                 open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+        time.sleep(0.1)
+    for c in alive:
+        os.kill(c, signal.SIGKILL)
+    assert not alive, f"local workers {alive} outlived {outlived}"
+
+
 def test_local_workers_die_with_a_killed_coordinator(tmp_path):
     """ggml-coordinator started its own workers; SIGKILL it: they must not linger."""
     import os
@@ -613,15 +627,7 @@ def test_local_workers_die_with_a_killed_coordinator(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    alive = children
-    while alive and time.monotonic() < deadline:
-        alive = [c for c in children if os.path.exists(f"/proc/{c}") and
-                 open(f"/proc/{c}/stat").read().split()[2] != "Z"]
-        time.sleep(0.1)
-    for c in alive:
-        os.kill(c, signal.SIGKILL)
-    assert not alive, f"local workers {alive} outlived the killed coordinator"
+    assert_gone(children, "the killed coordinator")
 
 
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
@@ -643,15 +649,7 @@ def test_cli_generate_stopped_by_a_signal_exits_cleanly(model_paths, sig, code, 
         proc.wait(timeout=10)
     assert proc.returncode == code, (proc.returncode, err[-2000:])
     assert f"ggml-coordinator: {word}" in err and "Traceback" not in err, err[-2000:]
-    deadline = time.monotonic() + 15
-    alive = children
-    while alive and time.monotonic() < deadline:
-        alive = [c for c in children if os.path.exists(f"/proc/{c}") and
-                 open(f"/proc/{c}/stat").read().split()[2] != "Z"]
-        time.sleep(0.1)
-    for c in alive:
-        os.kill(c, signal.SIGKILL)
-    assert not alive, f"local workers {alive} outlived the stopped coordinator"
+    assert_gone(children, "the stopped coordinator")
 
 
 @pytest.mark.parametrize("where", ["local x2", "2 workers", "2 workers head whole"])

@@ -101,6 +101,17 @@ def stream_text(events: list, chat: bool = False) -> str:
     return "".join(out)
 
 
+def wait_healthy(server, timeout: float = 30.0) -> None:
+    """/health answers 200 within `timeout` (e.g. once a worker is back)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, health = asyncio.run(get(server.url + "/health"))
+        if status == 200:
+            return
+        time.sleep(0.2)
+    assert status == 200, health
+
+
 @pytest.fixture(scope="module")
 def cluster():
     workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
@@ -242,13 +253,7 @@ def test_worker_killed_then_restarted(cluster):
 
     # the worker comes back on the same port: health and requests recover without a server restart
     workers[1] = DaemonProcess("-t", "1", port=victim.port)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        status, health = asyncio.run(get(server.url + "/health"))
-        if status == 200:
-            break
-        time.sleep(0.2)
-    assert status == 200, health
+    wait_healthy(server)
     status, body = asyncio.run(post(server.url + "/v1/completions",
                                     {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}))
     assert status == 200, body
@@ -280,10 +285,4 @@ def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
     assert status == 503 and time.monotonic() - killed_at < 2.0, health
     assert [e["endpoint"] for e in health["endpoints"] if e["failed"]] == [victim.endpoint], health
     workers[0] = DaemonProcess("-t", "1", port=victim.port)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        status, health = asyncio.run(get(server.url + "/health"))
-        if status == 200:
-            break
-        time.sleep(0.2)
-    assert status == 200, health
+    wait_healthy(server)
