@@ -19,7 +19,7 @@ import math
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -175,6 +175,15 @@ def _checked_setup(endpoints, split, n_batch, threads) -> tuple[list[str], list[
     return endpoints, split
 
 
+def _seq_masks(seq_ids) -> np.ndarray:
+    """Each token's sequences as a bitmask (bit s: sequence s)."""
+    masks = np.zeros(len(seq_ids), dtype=np.uint64)
+    for i, ids in enumerate(seq_ids):
+        for s in ids:
+            masks[i] |= np.uint64(1 << int(s))
+    return masks
+
+
 async def _aclose_when_idle(agen) -> None:
     """aclose() a generation, once a step cancelled from the caller's side has
     finished unwinding on this loop (aclose of a running generator raises)."""
@@ -253,7 +262,7 @@ class Coordinator:
         self._thread = threading.Thread(target=self._loop_main, name="coordinator-loop", daemon=True)
         self._thread.start()
         self._lock = asyncio.Lock()
-        self._connection_tasks: set = set()  # latching a connection that failed between decodes
+        self._background: set = set()  # tasks nobody awaits: latching a lost connection, closing a stream
         self._generation_lock = asyncio.Lock()  # generate/stream/astream use sequence 0: one at a time
         self._generation_owner = None  # the thread or task whose generation holds it
         self._logits: np.ndarray | None = None  # after an OK decode: rows that wanted logits...
@@ -291,11 +300,31 @@ class Coordinator:
         if getattr(self, "_closed", False):
             coro.close()
             raise RuntimeError("the coordinator is closed")
-        fut: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result()
+        return self._result(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def _result(self, fut: Future):
+        """Wait for a coroutine submitted to the loop."""
+        try:
+            return fut.result()
+        except CancelledError:
+            if getattr(self, "_closed", False):
+                raise RuntimeError("the coordinator was closed while this call waited") from None
+            raise
+        except BaseException:  # interrupted here (KeyboardInterrupt, SIGTERM): stop it there too
+            fut.cancel()
+            raise
 
     async def _call(self, coro):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        if getattr(self, "_closed", False):
+            coro.close()
+            raise RuntimeError("the coordinator is closed")
+        try:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if getattr(self, "_closed", False) and not (task is not None and task.cancelling()):
+                raise RuntimeError("the coordinator was closed while this call waited") from None
+            raise
 
     async def _open(self, endpoints, split, progress) -> None:
         infos = []
@@ -343,17 +372,23 @@ class Coordinator:
         worker that dies, hangs or drops us while we are idle), so health() and
         failed_endpoints() tell the truth before the next decode finds out."""
         client = getattr(ex, "client", None)
-        if client is not None:
-            client.on_failure = lambda failure: self._connection_tasks.add(
-                self._loop.create_task(self._connection_lost(p, ex, failure)))
+        if client is None:
+            return
+        client.on_failure = lambda failure: self._spawn(self._connection_lost(p, ex, failure))
+        if client.failed is not None:  # it failed before it was watched (during the upload)
+            client.on_failure(client.failed)
 
     async def _connection_lost(self, p: _Placement, ex, failure) -> None:
-        try:
-            async with self._lock:  # between steps: a step in flight latches its own failures
-                if p.executor is ex and p.failure is None and not getattr(self, "_closed", False):
-                    self._latch(p, peer_failed(p.endpoint, failure))
-        finally:
-            self._connection_tasks.discard(asyncio.current_task())
+        async with self._lock:  # between steps: a step in flight latches its own failures
+            if p.executor is ex and p.failure is None and not getattr(self, "_closed", False):
+                self._latch(p, peer_failed(p.endpoint, failure))
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` on the loop (from the loop thread) with nobody awaiting it;
+        referenced until done."""
+        task = self._loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ status
     def endpoints(self) -> list[dict]:
@@ -440,19 +475,21 @@ class Coordinator:
             if not ids or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < MAX_SEQ
                               for s in ids):
                 return f"every token needs sequence ids in 0..{MAX_SEQ - 1}"
+            if len(set(ids)) != len(ids):
+                return f"a token lists sequence {next(s for s in ids if list(ids).count(s) > 1)} twice"
         return self._position_clash(pos.astype(np.int64), batch.seq_ids or [[0]] * n)
 
     def _position_clash(self, tok_pos: np.ndarray, seq_ids) -> str | None:
         """A (sequence, position) given twice, in the batch or already in the KV
         cache: the sequence would attend to two different tokens at one place."""
-        tok_seq = np.array([sum(1 << int(s) for s in ids) for ids in seq_ids], dtype=np.uint64)
+        tok_seq = _seq_masks(seq_ids)
         twice = (tok_pos[:, None] == tok_pos[None, :]) & ((tok_seq[:, None] & tok_seq[None, :]) != 0)
         np.fill_diagonal(twice, False)
         if twice.any():
             i, j = (int(k) for k in np.argwhere(twice)[0])
             s = (int(tok_seq[i] & tok_seq[j]) & -int(tok_seq[i] & tok_seq[j])).bit_length() - 1
             return f"tokens {i} and {j} both put sequence {s} at position {int(tok_pos[i])}"
-        used = self.kv.pos >= 0
+        used = np.isin(self.kv.pos, tok_pos)  # only the cells at the batch's positions (empty ones are -1)
         cached = (tok_pos[:, None] == self.kv.pos[used][None, :]) \
             & ((tok_seq[:, None] & self.kv.seqs[used][None, :]) != 0)
         if cached.any():
@@ -508,7 +545,7 @@ class Coordinator:
                                     f"{self.n_ctx} cells used)", "context_full")
             tok_pos = np.asarray(batch.pos, dtype=np.int64)
             seq_ids = batch.seq_ids or [[0]] * n
-            tok_seq = np.array([sum(1 << s for s in ids) for ids in seq_ids], dtype=np.uint64)
+            tok_seq = _seq_masks(seq_ids)
             want = list(batch.logits) if batch.logits is not None else [i == n - 1 for i in range(n)]
             out_rows = np.array([i for i, w in enumerate(want) if w], dtype=np.int32)
             saved = self.kv.assign(rows, tok_pos, tok_seq)
@@ -820,28 +857,28 @@ class Coordinator:
     def stream(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> Iterator[str]:
         agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                             ("thread", threading.get_ident()))
-        step: Future | None = None
+                             (threading.get_ident(), None))
         try:
             while True:
                 if getattr(self, "_closed", False):
                     raise RuntimeError("the coordinator is closed")
                 step = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
                 try:
-                    piece = step.result()
+                    piece = self._result(step)  # interrupted (Ctrl-C), it cancels the step
                 except StopAsyncIteration:
                     return
                 yield piece
         finally:
-            if step is not None and not step.done():  # interrupted mid-step (KeyboardInterrupt): stop the step
-                step.cancel()
             if not getattr(self, "_closed", False):
-                self._run(_aclose_when_idle(agen))
+                if threading.current_thread() is self._thread:  # the GC finalized it on the loop: never block that
+                    self._spawn(_aclose_when_idle(agen))
+                else:
+                    self._run(_aclose_when_idle(agen))
 
     async def astream(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 40,
                       top_p: float = 0.95, seed: int | None = None, stop: Sequence[str] = ()) -> AsyncIterator[str]:
         agen = self._astream(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                             ("task", id(asyncio.current_task())))
+                             (threading.get_ident(), id(asyncio.current_task())))
         try:
             while True:
                 try:
@@ -859,9 +896,12 @@ class Coordinator:
 
     async def _astream(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop, owner):
         # Generations all use sequence 0, so they take turns: interleaved, their
-        # steps would continue each other's text. One waiting for a generation its
-        # own thread (or task) still holds open would wait forever: refuse it.
-        if owner == self._generation_owner:
+        # steps would continue each other's text. `owner` is (thread, task or None
+        # for a sync call). Waiting for a generation held by the same thread blocks
+        # that thread for good, unless both are async and in different tasks of
+        # its loop: refuse it.
+        holder = self._generation_owner
+        if holder is not None and holder[0] == owner[0] and (None in (holder[1], owner[1]) or holder[1] == owner[1]):
             raise RuntimeError("this thread already has a generation open on this coordinator (a stream not yet "
                                "exhausted or closed); finish or close it first")
         async with self._generation_lock:
@@ -925,9 +965,13 @@ class Coordinator:
         self._closed = True
 
         async def shutdown():
-            for p in getattr(self, "_places", []):
-                if p.auto_task is not None:
-                    p.auto_task.cancel()
+            # everything still running or waiting here (a step, a generation waiting
+            # for its turn, a reconnect): cancelled, and its caller told so
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in others:
+                t.cancel()
+            if others:
+                await asyncio.wait(others, timeout=5)
             for p in getattr(self, "_places", []):
                 if p.executor is not None:
                     try:

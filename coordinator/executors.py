@@ -132,6 +132,12 @@ class LocalExecutor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
 
     async def close(self) -> None:
+        # on the compute thread: a step whose caller gave up (cancelled, Ctrl-C) may
+        # still be computing there, and freeing its memory under it would segfault
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._free)
+        self._pool.shutdown(wait=False)
+
+    def _free(self) -> None:
         for galloc in self.gallocs.values():
             galloc.close()
         self.gallocs.clear()
@@ -141,7 +147,6 @@ class LocalExecutor:
         self.buffers.clear()
         if self.backend:
             self.backend.close()
-        self._pool.shutdown(wait=False)
 
 
 class RemoteExecutor:

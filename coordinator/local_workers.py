@@ -35,23 +35,30 @@ class LocalWorker:
                                      preexec_fn=_die_with_parent)
         self.lines: list[str] = []
         self.port = None
+        try:
+            self._wait_listening(startup_timeout)
+        except BaseException:  # e.g. SIGTERM while it starts: it is not ours to forget yet
+            self.stop()
+            raise
+        if self.port is None:
+            self.stop()
+            raise RuntimeError("local worker did not start: " + "".join(self.lines[-5:]))
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_listening(self, startup_timeout: float) -> None:
         deadline = time.monotonic() + startup_timeout
         while self.port is None:
             left = deadline - time.monotonic()
             # never block on a silent daemon: wait for a line at most until the deadline
             if left <= 0 or not select.select([self.proc.stderr], [], [], left)[0]:
-                break
+                return
             line = self.proc.stderr.readline()
             if not line:
-                break
+                return
             self.lines.append(line)
             m = _PORT.search(line) if "listening" in line else None
             if m:
                 self.port = int(m.group(1))
-        if self.port is None:
-            self.stop()
-            raise RuntimeError("local worker did not start: " + "".join(self.lines[-5:]))
-        threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
         for line in self.proc.stderr:

@@ -199,6 +199,13 @@ class RpcClient(asyncio.BufferedProtocol):
                 self._reclaim(cmd, header)
             elif not fut.done():
                 fut.set_result((header, blob))
+            if not self._pending and self._watch is not None and not self._watch_idle \
+                    and self.keepalive_interval is not None:
+                # the last reply is in: the idle keepalive's timer, not the request's
+                # (whose next tick may be later than the worker's idle timeout)
+                self._watch.cancel()
+                self._watch = None
+                self._arm_idle()
         elif req_id in self._pings:
             self._pings.discard(req_id)
             if req_id == self._keepalive_id:
@@ -330,6 +337,8 @@ class RpcClient(asyncio.BufferedProtocol):
         self._arm()
 
     def _idle_tick(self) -> None:
+        if self.keepalive_interval is None:  # a worker that did not say its idle timeout
+            return
         now = time.monotonic()
         if self._keepalive_at is not None:
             if self.liveness_timeout is not None and now - self._keepalive_at >= self.liveness_timeout:
@@ -401,6 +410,8 @@ class RpcClient(asyncio.BufferedProtocol):
             # reply is dropped when it comes; the connection stays up.
             if self._failure is None and req_id in self._pending:
                 self._abandoned[req_id] = int(cmd)
+            elif self._failure is None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._reclaim(int(cmd), fut.result()[0])  # the reply came just before the cancellation
             raise
         finally:
             self._deadlines.pop(req_id, None)

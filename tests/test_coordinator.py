@@ -336,6 +336,7 @@ def invalid_batches(n_vocab: int, n_batch: int):
         "tokens None": Batch(None, [0]),
         "pos a string": Batch([1], "0"),
         "bool seq id": Batch([1], [0], [[True]]),
+        "a sequence twice in one token": Batch([1], [0], [[1, 1]]),
         "same position twice": Batch([1, 2], [7, 7], [[1], [1]]),
         "same position twice, shared": Batch([1, 2], [7, 7], [[1, 2], [2]]),
         "position already cached": Batch.single([1], 0),
@@ -514,6 +515,88 @@ def test_generate_options(local):
         with pytest.raises(DecodeError) as info:
             small.generate("The capital of France is", max_tokens=5)
         assert info.value.code is DecodeResult.NO_KV_SLOT
+
+
+def test_a_sync_generation_from_the_task_holding_an_astream_is_refused(local):
+    c = local["tiny"]
+
+    async def main():
+        pieces = c.astream("Once upon a time", max_tokens=8)
+        await pieces.__anext__()
+        try:
+            with pytest.raises(RuntimeError, match="already has a generation open"):
+                c.generate("Hello", max_tokens=2)  # would block this thread, and so the astream, for good
+        finally:
+            await pieces.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_close_wakes_a_thread_waiting_for_its_turn(model_paths):
+    import threading
+    c = Coordinator(["local"], model=model_paths["tiny"], n_ctx=64)
+    first = c.stream("Once upon a time", max_tokens=20)
+    next(first)  # this thread holds the turn
+    out = []
+
+    def waiter():
+        try:
+            out.append(c.generate("Hello", max_tokens=4))
+        except BaseException as exc:  # noqa: BLE001 - what it gets is the point
+            out.append(exc)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    c.close()
+    t.join(10)
+    assert not t.is_alive(), "close() left a caller blocked"
+    assert isinstance(out[0], RuntimeError) and "closed" in str(out[0]), out
+
+
+def test_a_stream_collected_on_the_loop_thread_does_not_wedge_the_coordinator(local):
+    """An abandoned stream in a reference cycle, collected by the GC while the
+    coordinator's loop thread runs: it must not block that thread."""
+    import gc
+    import threading
+    c = local["tiny"]
+    gc.disable()  # collect exactly where this test says
+    try:
+        s = c.stream("Once upon a time", max_tokens=50)
+        next(s)
+        cycle = [s]
+        cycle.append(cycle)
+        del s, cycle
+        c._loop.call_soon_threadsafe(gc.collect)
+        got = []
+        t = threading.Thread(target=lambda: got.append(c.generate("Hello", max_tokens=2)), daemon=True)
+        t.start()
+        t.join(10)
+        assert got, "the coordinator's loop is blocked"
+    finally:
+        gc.enable()
+
+
+CLOSE_DURING_LOCAL_STEP = """
+import asyncio, sys, time
+from coordinator import Batch, Coordinator
+c = Coordinator(["local"], n_ctx=512)
+ids = list(range(10, 10 + 384))
+step = asyncio.run_coroutine_threadsafe(c._decode(Batch.single(ids, 0)), c._loop)
+time.sleep(0.2)
+print("in flight at close:", not step.done(), flush=True)
+c.close()  # what Ctrl-C or SIGTERM in the middle of a step leads to
+print("closed", flush=True)
+"""
+
+
+def test_close_during_an_in_process_step_does_not_crash(local):
+    """close() while the in-process executor computes (a step whose caller was
+    interrupted): its memory is freed after the compute, not under it (this
+    was a segfault)."""
+    r = subprocess.run([sys.executable, "-c", CLOSE_DURING_LOCAL_STEP], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "in flight at close: True" in r.stdout and "closed" in r.stdout, r.stdout
 
 
 # ---------------------------------------------------------------- CLI

@@ -878,11 +878,15 @@ def wait_latched(c: Coordinator, timeout: float = 10.0) -> list:
     return c.failed_endpoints()
 
 
-def test_idle_connections_outlive_the_workers_idle_timeout(model, start_daemon):
+@pytest.mark.parametrize("liveness", [2.0, 20.0])
+def test_idle_connections_outlive_the_workers_idle_timeout(model, start_daemon, liveness):
     """A coordinator idle longer than the workers' --idle-timeout keeps its
-    connections (and so its weights and KV cache): it pings them."""
+    connections (and so its weights and KV cache): it pings them. Also when the
+    last request's liveness timer (ping interval liveness / 4) would only fire
+    after the idle timeout."""
     a, b = (start_daemon("-t", "1", "--idle-timeout", "1") for _ in range(2))
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX,
+                     liveness_timeout=liveness) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is OK
         time.sleep(2.5)
