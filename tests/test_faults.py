@@ -916,3 +916,32 @@ def test_worker_lost_between_decodes_is_latched_without_a_decode(model, start_da
             assert "keepalive" in failed[0].cause
         assert c.decode(Batch.single([5], len(ids))) is ENDPOINT_FAILED
         assert c.last_failed_endpoint == b.endpoint
+
+
+def test_a_worker_that_names_no_idle_timeout_gets_no_keepalive_and_no_errors():
+    """HELLO without idle_timeout (an older worker): no keepalive, and the
+    watchdog's idle ticks raise nothing (they once raised a TypeError)."""
+    def answer_pings(s, next_header):
+        for _ in range(20):  # bounded: the client sends a few requests and stops
+            h = next_header()
+            if h is None:
+                return
+            s.sendall(P.encode_frame({"id": h["id"], "status": 0}))
+
+    endpoint, done = _scripted_worker(answer_pings)
+
+    async def scenario():
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        c = await RpcClient.connect(endpoint, liveness_timeout=0.4)
+        try:
+            assert c.keepalive_interval is None
+            for _ in range(3):
+                await c.request(Command.PING)
+                await asyncio.sleep(0.3)  # the request's timer fires while idle
+            assert c.failed is None and errors == [], errors
+        finally:
+            done.set()
+            await c.aclose()
+
+    run(scenario())
