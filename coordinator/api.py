@@ -429,8 +429,8 @@ class Coordinator:
         every sequence's KV cache is gone: the bookkeeping is cleared and the
         sequences remembered for needs_refeed()/reconnect()."""
         first = p.failure is None
-        if not first:
-            failure.attempts = p.failure.attempts
+        if not first:  # still failed: since when stays the first failure's (alerts count from it)
+            failure.attempts, failure.since = p.failure.attempts, p.failure.since
         p.failure = failure
         self._needs_refeed |= self.kv.seqs_present()
         self.kv.clear()

@@ -16,10 +16,15 @@ from typing import Sequence
 import structlog
 
 from coordinator.api import Batch, DecodeResult
+from coordinator.kv_cache import MAX_SEQ
 from coordinator.sampling import Sampler
 from coordinator.tokenizer import Detokenizer
 
 log = structlog.get_logger("batching")
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: no slot for a new request."""
 
 
 @dataclass
@@ -54,6 +59,8 @@ class Slot:
 
 class Scheduler:
     def __init__(self, coord, n_slots: int, n_ctx_slot: int, metrics=None):
+        if not 1 <= n_slots <= MAX_SEQ:  # a slot is a KV sequence id
+            raise ValueError(f"the number of slots must be in 1..{MAX_SEQ}, not {n_slots}")
         self.coord = coord
         self.n_slots = n_slots
         self.n_ctx_slot = n_ctx_slot
@@ -65,6 +72,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.decode_started: float | None = None  # set while a step is in flight
+        self.closing = False
         self.last_step_end = time.monotonic()
 
     def start(self) -> None:
@@ -78,6 +86,17 @@ class Scheduler:
             except asyncio.CancelledError:
                 pass
 
+    async def drain(self, message: str) -> None:
+        """Shutting down: no new requests; the decode loop stops (a step in
+        flight is cancelled and rolled back); every request in flight ends with
+        an ABORTED error event carrying `message`, so its client gets a
+        complete answer instead of a cut connection."""
+        self.closing = True
+        await self.stop()
+        for slot in list(self.active):
+            slot.events.put_nowait(SlotEvent("error", code=DecodeResult.ABORTED, message=message))
+            self._release(slot)
+
     @property
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -87,7 +106,14 @@ class Scheduler:
         return len(self.active)
 
     async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str]) -> Slot:
+        """A slot for this request, once one is free; ShuttingDown if the
+        server stops first."""
+        if self.closing:
+            raise ShuttingDown()
         seq = await self.free.get()  # a free sequence holds no KV rows: _release removed them
+        if self.closing:
+            self.free.put_nowait(seq)
+            raise ShuttingDown()
         slot = Slot(seq, prompt, max_tokens, sampler, tuple(stop), Detokenizer(self.coord.tokenizer),
                     pending=list(prompt))
         self.active.append(slot)
@@ -100,10 +126,15 @@ class Scheduler:
         self._wake.set()
 
     def _release(self, slot: Slot) -> None:
-        if slot in self.active:
-            self.active.remove(slot)
+        if slot not in self.active:
+            return
+        self.active.remove(slot)
+        try:
             self.coord.kv_seq_rm(slot.seq)
-            self.free.put_nowait(slot.seq)
+        except Exception:  # it runs in the loop's error handling too: never let it end the loop
+            log.exception("freeing a slot's KV rows failed; its sequence is retired", seq=slot.seq)
+            return
+        self.free.put_nowait(slot.seq)
 
     def _finish(self, slot: Slot, reason: str) -> None:
         slot.text += slot.detok.flush()

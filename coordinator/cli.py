@@ -19,8 +19,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
-def _count(minimum: int):
-    """An argparse type: an integer >= minimum."""
+def _count(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in minimum..maximum."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -28,6 +28,8 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, not {value}")
         return value
     return parse
 
@@ -74,8 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_count(0), default=8080)
-    s.add_argument("--parallel", type=_count(1), default=4, help="slots decoding together (continuous batching)")
+    s.add_argument("--port", type=_count(0, 65535), default=8080)
+    s.add_argument("--parallel", type=_count(1, 64), default=4, help="slots decoding together (continuous batching)")
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)

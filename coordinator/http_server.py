@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from coordinator.api import DecodeResult
-from coordinator.batching import Scheduler
+from coordinator.batching import Scheduler, ShuttingDown
 from coordinator.sampling import Sampler
 from rpc_daemon.lifecycle import until_signalled
 
@@ -38,14 +38,35 @@ FALLBACK_TEMPLATES = {
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
 
 
+UNSUPPORTED = {  # OpenAI parameters this server does not implement: refused, not silently ignored
+    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "logit_bias": None,
+    "suffix": None, "tools": None, "tool_choice": None, "functions": None, "presence_penalty": 0,
+    "frequency_penalty": 0,
+}
+
+
+def _chat_environment() -> jinja2.Environment:
+    """What HF-style chat templates expect: a sandbox (the template comes
+    from the model file), raise_exception and strftime_now."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), autoescape=False, keep_trailing_newline=True)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
+    return env
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def response(self) -> web.Response:
         return web.json_response({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                            "code": None}}, status=self.status)
+                                            "code": self.code}}, status=self.status)
 
 
 class Metrics:
@@ -95,7 +116,7 @@ class CompletionServer:
         self.reconnect_interval = reconnect_interval
         self.loaded = True
         template = coord.gguf.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(coord.hp.arch)
-        self.chat_template = jinja2.Environment(loader=jinja2.BaseLoader(), autoescape=False, keep_trailing_newline=True).from_string(template)
+        self.chat_template = _chat_environment().from_string(template)
 
     # ------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -204,8 +225,17 @@ class CompletionServer:
             raise ApiError(400, f"'{name}' must be between {lo} and {hi}", param=name)
         return v
 
-    def _sampling(self, body) -> tuple[int, Sampler, list[str], bool]:
-        max_tokens = self._param(body, "max_tokens", int, 16, 1, self.n_ctx_slot)
+    def _sampling(self, body, default_max_tokens: int | None) -> tuple[int | None, Sampler, list[str], bool]:
+        for name, neutral in UNSUPPORTED.items():
+            if body.get(name, neutral) not in (neutral, None):
+                raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+        rf = body.get("response_format")
+        if rf is not None and rf != {"type": "text"}:
+            raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
+                           param="response_format")
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+            body = dict(body, max_tokens=body["max_completion_tokens"])
+        max_tokens = self._param(body, "max_tokens", int, default_max_tokens, 1, self.n_ctx_slot)
         temperature = self._param(body, "temperature", float, 1.0, 0.0, 2.0)
         top_p = self._param(body, "top_p", float, 1.0, 1e-6, 1.0)
         top_k = self._param(body, "top_k", int, 0, 0, 1 << 20)
@@ -216,7 +246,12 @@ class CompletionServer:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
-        return max_tokens, Sampler(temperature, top_k, top_p, seed), stop, stream
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ApiError(400, "'seed' must be between 0 and 2**63 - 1", param="seed")
+        try:
+            return max_tokens, Sampler(temperature, top_k, top_p, seed), stop, stream
+        except ValueError as exc:  # NaN, and whatever else the sampler refuses
+            raise ApiError(400, str(exc)) from None
 
     def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
         if len(prompt_ids) + max_tokens > self.n_ctx_slot:
@@ -230,10 +265,20 @@ class CompletionServer:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string", param="prompt")
-        max_tokens, sampler, stop, stream = self._sampling(body)
-        ids = self.coord.tokenize(prompt)
-        self._check_fits(ids, max_tokens)
+        max_tokens, sampler, stop, stream = self._sampling(body, 16)
+        ids = await self._tokenize(prompt, max_tokens)
         return await self._serve(request, ids, max_tokens, sampler, stop, stream, chat=False)
+
+    async def _tokenize(self, text: str, max_tokens: int, chat: bool = False) -> list[int]:
+        """Off the event loop (a megabyte prompt takes seconds; /health and the
+        other streams must not wait), and refused early when it cannot fit."""
+        if len(text.encode("utf-8", "surrogatepass")) > 64 * self.n_ctx_slot:  # no vocabulary packs 64 bytes a token
+            raise ApiError(400, f"prompt of {len(text)} characters cannot fit the context of {self.n_ctx_slot} "
+                                f"tokens per slot", param="messages" if chat else "prompt")
+        kw = {"add_special": False, "parse_special": True} if chat else {}
+        ids = await asyncio.get_running_loop().run_in_executor(None, lambda: self.coord.tokenize(text, **kw))
+        self._check_fits(ids, max_tokens)
+        return ids
 
     async def chat_completions(self, request) -> web.StreamResponse:
         body = await self._body(request)
@@ -242,16 +287,23 @@ class CompletionServer:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        max_tokens, sampler, stop, stream = self._sampling(body)
+        # chat clients leave max_tokens out expecting the whole answer: up to the slot's context
+        max_tokens, sampler, stop, stream = self._sampling(body, None)
         tok = self.coord.tokenizer
-        text = self.chat_template.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
-                                         eos_token=tok.tokens[tok.eos_id] if tok.eos_id is not None else "")
-        ids = self.coord.tokenize(text, add_special=False, parse_special=True)
-        self._check_fits(ids, max_tokens)
+        try:
+            text = self.chat_template.render(messages=messages, add_generation_prompt=True,
+                                             bos_token=tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
+                                             eos_token=tok.tokens[tok.eos_id] if tok.eos_id is not None else "")
+        except jinja2.TemplateError as exc:  # e.g. the template's raise_exception("roles must alternate")
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}", param="messages") from None
+        ids = await self._tokenize(text, max_tokens or 1, chat=True)
+        if max_tokens is None:
+            max_tokens = self.n_ctx_slot - len(ids)
         return await self._serve(request, ids, max_tokens, sampler, stop, stream, chat=True)
 
     async def _serve(self, request, ids, max_tokens, sampler, stop, stream, chat: bool) -> web.StreamResponse:
+        if self.scheduler.closing:
+            raise ApiError(503, "the server is shutting down", "server_error")
         if not self.scheduler.alive:
             raise ApiError(503, "the decode loop is not running", "server_error")
         if self.coord.failed_endpoints():
@@ -259,7 +311,10 @@ class CompletionServer:
             raise ApiError(503, f"worker {f.endpoint} unavailable: {f.cause}", "server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        slot = await self.scheduler.submit(ids, max_tokens, sampler, stop)
+        try:
+            slot = await self.scheduler.submit(ids, max_tokens, sampler, stop)
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down", "server_error") from None
         try:
             if stream:
                 return await self._stream(request, slot, rid, created, chat, len(ids))
@@ -275,7 +330,7 @@ class CompletionServer:
 
     @staticmethod
     def _error_status(ev) -> int:
-        return {DecodeResult.ENDPOINT_FAILED: 503, DecodeResult.NO_KV_SLOT: 400,
+        return {DecodeResult.ENDPOINT_FAILED: 503, DecodeResult.ABORTED: 503, DecodeResult.NO_KV_SLOT: 400,
                 DecodeResult.INVALID_BATCH: 400}.get(ev.code, 500)
 
     async def _collect(self, slot, rid, created, chat, n_prompt) -> web.Response:
@@ -288,7 +343,8 @@ class CompletionServer:
                 finish = ev.finish_reason
                 break
             else:
-                raise ApiError(self._error_status(ev), ev.message, "server_error")
+                raise ApiError(self._error_status(ev), ev.message, "server_error",
+                               code=ev.code.name if ev.code is not None else None)
         text = "".join(parts)
         n_out = slot.generated
         return web.json_response({
@@ -344,4 +400,6 @@ async def serve_http(coord, host: str, port: int, n_slots: int, n_ctx_slot: int,
             await stop.wait()
         finally:
             log.info("shutting down")
+            # requests in flight end with an error event (and [DONE]) or a 503, not a cut connection
+            await server.scheduler.drain("the server is shutting down")
             await runner.cleanup()

@@ -65,6 +65,9 @@ def _oserror_text(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+KEEPALIVE_MAX = 5.0  # seconds between pings on an idle connection, at most
+
+
 class RpcClient(asyncio.BufferedProtocol):
     """One connection. It is the transport's protocol: replies are cut out of
     the receive buffer in the callback that filled it (P.FrameReader) and
@@ -157,8 +160,9 @@ class RpcClient(asyncio.BufferedProtocol):
         client.server_hello = hello
         idle = hello.get("idle_timeout")
         if isinstance(idle, (int, float)) and idle > 0:
-            # the worker drops a connection idle this long, and with it our buffers: keep ours alive
-            client.keepalive_interval = idle / 3
+            # the worker drops a connection idle this long, and with it our buffers: keep ours
+            # alive; and often enough that a worker that hangs while we are idle is noticed soon
+            client.keepalive_interval = min(idle / 3, KEEPALIVE_MAX)
             client._arm()
         return client
 

@@ -417,6 +417,10 @@ def test_reconnect_to_a_dead_worker_keeps_the_latch(rig):
     [f] = c.failed_endpoints()
     assert f.endpoint == rig.eb and f.kind == "unreachable"
     assert c.decode(Batch.single([5], 0)) is ENDPOINT_FAILED and c.last_cause == "unreachable"
+    with pytest.raises(EndpointUnavailable):
+        c.reconnect(rig.eb)  # another failed attempt: the cause is the latest, the time the first failure's
+    [g] = c.failed_endpoints()
+    assert g.since == f.since and g.kind == "unreachable"
     rig.restart_b()
     rig.recover()
 

@@ -175,6 +175,17 @@ def test_models_health_metrics(cluster):
     ({"prompt": "word " * 400, "max_tokens": 8}, "exceeds the context"),
     ({"prompt": "x", "model": "gpt-4"}, "not found"),
     ({"messages": "hi"}, "'messages'"),
+    ({"prompt": "x", "n": 3}, "'n' is not supported"),
+    ({"prompt": "x", "logprobs": 5}, "'logprobs' is not supported"),
+    ({"prompt": "x", "echo": True}, "'echo' is not supported"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "'tools' is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "'response_format'"),
+    ({"prompt": "x", "seed": -1, "temperature": 0.7}, "'seed'"),
+    ('{"prompt": "x", "temperature": NaN}', "temperature"),
+    ('{"prompt": "x", "temperature": 1, "top_p": NaN}', "top_p"),
+    ({"prompt": "x" * (64 * 256 + 1)}, "cannot fit the context"),  # refused before tokenizing
 ])
 def test_bad_requests_get_clear_400s(cluster, body, fragment):
     server, _ = cluster
@@ -286,3 +297,49 @@ def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
     assert [e["endpoint"] for e in health["endpoints"] if e["failed"]] == [victim.endpoint], health
     workers[0] = DaemonProcess("-t", "1", port=victim.port)
     wait_healthy(server)
+
+
+def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():
+    """GGUF chat templates (HF style) call raise_exception and strftime_now,
+    and come from the model file: rendered sandboxed; a template's own refusal
+    is a TemplateError (the server answers 400 with its message)."""
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    from coordinator.http_server import _chat_environment
+    env = _chat_environment()
+    alternate = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                 "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                 "{{ m['content'] }}{% endfor %}{{ strftime_now('%Y') }}")
+    t = env.from_string(alternate)
+    assert t.render(messages=[{"role": "user", "content": "a"}]) == "a" + time.strftime("%Y")
+    with pytest.raises(jinja2.TemplateError, match="must alternate"):
+        t.render(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(SecurityError):
+        env.from_string("{{ ''.__class__.__mro__[1].__subclasses__() }}").render()
+
+
+def test_sigterm_ends_requests_in_flight_with_an_answer(cluster):
+    """SIGTERM while a stream runs and another request waits for a slot: the
+    stream ends with an ABORTED error event and [DONE], the waiting request
+    gets 503 "shutting down", and the server exits 0 (it used to cut both)."""
+    _, workers = cluster
+    server = Server([w.endpoint for w in workers], parallel=1)
+    try:
+        async def scenario():
+            streaming = asyncio.create_task(stream(server.url + "/v1/completions",
+                                                   {"prompt": PROMPT, "max_tokens": 200, "temperature": 0}))
+            await asyncio.sleep(0.5)
+            waiting = asyncio.create_task(post(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8}))
+            await asyncio.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            return await streaming, await waiting
+
+        events, (status, body) = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert server.proc.wait(timeout=20) == 0
+    finally:
+        server.stop()
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["code"] == "ABORTED", events[-3:]
+    assert "shutting down" in errors[0]["error"]["message"] and events[-1] == "[DONE]", events[-3:]
+    assert status == 503 and "shutting down" in body["error"]["message"], (status, body)
