@@ -50,7 +50,8 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
     p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
     p.add_argument("-t", "--threads", type=_count(1), default=1, help="compute threads per worker")
-    p.add_argument("-c", "--ctx-size", type=_count(1), default=2048)
+    p.add_argument("-c", "--ctx-size", type=_count(1), default=None,
+                   help="KV cache size in tokens (default 2048; serve: --parallel x --ctx-per-slot)")
     p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
@@ -88,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the workers with the output head split over them, whole on the last, or both "
                         "(both: two rows side by side; the workers hold the model twice)")
     args = p.parse_args(argv)
+    if args.command == "serve" and args.ctx_size is not None:
+        s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
     if args.command == "generate":
         from coordinator.sampling import Sampler
         try:  # before any worker is started or the model read
@@ -98,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def endpoints_for(args):
+def endpoints_for(args, supervise: bool = False):
     if args.endpoints:
         yield [e.strip() for e in args.endpoints.split(",") if e.strip()]
         return
@@ -106,6 +109,8 @@ def endpoints_for(args):
 
     extra = ("--secret-file", args.secret_file) if args.secret_file else ()
     with LocalWorkers(args.local_workers, args.threads, extra) as workers:
+        if supervise:  # a server restarts a local worker that dies; generate and bench report it and stop
+            workers.supervise()
         yield workers.endpoints
 
 
@@ -123,7 +128,7 @@ def cmd_generate(args) -> int:
 
     with endpoints_for(args) as endpoints:
         try:
-            c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size, **_security(args),
+            c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size or 2048, **_security(args),
                             threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
@@ -196,7 +201,7 @@ def cmd_bench(args) -> int:
         try:
             for name, (eps, opts) in setups.items():
                 opts = {"threads": args.threads, **opts}
-                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
+                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size or 2048, args.pp + args.tg + 1),
                                            **opts, **_security(args))
         except BaseException:
             for c in coords.values():
@@ -237,7 +242,7 @@ def cmd_serve(args) -> int:
     from coordinator import Coordinator
     from coordinator.http_server import serve_http
 
-    with endpoints_for(args) as endpoints:
+    with endpoints_for(args, supervise=True) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=_split(args), threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),

@@ -148,6 +148,10 @@ class CompletionServer:
         except ApiError as exc:
             log.info("request refused", status=exc.status, error=exc.message)
             return exc.response()
+        except web.HTTPException as exc:  # aiohttp's own 404, 405, 413...: the same JSON error body
+            if exc.status < 400:
+                raise
+            return ApiError(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason).response()
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -207,8 +211,8 @@ class CompletionServer:
             raise ApiError(400, "request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ApiError(400, f"model {model!r} not found; this server serves {self.model_name!r}",
-                           "invalid_request_error", "model")
+            raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r}",
+                           "invalid_request_error", "model", code="model_not_found")
         return body
 
     @staticmethod

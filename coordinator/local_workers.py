@@ -27,8 +27,8 @@ def _die_with_parent() -> None:
 
 
 class LocalWorker:
-    def __init__(self, threads: int = 1, extra_args=(), startup_timeout: float = 30.0):
-        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", "0", "-t", str(threads),
+    def __init__(self, threads: int = 1, extra_args=(), startup_timeout: float = 30.0, port: int = 0):
+        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", str(port), "-t", str(threads),
                "--log-format", "json", *extra_args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -81,7 +81,10 @@ class LocalWorker:
 
 class LocalWorkers:
     def __init__(self, n: int, threads: int = 1, extra_args=()):
+        self.threads, self.extra_args = threads, tuple(extra_args)
         self.workers: list[LocalWorker] = []
+        self._lock = threading.Lock()  # the supervisor's restarts against stop()
+        self._stopping = threading.Event()
         try:
             for _ in range(n):
                 self.workers.append(LocalWorker(threads, extra_args))
@@ -93,9 +96,34 @@ class LocalWorkers:
     def endpoints(self) -> list[str]:
         return [w.endpoint for w in self.workers]
 
+    def supervise(self, interval: float = 0.5) -> None:
+        """Restart a worker that dies (crash, OOM killer, kill -9) on its port,
+        where the coordinator's automatic reconnect finds it: a long-running
+        server over local workers recovers by itself."""
+        threading.Thread(target=self._supervise, args=(interval,), name="local-workers", daemon=True).start()
+
+    def _supervise(self, interval: float) -> None:
+        while not self._stopping.wait(interval):
+            for i, w in enumerate(list(self.workers)):
+                status = w.proc.poll()  # also reaps it: no zombie
+                if status is None:
+                    continue
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    print(f"ggml-coordinator: local worker on port {w.port} exited ({status}); restarting it",
+                          file=sys.stderr, flush=True)
+                    try:
+                        self.workers[i] = LocalWorker(self.threads, self.extra_args, port=w.port)
+                    except Exception as exc:  # e.g. the port is taken meanwhile: try again next round
+                        print(f"ggml-coordinator: restarting the local worker failed: {exc}", file=sys.stderr,
+                              flush=True)
+
     def stop(self) -> None:
-        for w in self.workers:
-            w.stop()
+        self._stopping.set()
+        with self._lock:
+            for w in self.workers:
+                w.stop()
 
     def __enter__(self):
         return self

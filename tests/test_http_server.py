@@ -104,8 +104,12 @@ def stream_text(events: list, chat: bool = False) -> str:
 def wait_healthy(server, timeout: float = 30.0) -> None:
     """/health answers 200 within `timeout` (e.g. once a worker is back)."""
     deadline = time.monotonic() + timeout
+    status = health = None
     while time.monotonic() < deadline:
-        status, health = asyncio.run(get(server.url + "/health"))
+        try:
+            status, health = asyncio.run(get(server.url + "/health"))
+        except OSError:  # not listening yet
+            status = None
         if status == 200:
             return
         time.sleep(0.2)
@@ -173,7 +177,6 @@ def test_models_health_metrics(cluster):
     ({"prompt": "x", "temperature": -1}, "'temperature'"),
     ({"prompt": "x", "stop": [1]}, "'stop'"),
     ({"prompt": "word " * 400, "max_tokens": 8}, "exceeds the context"),
-    ({"prompt": "x", "model": "gpt-4"}, "not found"),
     ({"messages": "hi"}, "'messages'"),
     ({"prompt": "x", "n": 3}, "'n' is not supported"),
     ({"prompt": "x", "logprobs": 5}, "'logprobs' is not supported"),
@@ -299,6 +302,16 @@ def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
     wait_healthy(server)
 
 
+def test_errors_are_json_everywhere(cluster):
+    server, _ = cluster
+    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": "x", "model": "gpt-4"}))
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
+    status, body = asyncio.run(get(server.url + "/v1/nothing"))
+    assert status == 404 and "error" in body, body
+    status, body = asyncio.run(post(server.url + "/v1/completions", "x" * (5 << 20)))
+    assert status == 413 and "error" in body, body
+
+
 def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():
     """GGUF chat templates (HF style) call raise_exception and strftime_now,
     and come from the model file: rendered sandboxed; a template's own refusal
@@ -343,3 +356,41 @@ def test_sigterm_ends_requests_in_flight_with_an_answer(cluster):
     assert errors and errors[0]["error"]["code"] == "ABORTED", events[-3:]
     assert "shutting down" in errors[0]["error"]["message"] and events[-1] == "[DONE]", events[-3:]
     assert status == 503 and "shutting down" in body["error"]["message"], (status, body)
+
+
+def test_serve_restarts_a_local_worker_that_dies(tmp_path):
+    """`serve` without --endpoints owns its workers: one killed is restarted on
+    its port and the server recovers by itself (it used to stay 503 forever,
+    retrying a port nobody listened on, with the dead worker a zombie)."""
+    from tiny_llama import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "-m", str(model), "--port", str(port),
+                             "--parallel", "1", "--ctx-per-slot", "64"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        server = type("S", (), {"url": url})()
+        wait_healthy(server, 60)
+        children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        victim = children[0]
+        os.killpg(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        status = 200
+        while status == 200 and time.monotonic() < deadline:
+            status, _ = asyncio.run(get(url + "/health"))
+            time.sleep(0.05)
+        assert status == 503, "the dead worker did not show"
+        wait_healthy(server, 60)
+        status, body = asyncio.run(post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 4}))
+        assert status == 200, body
+        assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] != "Z"
+        assert "restarting it" in open(log.name).read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
