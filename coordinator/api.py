@@ -165,14 +165,23 @@ def _checked_setup(endpoints, split, n_batch, threads) -> tuple[list[str], list[
         split = list(split)
         if len(split) != len(endpoints):
             raise ValueError(f"split has {len(split)} proportions for {len(endpoints)} endpoints")
-        if not all(isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, bool)
-                   and math.isfinite(w) and w > 0 for w in split):
+        if not all((_is_int(w) or isinstance(w, (float, np.floating))) and math.isfinite(w) and w > 0
+                   for w in split):
             raise ValueError(f"split proportions must be positive numbers (every endpoint holds at least one "
                              f"layer): {split}")
     for name, value in (("n_batch", n_batch), ("threads", threads)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive integer, not {value!r}")
     return endpoints, split
+
+
+def _is_int(x) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _lowest_seq(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
 
 
 def _seq_masks(seq_ids) -> np.ndarray:
@@ -296,11 +305,15 @@ class Coordinator:
             pass
         self._loop.run_forever()
 
-    def _run(self, coro):
+    def _submit(self, coro) -> Future:
+        """`coro` onto the loop thread; refused once the coordinator is closed."""
         if getattr(self, "_closed", False):
             coro.close()
             raise RuntimeError("the coordinator is closed")
-        return self._result(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro):
+        return self._result(self._submit(coro))
 
     def _result(self, fut: Future):
         """Wait for a coroutine submitted to the loop."""
@@ -315,11 +328,9 @@ class Coordinator:
             raise
 
     async def _call(self, coro):
-        if getattr(self, "_closed", False):
-            coro.close()
-            raise RuntimeError("the coordinator is closed")
+        fut = self._submit(coro)
         try:
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+            return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if getattr(self, "_closed", False) and not (task is not None and task.cancelling()):
@@ -472,8 +483,7 @@ class Coordinator:
         if pos.dtype.kind not in "iu" or (pos < 0).any() or (pos > MAX_POS).any():
             return f"positions must be integers in 0..{MAX_POS}"
         for ids in batch.seq_ids or ():
-            if not ids or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < MAX_SEQ
-                              for s in ids):
+            if not ids or any(not _is_int(s) or not 0 <= s < MAX_SEQ for s in ids):
                 return f"every token needs sequence ids in 0..{MAX_SEQ - 1}"
             if len(set(ids)) != len(ids):
                 return f"a token lists sequence {next(s for s in ids if list(ids).count(s) > 1)} twice"
@@ -487,15 +497,14 @@ class Coordinator:
         np.fill_diagonal(twice, False)
         if twice.any():
             i, j = (int(k) for k in np.argwhere(twice)[0])
-            s = (int(tok_seq[i] & tok_seq[j]) & -int(tok_seq[i] & tok_seq[j])).bit_length() - 1
+            s = _lowest_seq(int(tok_seq[i] & tok_seq[j]))
             return f"tokens {i} and {j} both put sequence {s} at position {int(tok_pos[i])}"
         used = np.isin(self.kv.pos, tok_pos)  # only the cells at the batch's positions (empty ones are -1)
         cached = (tok_pos[:, None] == self.kv.pos[used][None, :]) \
             & ((tok_seq[:, None] & self.kv.seqs[used][None, :]) != 0)
         if cached.any():
             i, cell = (int(k) for k in np.argwhere(cached)[0])
-            both = int(tok_seq[i] & self.kv.seqs[used][cell])
-            s = (both & -both).bit_length() - 1
+            s = _lowest_seq(int(tok_seq[i] & self.kv.seqs[used][cell]))
             return (f"sequence {s} already has position {int(tok_pos[i])} in the KV cache; remove it first "
                     f"(kv_seq_rm) to decode that position again")
         return None
@@ -695,7 +704,7 @@ class Coordinator:
     @staticmethod
     def _checked_seq(seq, allow_all: bool = False) -> int:
         low = -1 if allow_all else 0
-        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not low <= seq < MAX_SEQ:
+        if not _is_int(seq) or not low <= seq < MAX_SEQ:
             raise ValueError(f"sequence id must be an integer in {low}..{MAX_SEQ - 1}"
                              f"{' (-1: every sequence)' if allow_all else ''}, not {seq!r}")
         return int(seq)
@@ -703,7 +712,7 @@ class Coordinator:
     @staticmethod
     def _checked_range(p0, p1) -> tuple[int, int]:
         for name, p in (("p0", p0), ("p1", p1)):
-            if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            if not _is_int(p):
                 raise ValueError(f"{name} must be an integer position, not {p!r}")
         return max(int(p0), 0), int(p1)
 
@@ -860,11 +869,8 @@ class Coordinator:
                              (threading.get_ident(), None))
         try:
             while True:
-                if getattr(self, "_closed", False):
-                    raise RuntimeError("the coordinator is closed")
-                step = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
                 try:
-                    piece = self._result(step)  # interrupted (Ctrl-C), it cancels the step
+                    piece = self._run(agen.__anext__())  # interrupted (Ctrl-C), it cancels the step
                 except StopAsyncIteration:
                     return
                 yield piece
@@ -915,7 +921,7 @@ class Coordinator:
                 self._generation_owner = None
 
     async def _generate(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
+        if not _is_int(max_tokens) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, not {max_tokens!r}")
         if isinstance(stop, str):  # one stop string, not a set of characters
             stop = (stop,)

@@ -13,10 +13,13 @@ import statistics
 import sys
 import time
 
+from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
+
 EXIT_DECODE_FAILED = 2
 EXIT_CONNECT_FAILED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+DEFAULT_CTX = 2048
 
 
 def _count(minimum: int, maximum: int | None = None):
@@ -51,7 +54,7 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
     p.add_argument("-t", "--threads", type=_count(1), default=1, help="compute threads per worker")
     p.add_argument("-c", "--ctx-size", type=_count(1), default=None,
-                   help="KV cache size in tokens (default 2048; serve: --parallel x --ctx-per-slot)")
+                   help=f"KV cache size in tokens (default {DEFAULT_CTX}; serve: --parallel x --ctx-per-slot)")
     p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
@@ -78,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     _common(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_count(0, 65535), default=8080)
-    s.add_argument("--parallel", type=_count(1, 64), default=4, help="slots decoding together (continuous batching)")
+    s.add_argument("--parallel", type=_count(1, MAX_SEQ), default=4,
+                   help="slots decoding together (continuous batching)")
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
@@ -91,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.command == "serve" and args.ctx_size is not None:
         s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
+    if args.ctx_size is None:
+        args.ctx_size = DEFAULT_CTX
     if args.command == "generate":
         from coordinator.sampling import Sampler
         try:  # before any worker is started or the model read
@@ -119,16 +125,12 @@ def _security(args) -> dict:
     return {"secret_file": args.secret_file, "tls_ca": args.tls_ca}
 
 
-def _split(args):
-    return args.split
-
-
 def cmd_generate(args) -> int:
     from coordinator import Coordinator, DecodeError
 
     with endpoints_for(args) as endpoints:
         try:
-            c = Coordinator(endpoints, model=args.model, split=_split(args), n_ctx=args.ctx_size or 2048, **_security(args),
+            c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
                             threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
@@ -194,14 +196,14 @@ def cmd_bench(args) -> int:
         if total > args.threads:  # the workers' cores, all in one process: what one machine alone would do
             setups[f"local -t {total}"] = (["local"], {"threads": total})
         if args.head_split in ("on", "both") or len(endpoints) == 1:
-            setups[rpc] = (endpoints, {"split": _split(args)})
+            setups[rpc] = (endpoints, {"split": args.split})
         if args.head_split in ("off", "both") and len(endpoints) > 1:
-            setups[rpc + " head whole"] = (endpoints, {"split": _split(args), "head_split": False})
+            setups[rpc + " head whole"] = (endpoints, {"split": args.split, "head_split": False})
         coords = {}
         try:
             for name, (eps, opts) in setups.items():
                 opts = {"threads": args.threads, **opts}
-                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size or 2048, args.pp + args.tg + 1),
+                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
                                            **opts, **_security(args))
         except BaseException:
             for c in coords.values():
@@ -244,7 +246,7 @@ def cmd_serve(args) -> int:
 
     with endpoints_for(args, supervise=True) as endpoints:
         try:
-            c = Coordinator(endpoints, model=args.model, split=_split(args), threads=args.threads, **_security(args),
+            c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
                             head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
