@@ -60,17 +60,50 @@ class TensorSpec:
     def param_f32(self, i: int) -> float:
         return struct.unpack_from("<f", self.params.ljust(64, b"\0"), 4 * i)[0]
 
-    def is_contiguous(self) -> bool:
+    def row_bytes(self) -> int:
         tr = type_traits(self.type)
-        expect = tr.type_size
-        if self.nb[0] != expect:
+        return tr.type_size * self.ne[0] // tr.blck_size
+
+    def is_contiguous(self) -> bool:
+        """ggml_is_contiguous: canonical strides in every dim of more than one element."""
+        tr = type_traits(self.type)
+        if self.ne[0] != tr.blck_size and self.nb[0] != tr.type_size:
             return False
-        expect = expect * self.ne[0] // tr.blck_size
+        expect = self.row_bytes()
         for i in range(1, 4):
             if self.ne[i] != 1 and self.nb[i] != expect:
                 return False
             expect *= self.ne[i]
         return True
+
+    def is_contiguous_1(self) -> bool:
+        """ggml_is_contiguous_1: rows contiguous, dims 2 and 3 packed after dim 1
+        (so the kernels that walk rows as one flat index stay inside)."""
+        tr = type_traits(self.type)
+        if self.ne[0] != tr.blck_size and self.nb[0] != tr.type_size:
+            return False
+        expect = self.ne[1] * self.nb[1]
+        for i in range(2, 4):
+            if self.ne[i] != 1 and self.nb[i] != expect:
+                return False
+            expect *= self.ne[i]
+        return True
+
+    def is_canonical(self) -> bool:
+        """Exactly the strides ggml_new_tensor gives, in every dim (ne == 1 included)."""
+        return self.nb == canonical_nb(self.type, self.ne)
+
+    def rows_contiguous(self) -> bool:
+        return self.nb[0] == type_traits(self.type).type_size
+
+    def extent(self) -> int:
+        """Bytes from the data pointer that any kernel may touch: rows of ne[0]
+        contiguous elements (how most kernels read and write them) or ne[0]
+        elements nb[0] apart (how the copy kernels walk them), whichever reaches
+        further, at every index of dims 1..3. >= ggml_nbytes."""
+        tr = type_traits(self.type)
+        first = max(self.row_bytes(), (self.ne[0] // tr.blck_size - 1) * self.nb[0] + tr.type_size)
+        return first + sum((self.ne[i] - 1) * self.nb[i] for i in range(1, 4))
 
 
 @dataclass
@@ -82,6 +115,15 @@ class GraphSpec:
     row_checks: list = field(default_factory=list)  # row_ids.RowCheck: inline GET_ROWS/SET_ROWS ids to check
     row_groups: list = field(default_factory=list)  # the same checks grouped by the ids they read
     readable: set[int] | None = None  # tensors with memory after compute (None: any, unsafe mode)
+
+
+def canonical_nb(ttype: int, ne) -> tuple[int, int, int, int]:
+    """The strides ggml_new_tensor gives a tensor of type `ttype` and shape `ne`."""
+    tr = type_traits(ttype)
+    nb = [tr.type_size, tr.type_size * ne[0] // tr.blck_size]
+    for i in range(2, 4):
+        nb.append(nb[i - 1] * ne[i - 1])
+    return tuple(nb)
 
 
 def _bad(i: int, what: str) -> ProtocolError:
@@ -138,8 +180,11 @@ def parse_tensor(i: int, t) -> TensorSpec:
         raise _bad(i, f"ne[0]={ne[0]} is not a multiple of the {tr.name} block size {tr.blck_size}")
     if ne[0] * ne[1] * ne[2] * ne[3] > MAX_ELEMENTS:
         raise _bad(i, f"ne {list(ne)} has more than {MAX_ELEMENTS} elements")
-    if nb[0] < tr.type_size and nb[0] != 0:
-        raise _bad(i, f"nb[0]={nb[0]} smaller than the {tr.name} element size")
+    if nb[0] < tr.type_size or (tr.blck_size > 1 and nb[0] != tr.type_size):
+        # a zero (or shorter) element stride makes ggml_nbytes count one element per row while the
+        # kernels still read and write ne[0] of them; blocks of quantized types are never strided
+        raise _bad(i, f"nb[0]={nb[0]} must be at least the {tr.name} element size"
+                      + (" (exactly: a block type)" if tr.blck_size > 1 else ""))
     while len(src) and src[-1] == -1:
         src = src[:-1]
     spec = TensorSpec(i, ttype, ne, nb, op, bytes(params), flags, tuple(src), view_src,
@@ -160,6 +205,10 @@ def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> Gr
         check_placement(spec, tensors, buffer_size)
         check_op(spec, tensors)
         tensors.append(spec)
+    # strides of dims with one element, once every op rule has passed (an op's own reason, e.g.
+    # SET_ROWS' "batch dims", says more than the stride of a dim a test shrank to 1)
+    for spec in tensors:
+        check_canonical(spec)
     nodes = [t.index for t in tensors if t.op != lib.GGML_OP_NONE]
     if not nodes:
         raise ProtocolError(Status.INVALID_REQUEST, "graph has no op to compute")
@@ -218,8 +267,9 @@ def check_placement(t: TensorSpec, earlier: list[TensorSpec], buffer_size) -> No
         if t.buffer and t.buffer != root.buffer:
             raise _bad(t.index, "a view lies in its view_src's buffer")
         t.buffer, t.offset = root.buffer, root.offset + t.view_offs if root.buffer else 0
-        if t.view_offs + t.nbytes > storage_size(root, buffer_size):
-            raise _bad(t.index, f"view of {t.nbytes} bytes at view_offs {t.view_offs} runs past its view_src "
+        ext = t.extent()
+        if t.view_offs + ext > storage_size(root, buffer_size):
+            raise _bad(t.index, f"view of {ext} bytes at view_offs {t.view_offs} runs past its view_src "
                                 f"({storage_size(root, buffer_size)} bytes)")
         return
     if t.view_offs:
@@ -228,13 +278,24 @@ def check_placement(t: TensorSpec, earlier: list[TensorSpec], buffer_size) -> No
         size = buffer_size(t.buffer)
         if size is None:
             raise _bad(t.index, f"buffer {t.buffer} is not a buffer of this connection")
-        if t.offset + t.nbytes > size:
-            raise _bad(t.index, f"data [{t.offset}, {t.offset + t.nbytes}) runs past the end of buffer "
+        if t.offset + t.extent() > size:
+            raise _bad(t.index, f"data [{t.offset}, {t.offset + t.extent()}) runs past the end of buffer "
                                 f"{t.buffer} ({size} bytes)")
     if not t.is_contiguous():
         # kernels write their results as contiguous rows; only views may have other strides
         raise _bad(t.index, f"nb {list(t.nb)} are not the contiguous strides of a {type_traits(t.type).name} "
                             f"tensor of ne {list(t.ne)}; only views may have other strides")
+
+
+def check_canonical(t: TensorSpec) -> None:
+    """A tensor that is not a view has exactly ggml_new_tensor's strides, in every dim (ne == 1
+    included): the kernels write results as packed rows, some walk all rows with one flat index
+    (SCALE, GLU, FLASH_ATTN_EXT's output) and several assert nb[0] <= nb[1] <= nb[2] <= nb[3]
+    whatever ne is. Only views may have other strides."""
+    if not t.is_view and not t.is_canonical():
+        raise _bad(t.index, f"nb {list(t.nb)} are not the strides {list(canonical_nb(t.type, t.ne))} of a "
+                            f"{type_traits(t.type).name} tensor of ne {list(t.ne)} (only views may have other "
+                            f"strides)")
 
 
 # ---------------------------------------------------------------- per-op rules
@@ -270,6 +331,25 @@ def _is_view_of(t: TensorSpec, a: TensorSpec) -> None:
     _need(t.view_src == root, t, "result must be a view of its source")
 
 
+def _rows(t: TensorSpec, x: TensorSpec, role: str) -> None:
+    """The kernel reads (or writes) x's rows as ne[0] packed elements and ignores nb[0] (most assert it)."""
+    _need(x.rows_contiguous(), t, f"{role} rows must be contiguous (nb[0] = {type_traits(x.type).type_size}, "
+                                  f"got {x.nb[0]})")
+
+
+def _flat_rows(t: TensorSpec, x: TensorSpec, role: str) -> None:
+    """ggml_is_contiguous_1 and packed rows: kernels that walk all rows with one index times nb[1]."""
+    _rows(t, x, role)
+    _need(x.is_contiguous_1(), t, f"{role} must have packed rows (ggml_is_contiguous_1): nb {list(x.nb)}")
+
+
+def _finite(t: TensorSpec, i: int, what: str, lo: float | None = None) -> float:
+    v = t.param_f32(i)
+    _need(math.isfinite(v) and (lo is None or v >= lo), t,
+          f"{what} (params[{i}]) must be finite" + (f" and >= {lo:g}" if lo is not None else "") + f", got {v!r}")
+    return v
+
+
 def rule_none(t, tensors):
     _need(not t.src, t, "a leaf has no sources")
 
@@ -282,7 +362,8 @@ def rule_binary(t, tensors):
     _need(t.type == a.type, t, "result type must equal src0 type")
     _same_shape(t, a)
     _need(all(a.ne[i] % b.ne[i] == 0 for i in range(4)), t, f"src1 ne {list(b.ne)} does not broadcast to {list(a.ne)}")
-    _need(b.nb[0] == type_traits(b.type).type_size, t, "src1 rows must be contiguous")
+    _rows(t, a, "src0")  # GGML_ASSERT(nb00 == sizeof(src0_t))
+    _rows(t, b, "src1")
 
 
 def rule_unary_like(t, tensors):
@@ -294,8 +375,12 @@ def rule_unary_like(t, tensors):
 
 def rule_scale(t, tensors):
     rule_unary_like(t, tensors)
-    _types(t, tensors[t.src[0]], (F32,), "src0")  # the CPU kernel aborts on anything else
+    a = tensors[t.src[0]]
+    _types(t, a, (F32,), "src0")  # the CPU kernel aborts on anything else
     _need(len(t.params) >= 4, t, "params must hold the scale")
+    # GGML_ASSERT(ggml_is_contiguous(src0)), and it walks all rows as i * nb[1] (with a bias: dst's nb[1])
+    _need(a.is_contiguous() and a.is_contiguous_1(), t, f"src0 must be contiguous: nb {list(a.nb)}")
+    _need(a.nb[1] == a.row_bytes() or a.ne[1] * a.ne[2] * a.ne[3] == 1, t, "src0 rows must be packed (nb[1])")
 
 
 def rule_norm(t, tensors):
@@ -303,22 +388,38 @@ def rule_norm(t, tensors):
     _types(t, a, (F32,), "src0")
     _need(t.type == F32, t, "result must be f32")
     _same_shape(t, a)
+    _rows(t, a, "src0")  # RMS_NORM: GGML_ASSERT(src0->nb[0] == sizeof(float))
+    _finite(t, 0, "eps", 0.0)  # GGML_ASSERT(eps >= 0.0f); NaN fails it too
+
+
+# the unary ops the CPU backend computes for f32 and f16 (XIELU: f32 only, and no model here uses it)
+UNARY_OPS = frozenset(getattr(lib, f"GGML_UNARY_OP_{n}") for n in (
+    "ABS", "SGN", "NEG", "STEP", "TANH", "ELU", "RELU", "SIGMOID", "GELU", "GELU_QUICK", "SILU", "HARDSWISH",
+    "HARDSIGMOID", "EXP", "EXPM1", "SOFTPLUS", "GELU_ERF", "FLOOR", "CEIL", "ROUND", "TRUNC"))
+GLU_OPS = frozenset(getattr(lib, f"GGML_GLU_OP_{n}") for n in (
+    "REGLU", "GEGLU", "SWIGLU", "SWIGLU_OAI", "GEGLU_ERF", "GEGLU_QUICK"))
 
 
 def rule_unary(t, tensors):
     rule_unary_like(t, tensors)
-    _types(t, tensors[t.src[0]], (F32, F16), "src0")  # gelu, silu... abort on bf16
-    _need(0 <= t.param_i32(0) < lib.GGML_UNARY_OP_COUNT, t, "unknown unary op")
+    a = tensors[t.src[0]]
+    _types(t, a, (F32, F16), "src0")  # gelu, silu... abort on bf16
+    _need(t.param_i32(0) in UNARY_OPS, t, f"unary op {t.param_i32(0)} not supported")
+    _flat_rows(t, a, "src0")  # asserts nb00 == sizeof(src0_t); some ops ggml_is_contiguous_1
 
 
 def rule_glu(t, tensors):
     srcs = _srcs(t, tensors, 1, 2)
     a = srcs[0]
     _types(t, a, (F32, F16), "src0")  # the CPU kernels abort on bf16
-    _need(0 <= t.param_i32(0) < lib.GGML_GLU_OP_COUNT, t, "unknown glu op")
+    op = t.param_i32(0)
+    _need(op in GLU_OPS, t, f"glu op {op} not supported")
+    _need(op != lib.GGML_GLU_OP_SWIGLU_OAI or a.type == F32, t, "swiglu_oai takes f32 only")
+    _flat_rows(t, a, "src0")  # GGML_ASSERT(ggml_is_contiguous_1(src0)); rows walked as i * nb[1]
     if len(srcs) == 2 and srcs[1] is not None:
         b = srcs[1]
         _need(b.ne == a.ne and b.type == a.type, t, "split glu halves must match")
+        _flat_rows(t, b, "src1")
         _need(t.ne == a.ne, t, "result ne must equal src ne")
     else:
         _need(a.ne[0] % 2 == 0 and t.ne == (a.ne[0] // 2,) + a.ne[1:], t, "result must be half of src0 in ne[0]")
@@ -328,10 +429,13 @@ def rule_glu(t, tensors):
 def rule_mul_mat(t, tensors):
     a, b = _srcs(t, tensors, 2)
     _types(t, a, WEIGHT_TYPES, "src0"); _types(t, b, (F32,), "src1")
-    _need(a.nb[0] == type_traits(a.type).type_size, t, "src0 rows must be contiguous")
+    _rows(t, a, "src0"); _rows(t, b, "src1")  # GGML_ASSERT(nb00 == type size), (nb10 == type size)
     _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
     _need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, t, "src1 batch dims must be multiples of src0's")
     _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")
+    # op_params[1] == GGML_HINT_SRC0_IS_HADAMARD switches the CPU kernel to a Walsh-Hadamard transform
+    _need(t.param_i32(1) == lib.GGML_HINT_NONE, t, f"hint {t.param_i32(1)} not supported")
+    _need(t.param_i32(0) in (lib.GGML_PREC_DEFAULT, lib.GGML_PREC_F32), t, f"precision {t.param_i32(0)} unknown")
     _need(t.type == F32 and t.ne == (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), t,
           f"result must be f32 [{a.ne[1]}, {b.ne[1]}, {b.ne[2]}, {b.ne[3]}]")
 
@@ -339,7 +443,9 @@ def rule_mul_mat(t, tensors):
 def rule_get_rows(t, tensors):
     a, b = _srcs(t, tensors, 2)
     _types(t, a, WEIGHT_TYPES + (I32,), "src0"); _types(t, b, (I32,), "src1 (row ids)")
-    _need(a.ne[2] == b.ne[1] and b.ne[3] == 1, t, "row id tensor does not match src0 batches")
+    # the kernel reads row ids[i10, i11, i12] of src0 plane (i11, i12): as ggml_get_rows asserts
+    _need(a.ne[2] == b.ne[1] and a.ne[3] == b.ne[2] and b.ne[3] == 1, t, "row id tensor does not match src0 batches")
+    _rows(t, a, "src0")  # rows are copied / dequantized as ne[0] packed elements
     _need(t.ne == (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), t, "result shape must be [src0.ne0, ids.ne0, ids.ne1, ids.ne2]")
     _need(t.type in (F32, I32) and (t.type == I32) == (a.type == I32), t, "result must be f32 (i32 for i32 rows)")
 
@@ -353,6 +459,8 @@ def rule_set_rows(t, tensors):
     # the CPU kernel writes src plane (i2, i3) into dst plane (i2, i3): fewer dst planes = write past dst
     _need(src.ne[2] == dst.ne[2] and src.ne[3] == dst.ne[3], t, "src and dst batch dims must be equal")
     _need(src.ne[2] % ids.ne[1] == 0 and src.ne[3] % ids.ne[2] == 0 and ids.ne[3] == 1, t, "ids batch dims")
+    # rows are converted from ne[0] packed floats into ne[0] packed elements of the result
+    _rows(t, src, "src"); _rows(t, t, "result")
 
 
 def rule_cpy(t, tensors):
@@ -362,12 +470,21 @@ def rule_cpy(t, tensors):
     _is_view_of(t, b)
     # the kernel copies nelements(src) into the result: it must be dst itself (found by tests/fuzz_protocol.py)
     _need(t.ne == b.ne and t.type == b.type, t, "result is a view of dst (same type and shape)")
+    tr = type_traits(t.type)
+    if tr.blck_size > 1:
+        # float -> quantized: packed src rows quantized into a contiguous result, else GGML_ABORT
+        _rows(t, a, "src0")
+        _need(t.is_contiguous(), t, f"a quantized result must be contiguous: nb {list(t.nb)}")
+        _need(a.ne[0] % tr.blck_size == 0, t, f"src0 rows must be whole {tr.name} blocks")
 
 
 def rule_cont(t, tensors):
     (a,) = _srcs(t, tensors, 1)
     _need(t.type == a.type and t.nelements() == a.nelements(), t, "result must hold src's elements")
     _need(t.is_contiguous(), t, "result must be contiguous")
+    if type_traits(a.type).blck_size > 1:
+        # the strided byte copy counts quantized rows in elements, not blocks: only a plain copy is safe
+        _need(a.is_contiguous(), t, "a quantized src must be contiguous")
 
 
 def rule_view(t, tensors):
@@ -389,10 +506,17 @@ def rule_rope(t, tensors):
     mode, n_dims = t.param_i32(2), t.param_i32(1)
     _need(mode in (0, 2), t, f"rope mode {mode} not supported (NORMAL 0 or NEOX 2)")
     _need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, t, f"n_dims {n_dims} must be even and <= ne[0]")
+    # the kernel copies the dims past n_dims in pairs: an odd ne[0] writes one element past the row
+    _need(a.ne[0] % 2 == 0, t, "src0 ne[0] must be even")
+    _rows(t, a, "src0")  # GGML_ASSERT(nb0 == nb00 && nb0 == sizeof(T))
     _need(pos.ne[0] == a.ne[2], t, "one position per row (positions ne[0] == src0 ne[2])")
+    _rows(t, pos, "positions")  # read as a flat int32 array
     if len(srcs) == 3 and srcs[2] is not None:
-        _types(t, srcs[2], (F32,), "freq factors")
-        _need(srcs[2].ne[0] >= n_dims // 2, t, "freq factors too short")
+        ff = srcs[2]
+        _types(t, ff, (F32,), "freq factors")
+        # ggml_rope_cache_init reads freq_factors[i0/2] for every even i0 < ne0, not just < n_dims
+        _need(ff.ne[0] >= a.ne[0] // 2, t, f"freq factors too short (need {a.ne[0] // 2})")
+        _rows(t, ff, "freq factors")
     _same_shape(t, a)
     _need(t.type == a.type, t, "result type must equal src type")
 
@@ -401,11 +525,13 @@ def rule_soft_max(t, tensors):
     srcs = _srcs(t, tensors, 1, 3)
     a = srcs[0]
     _types(t, a, (F32,), "src0")
+    _rows(t, a, "src0")
     if len(srcs) > 1 and srcs[1] is not None:
         m = srcs[1]
         _types(t, m, (F16, F32), "mask")
         _need(m.ne[0] == a.ne[0] and m.ne[1] >= a.ne[1], t, "mask shape")
         _need(a.ne[2] % m.ne[2] == 0 and a.ne[3] % m.ne[3] == 0, t, "mask does not broadcast")
+        _rows(t, m, "mask")
     _need(len(srcs) < 3 or srcs[2] is None, t, "sinks not supported")
     _same_shape(t, a)
     _need(t.type == F32, t, "result must be f32")
@@ -416,13 +542,19 @@ def rule_flash_attn(t, tensors):
     q, k, v = srcs[:3]
     _types(t, q, (F32,), "q"); _types(t, k, (F16, F32), "k"); _types(t, v, (F16, F32), "v")
     _need(k.ne[0] == q.ne[0] and v.ne[1] == k.ne[1], t, "q/k/v head dims")
-    _need(q.ne[2] % k.ne[2] == 0 and q.ne[3] % k.ne[3] == 0 and k.ne[2] == v.ne[2], t, "q/k/v heads")
+    # heads: q's k-head = iq2 / (q.ne2 / k.ne2), likewise for v and dim 3: a ratio of 0 divides by zero
+    _need(q.ne[2] % k.ne[2] == 0 and q.ne[3] % k.ne[3] == 0 and k.ne[2] == v.ne[2] and k.ne[3] == v.ne[3], t,
+          "q/k/v heads")
+    _rows(t, q, "q"); _rows(t, k, "k"); _rows(t, v, "v")  # GGML_ASSERT(nbq0/nbk0/nbv0 == type size)
     if len(srcs) > 3 and srcs[3] is not None:
         m = srcs[3]
         _types(t, m, (F16,), "mask")
         _need(m.ne[0] == k.ne[1] and m.ne[1] >= q.ne[1], t, "mask shape")
         _need(q.ne[2] % m.ne[2] == 0 and q.ne[3] % m.ne[3] == 0, t, "mask does not broadcast")
+        _rows(t, m, "mask")
     _need(len(srcs) < 5 or srcs[4] is None, t, "sinks not supported")
+    prec = t.param_i32(3)  # anything but these: GGML_ABORT
+    _need(prec in (lib.GGML_PREC_DEFAULT, lib.GGML_PREC_F32), t, f"precision {prec} unknown (0 or 10)")
     _need(t.type == F32 and t.ne == (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), t,
           "result must be f32 [v.ne0, q.ne2, q.ne1, q.ne3]")
 
@@ -431,20 +563,20 @@ def rule_argmax(t, tensors):
     (a,) = _srcs(t, tensors, 1)
     _types(t, a, (F32,), "src0")
     _need(a.ne[2] == 1 and a.ne[3] == 1, t, "src0 must be a matrix")
-    _need(a.nb[0] == type_traits(a.type).type_size, t, "src0 rows must be contiguous")
+    _rows(t, a, "src0")
     _need(t.type == I32 and t.ne == (a.ne[1], 1, 1, 1), t, "result must be i32 [src0.ne1]")
 
 
 def rule_sum_rows(t, tensors):
     (a,) = _srcs(t, tensors, 1)
     _types(t, a, (F32,), "src0")
-    _need(a.nb[0] == 4, t, "src0 rows must be contiguous")
-    _need(t.type == F32 and t.nb[0] == 4 and t.ne == (1,) + a.ne[1:], t, "result must be f32 [1, src0.ne1, ne2, ne3]")
+    _rows(t, a, "src0")
+    _need(t.type == F32 and t.ne == (1,) + a.ne[1:], t, "result must be f32 [1, src0.ne1, ne2, ne3]")
 
 
 def rule_arange(t, tensors):
     _srcs(t, tensors, 0)
-    _need(t.type == F32 and t.nb[0] == 4, t, "result must be contiguous f32")
+    _need(t.type == F32, t, "result must be f32")
     start, stop, step = (t.param_f32(i) for i in range(3))
     _need(all(math.isfinite(x) for x in (start, stop, step)) and step != 0, t, "start, stop, step must be finite, "
                                                                                "step non-zero")
@@ -495,8 +627,17 @@ SUPPORTED_OPS = frozenset(OP_RULES)
 SUPPORTED_OP_NAMES = sorted(op_name(op) for op in SUPPORTED_OPS)
 
 
+# ops whose result is a view: no compute (VIEW...), or written into dst's memory (CPY, SET_ROWS)
+VIEW_RESULT_OPS = frozenset((lib.GGML_OP_VIEW, lib.GGML_OP_PERMUTE, lib.GGML_OP_TRANSPOSE, lib.GGML_OP_RESHAPE,
+                             lib.GGML_OP_CPY, lib.GGML_OP_SET_ROWS))
+
+
 def check_op(t: TensorSpec, earlier: list[TensorSpec]) -> None:
     rule = OP_RULES.get(t.op)
     if rule is None:
         raise _bad(t.index, f"op {op_name(t.op)} is not supported by this daemon")
+    if t.op != lib.GGML_OP_NONE and t.op not in VIEW_RESULT_OPS:
+        # a computing op writes a new tensor with ggml_new_tensor's strides (check_placement), so the
+        # kernels' asserts on the result's strides (nb0 == type size, nb0 <= nb1 <= nb2 <= nb3) hold
+        _need(not t.is_view, t, "the result of a computing op must be a new tensor, not a view")
     rule(t, earlier)
