@@ -52,7 +52,7 @@ if ROOT not in sys.path:
 from ggml_ffi import lib, type_traits  # noqa: E402
 from rpc_daemon import graph as G  # noqa: E402
 from rpc_daemon import row_ids  # noqa: E402
-from rpc_daemon.protocol import Limits, ProtocolError  # noqa: E402
+from rpc_daemon.protocol import Limits, ProtocolError, Status  # noqa: E402
 
 F32, F16, BF16, I32, I64 = (lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16, lib.GGML_TYPE_I32,
                             lib.GGML_TYPE_I64)
@@ -659,6 +659,13 @@ def validate(case: Case):
     h, blob = case.request()
     try:
         spec = G.parse_graph(h, Limits(), case.buffers.get)
+        # as the daemon's handler (server._input_blob): inline data of exactly nbytes for every input leaf
+        given = {t for t, _, _ in h["inputs"]}
+        for t, _, size in h["inputs"]:
+            if t not in spec.inputs or size != spec.tensors[t].nbytes:
+                raise ProtocolError(Status.INVALID_REQUEST, f"inputs: tensor {t} needs {spec.tensors[t].nbytes} bytes")
+        if set(spec.inputs) - given:
+            raise ProtocolError(Status.INVALID_REQUEST, "inputs: missing")
         row_ids.check_inputs(spec.row_groups, spec.tensors, h["inputs"], blob)
     except ProtocolError as exc:
         return exc
@@ -820,6 +827,7 @@ def _child(threads: int) -> None:
     rng = np.random.default_rng(12345)
     patterns = [rng.integers(0, 256, AREA, dtype=np.uint8) for _ in range(MAX_BUFFERS)]
     backend = CpuBackend(threads)
+    cfence = ComputeFence(libc)
 
     def reply(res):
         data = pickle.dumps((res.ok, res.kind, res.detail))  # plain values: this module is __main__ here
@@ -853,7 +861,14 @@ def _child(threads: int) -> None:
                 continue
             for t, data in inputs:
                 ffi.memmove(ptrs[t].data, data, len(data))
+            fence = cfence.move(ptrs, gbufs)
+            for t, data in inputs:  # the inputs, now in the fenced copy
+                ffi.memmove(ptrs[t].data, data, len(data))
             status = backend.compute(gf)
+            stray = fence() if fence else ""
+            if stray:
+                reply(Result(False, "canary", stray))
+                continue
             for i in outputs:
                 bytes(ffi.buffer(ptrs[i].data, lib.ggml_nbytes(ptrs[i])))
             bad = []
@@ -879,6 +894,67 @@ def _child(threads: int) -> None:
             for gbuf in gbufs:
                 lib.ggml_backend_buffer_free(gbuf)
     backend.close()
+
+
+COMPUTE_AREA = 8 << 20  # room for a case's compute buffer
+
+
+class ComputeFence:
+    """The compute buffer Gallocr lays a graph's inputs and intermediates out in
+    is heap memory. After Gallocr has placed them, the fence moves that layout,
+    offset for offset, into guarded memory: a copy whose end (rounded up to
+    Gallocr's 64-byte alignment) is the start of a PROT_NONE guard, every byte
+    no tensor's extent covers filled with a canary. The compute then runs on
+    the copy: an overrun past the last tensor faults, a write between tensors
+    shows in the canary."""
+
+    def __init__(self, libc):
+        total = COMPUTE_AREA + 2 * GUARD
+        self.region = mmap.mmap(-1, total, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.region))
+        assert libc.mprotect(self.base, GUARD, 0) == 0
+        assert libc.mprotect(self.base + GUARD + COMPUTE_AREA, GUARD, 0) == 0
+        self.area_end = self.base + GUARD + COMPUTE_AREA
+
+    def move(self, ptrs, client_gbufs):
+        """Re-point every tensor Gallocr placed into the fenced copy; returns a
+        check for after the compute ("" if clean), or None if there is no
+        compute buffer (or it is too large to fence)."""
+        from ggml_ffi import NULL, ffi
+        own = {int(ffi.cast("uintptr_t", b)) for b in client_gbufs}
+        buf = None
+        for x in ptrs:
+            if x.buffer != NULL and int(ffi.cast("uintptr_t", x.buffer)) not in own:
+                buf = x.buffer
+                break
+        if buf is None:
+            return None
+        old = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buf)))
+        size = int(lib.ggml_backend_buffer_get_size(buf))
+        span = (size + 63) // 64 * 64
+        if span > COMPUTE_AREA:
+            return None
+        new = self.area_end - span
+        mem = np.frombuffer(self.region, np.uint8, span, new - self.base)
+        free = np.ones(span, bool)
+        for x in ptrs:
+            addr = int(ffi.cast("uintptr_t", x.data)) if x.data != NULL else 0
+            if old <= addr < old + size:
+                lo = addr - old
+                x.data = ffi.cast("void *", new + lo)
+                ne = [int(x.ne[i]) for i in range(4)]
+                nb = [int(x.nb[i]) for i in range(4)]
+                free[lo:lo + extent(x.type, ne, nb)] = False
+        pattern = np.frombuffer(b"\xa5\x3c\x5a\xc3" * (span // 4 + 1), np.uint8)[:span]
+        mem[:] = pattern
+
+        def check() -> str:
+            bad = np.flatnonzero((mem != pattern) & free)
+            if bad.size:
+                return (f"compute buffer: {bad.size} bytes outside every tensor's extent changed, first at "
+                        f"{int(bad[0])} of {size}")
+            return ""
+        return check
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
