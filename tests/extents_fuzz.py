@@ -592,9 +592,12 @@ def mutate(g: Gen, rnd: random.Random, buffers: dict) -> str:
     what = rnd.choice(["nb", "nb", "nb", "view_offs", "offset", "ne", "params", "nb0", "swap", "end", "end", "end"])
     if what == "end":
         # the audit's attack: a stride ggml_nbytes undercounts, then the view moved to the very end
-        if "view_src" in t and rnd.random() < 0.7:
-            views = [k for k, x in enumerate(g.tensors) if "view_src" in x]
-            i = rnd.choice(views)
+        views = [k for k, x in enumerate(g.tensors) if "view_src" in x]
+        if views and rnd.random() < 0.7:
+            # mostly a view the op under test reads or writes (the last tensor: itself, or its sources)
+            last = len(g.tensors) - 1
+            near = [k for k in views if k == last or k in g.tensors[last].get("src", ())]
+            i = rnd.choice(near if near and rnd.random() < 0.8 else views)
             t = g.tensors[i]
             d = rnd.choice([0, 0, 0, rnd.randrange(4)])
             old = t["nb"][d]
