@@ -199,6 +199,13 @@ class Gen:
         where = where or self.r.choice(["buf", "buf", "input"])
         return self.buffer_leaf(ttype, ne) if where == "buf" else self.input_leaf(ttype, ne)
 
+    def base(self, ttype, ne) -> int:
+        """The root of a view: a leaf, or now and then an intermediate (a view of
+        compute-buffer memory Gallocr placed)."""
+        if type_traits(ttype).blck_size == 1 and self.r.random() < 0.25:
+            return self.node(OP.CONT, ttype, ne, [self.leaf(ttype, ne)])
+        return self.leaf(ttype, ne)
+
     def view(self, parent: int, ne, nb, offs: int, op=None, params=b"") -> int:
         p = self.tensors[parent]
         root = p.get("view_src", -1)
@@ -242,7 +249,7 @@ class Gen:
             pad = [r.choice([0, 0, tr.blck_size, 2 * tr.blck_size]) if not block else r.choice([0, tr.blck_size])]
             pad += [r.choice([0, 0, 1, 3]) for _ in range(3)]
             pne = [n + p for n, p in zip(ne, pad)]
-            parent = self.leaf(ttype, pne)
+            parent = self.base(ttype, pne)
             pnb = canonical_nb(ttype, pne)
             start = [r.randrange(0, p + 1) for p in pad]
             start[0] -= start[0] % tr.blck_size
@@ -257,7 +264,7 @@ class Gen:
             pne = [0] * 4
             for j in range(4):
                 pne[perm[j]] = ne[j]
-            parent = self.leaf(ttype, pne)
+            parent = self.base(ttype, pne)
             pnb = canonical_nb(ttype, pne)
             nb = [pnb[perm[j]] for j in range(4)]
             axes = [0] * 4
@@ -266,13 +273,13 @@ class Gen:
             return self.view(parent, ne, nb, 0, OP.PERMUTE, i32s(*axes))
         if kind == "transposed":
             pne = [ne[1], ne[0], ne[2], ne[3]]
-            parent = self.leaf(ttype, pne)
+            parent = self.base(ttype, pne)
             pnb = canonical_nb(ttype, pne)
             return self.view(parent, ne, [pnb[1], pnb[0], pnb[2], pnb[3]], 0, OP.TRANSPOSE)
         # reshape of a contiguous leaf with the same element count
         n = math.prod(ne)
         pne = [ne[0] * ne[1], 1, ne[2], ne[3]] if r.random() < 0.5 else [n, 1, 1, 1]
-        parent = self.leaf(ttype, pne)
+        parent = self.base(ttype, pne)
         return self.view(parent, ne, canonical_nb(ttype, ne), 0, OP.RESHAPE)
 
     # ------------------------------------------------------------ random shapes
