@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 import pytest
 
 from ggml_ffi import lib, type_traits
