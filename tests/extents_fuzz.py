@@ -869,8 +869,6 @@ def _child(threads: int) -> None:
             if not galloc.alloc_graph(gf):
                 reply(Result(False, "error", "gallocr failed"))
                 continue
-            for t, data in inputs:
-                ffi.memmove(ptrs[t].data, data, len(data))
             fence = cfence.move(ptrs, gbufs)
             for t, data in inputs:  # the inputs, now in the fenced copy
                 ffi.memmove(ptrs[t].data, data, len(data))
