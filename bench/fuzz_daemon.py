@@ -1,7 +1,7 @@
 """Long-running protocol fuzzer against a live daemon (the test suite runs a
 few thousand cases of the same: tests/test_fuzz_daemon.py).
 
-    python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs]
+    python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs,lies,bursts]
                                 [--mem MiB] [--daemon-arg=--flag ...]
 
 Starts its own daemon on 127.0.0.1 (a free port), sends --cases messages split
@@ -25,12 +25,16 @@ sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess, the strategies and hel
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings  # noqa: E402
 
 from conftest import DaemonProcess  # noqa: E402
-from fuzz_protocol import FuzzClient, command_messages, graph_messages, raw_messages  # noqa: E402
+from fuzz_protocol import (FuzzClient, command_messages, graph_messages, lying_prefixes,  # noqa: E402
+                           raw_messages, tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient  # noqa: E402
 from rpc_daemon.protocol import Command  # noqa: E402
 from rpc_helpers import normal_session  # noqa: E402
 
-FAMILIES = {"raw": lambda: raw_messages(), "commands": lambda: command_messages(), "graphs": lambda: graph_messages()}
+FAMILIES = {"raw": raw_messages, "commands": command_messages, "graphs": graph_messages, "lies": lying_prefixes,
+            "bursts": tiny_buffer_bursts}
+# share of the cases each family gets: lies and bursts are slower and cover less ground
+WEIGHTS = {"raw": 1.0, "commands": 1.0, "graphs": 1.0, "lies": 0.1, "bursts": 0.02}
 
 
 def rss(pid: int) -> int:
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", type=int, default=50000, help="messages in total (default 50000)")
     p.add_argument("--seed", type=int, default=int(time.time()), help="hypothesis seed (default: the time)")
-    p.add_argument("--families", default="raw,commands,graphs")
+    p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--mem", type=int, default=32, help="daemon --mem in MiB (default 32)")
     p.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
     args = p.parse_args(argv)
@@ -85,13 +89,13 @@ def main(argv=None) -> int:
     try:
         asyncio.run(normal_session(d.endpoint))
         base_free, base_rss = asyncio.run(free_memory(d.endpoint)), rss(d.proc.pid)
-        client = FuzzClient(d.port)
+        client = FuzzClient(d.port, pid=d.proc.pid)
         t0 = time.monotonic()
-        per = -(-args.cases // len(families))
+        total = sum(WEIGHTS[f] for f in families)
         print(f"fuzzing {d.endpoint}: {args.cases} cases ({', '.join(families)}), seed {args.seed}", file=sys.stderr)
         try:
             for i, name in enumerate(families):
-                fuzz_family(client, d, name, per, args.seed + i)
+                fuzz_family(client, d, name, max(1, round(args.cases * WEIGHTS[name] / total)), args.seed + i)
         except Exception as exc:  # a failing case, already shrunk and printed by hypothesis
             ok = False
             print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
                 print(f"first failure seen: {text}", file=sys.stderr)
         elapsed = time.monotonic() - t0
         client.close()
+        client.close_victim()
         alive = d.alive()
         served = False
         if alive:
@@ -120,6 +125,8 @@ def main(argv=None) -> int:
               f"{client.reconnects} connections, {client.unencodable} unencodable draws skipped")
         print(f"daemon alive: {alive}; serves correct results: {served}; free_memory back to baseline: "
               f"{free == base_free} ({free} vs {base_free}); RSS {grown:+.1f} MiB; tracebacks in log: {tracebacks}")
+        print(f"lying connections: at most {client.max_lie_growth / (1 << 20):.1f} MiB of daemon RSS for "
+              f"{client.LIES_HELD} held open")
         print("replies: " + ", ".join(f"{k[0]}:{k[1]}={v}" for k, v in sorted(client.statuses.items())))
         print("OK" if ok else "FAILED")
     finally:

@@ -14,7 +14,20 @@ Three families of messages:
 * `graph_messages`: GRAPH_COMPUTE / GRAPH_RECOMPUTE of random graphs: graphs
   built from random wire tensors, and valid seed graphs (built with the real
   ggml op constructors, one per supported op family) with random mutations of
-  tensor fields, inputs, outputs and inline data (row ids included).
+  tensor fields, inputs, outputs and inline data (row ids included), and
+  stride mutations (nb[0] = 0, swapped or scaled strides, odd strides of
+  dims of size 1) of the kind that once let a view read past its buffer;
+* `lying_prefixes`: connections that declare huge headers or blobs (before
+  and after HELLO) and send a fraction of them, held open side by side: the
+  daemon must not commit memory for bytes that never came;
+* `tiny_buffer_bursts`: hundreds of one-byte-to-one-page ALLOC_BUFFERs in a
+  row: past its limit a client gets LIMIT_EXCEEDED, and another client can
+  still connect, allocate and compute.
+
+Any message may carry an int-like non-integer (True, 1.0) where the spec says
+int (`Message.must_refuse`): such a request must be refused. A refused request
+that could write (SET_TENSOR, COPY_TENSOR, BUFFER_CLEAR, SET_TENSOR_HASH,
+graphs) must leave the connection's buffers byte-for-byte unchanged.
 
 What a reply must satisfy (`FuzzClient.send`): it arrives (no hang), it is a
 well-formed frame with a known status and our request id, and it is never an
@@ -29,6 +42,7 @@ from __future__ import annotations
 import copy
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +53,7 @@ from rpc_daemon import protocol as P
 from rpc_daemon.graph import SUPPORTED_OPS
 from rpc_daemon.graph_codec import encode_graph
 from rpc_daemon.protocol import Command, Status
-from rpc_helpers import RawConn
+from rpc_helpers import RawConn, small_graph
 
 BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer
 BASE_SIZE = 64 << 10
@@ -56,6 +70,9 @@ ints = st.one_of(st.integers(-3, 300), st.sampled_from(EDGE_INTS), st.integers(-
 small_ints = st.one_of(st.integers(-2, 40), st.sampled_from(EDGE_INTS))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True), st.text(max_size=20),
                     st.binary(max_size=70))
+# numbers msgpack encodes as bool or float: never an int, whatever Python's == says
+INT_LIKE = (True, False, 1.0, 0.0, 2.0, 5.0, 4096.0, float("nan"))
+int_like = st.sampled_from(INT_LIKE)
 values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
                                                        st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                       max_leaves=12)
@@ -83,6 +100,27 @@ class Message:
     header: dict
     blob: bytes = b""
     note: str = ""
+    must_refuse: bool = False  # an int field holds a bool or float: SUCCESS would be a bug
+    burst: int = 0  # tiny_buffer_bursts: this many ALLOC_BUFFERs of header["size"] in a row
+    lie: tuple | None = None  # lying_prefixes: (bytes to send on a fresh connection, hello first)
+
+
+INT_FIELDS = {  # the integer fields each command reads (docs/protocol.md)
+    Command.HELLO: ("version",),
+    Command.ALLOC_BUFFER: ("size",),
+    Command.FREE_BUFFER: ("buffer",),
+    Command.BUFFER_CLEAR: ("buffer", "value"),
+    Command.SET_TENSOR: ("buffer", "offset", "size"),
+    Command.GET_TENSOR: ("buffer", "offset", "size"),
+    Command.COPY_TENSOR: ("buffer", "offset", "size", "src_buffer", "src_offset"),
+    Command.SET_TENSOR_HASH: ("buffer", "offset", "size"),
+    Command.GRAPH_FREE: ("graph_id",),
+}
+# statuses that say "nothing was done"
+REFUSALS = (Status.INVALID_REQUEST, Status.UNKNOWN_COMMAND, Status.LIMIT_EXCEEDED, Status.NOT_FOUND,
+            Status.VERSION_MISMATCH, Status.NOT_AUTHORIZED)
+WRITING = (Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.COPY_TENSOR, Command.BUFFER_CLEAR,
+           Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE)
 
 
 @st.composite
@@ -129,7 +167,12 @@ def command_messages(draw):
         h["graph_id"] = draw(maybe_garbage(st.integers(-1, 8)))
     if draw(st.integers(0, 9)) == 0:  # an extra field nobody asked for
         h[draw(st.text(max_size=6))] = draw(values)
-    return Message(h, blob, cmd.name)
+    must_refuse = False
+    if cmd != Command.AUTH and draw(st.integers(0, 5)) == 0:  # an int field as bool or float (the command too)
+        key = draw(st.sampled_from(("cmd",) + INT_FIELDS.get(cmd, ())))
+        h[key] = draw(int_like)
+        must_refuse = True
+    return Message(h, blob, cmd.name, must_refuse=must_refuse)
 
 
 # ---------------------------------------------------------------- graphs
@@ -219,8 +262,21 @@ def make_seeds() -> list[Seed]:
         sm = lib.ggml_soft_max_ext(c, kq, mask, 0.5, 0.0)
         return [out, sm], [(q, "f32"), (mask, "f16"), (kq, "f32")], [(k, 4096), (v, 4096 + 128)]
 
+    def view_rows(c, ctx):
+        # row ops over views into a buffer, as a KV cache is addressed: the shape
+        # the stride mutations need to reach a read or write past the buffer
+        a = ctx.new_tensor(F32, [16, 64], "a")
+        av = lib.ggml_view_2d(c, a, 16, 2, 64, 64 * 32)
+        ids = _inp(ctx, I32, [2], "ids")
+        kv = ctx.new_tensor(F32, [16, 32], "kv")
+        kvv = lib.ggml_view_2d(c, kv, 16, 8, 64, 64 * 8)
+        src = _inp(ctx, F32, [16, 2], "src")
+        idx = _inp(ctx, I64, [2], "idx")
+        return ([lib.ggml_get_rows(c, av, ids), lib.ggml_set_rows(c, kvv, src, idx)],
+                [(ids, "i32"), (src, "f32"), (idx, "i64")], [(a, 0), (kv, 8192)])
+
     seeds = [_seed(n, b) for n, b in (("arith", arith), ("rows", rows), ("matmul", matmul), ("rope", rope),
-                                      ("glu_cpy", glu_cpy), ("attn", attn))]
+                                      ("glu_cpy", glu_cpy), ("attn", attn), ("view_rows", view_rows))]
     return [s for s in seeds if s is not None]
 
 
@@ -296,8 +352,21 @@ def graph_messages(draw):
         off += len(data)
     outputs = list(seed.outputs)
     for _ in range(draw(st.integers(0, 3))):  # mutations
-        what = draw(st.integers(0, 9))
-        if what <= 6:
+        what = draw(st.integers(0, 12))
+        if what >= 10 and what != 11:
+            mutate_strides(draw, tensors)
+        elif what == 11:
+            i = draw(st.integers(0, len(tensors) - 1))
+            key = draw(st.sampled_from(("type", "op", "ne", "nb", "src", "view_src", "flags")))
+            if key in tensors[i]:
+                v = tensors[i][key]
+                if isinstance(v, list) and v:
+                    v = list(v)
+                    v[draw(st.integers(0, len(v) - 1))] = draw(int_like)
+                else:
+                    v = draw(int_like)
+                tensors[i][key] = v
+        elif what <= 6:
             i = draw(st.integers(0, len(tensors) - 1))
             key = draw(st.sampled_from(TENSOR_KEYS))
             if draw(st.integers(0, 5)) == 0:
@@ -316,10 +385,106 @@ def graph_messages(draw):
     h = {"cmd": int(cmd), "graph_id": graph_id, "inputs": specs, "outputs": outputs}
     if cmd == Command.GRAPH_COMPUTE:
         h["tensors"] = tensors
-    return Message(h, b"".join(parts), f"{cmd.name} {seed.name}")
+    must_refuse = cmd == Command.GRAPH_COMPUTE and any(_has_int_like(t) for t in tensors)
+    return Message(h, b"".join(parts), f"{cmd.name} {seed.name}", must_refuse=must_refuse)
+
+
+GRAPH_INT_KEYS = ("type", "ne", "nb", "op", "flags", "src", "view_src", "view_offs", "buffer", "offset")
+
+
+def _has_int_like(t) -> bool:
+    """A wire tensor with a bool or float where the spec says int (however it got there)."""
+    if not isinstance(t, dict):
+        return False
+    for key in GRAPH_INT_KEYS:
+        v = t.get(key)
+        for x in (v if isinstance(v, list) else [v]):
+            if isinstance(x, (bool, float)):
+                return True
+    return False
+
+
+def mutate_strides(draw, tensors: list[dict]) -> None:
+    """Strides the kernels may not honour: nb[0] = 0 (a view that once read a
+    whole row per element counted), a zero or scaled stride, two strides
+    swapped, an odd stride on a dim of size 1 (asserted nb orders), a
+    view_offs at the edge of its source."""
+    views = [k for k, x in enumerate(tensors) if type(x.get("view_src")) is int and x["view_src"] >= 0]
+    if views and draw(st.integers(0, 3)):
+        i = draw(st.sampled_from(views))  # mostly a view: only views may have other strides
+    else:
+        i = draw(st.integers(0, len(tensors) - 1))
+    t = tensors[i]
+    nb = t.get("nb")
+    if not (isinstance(nb, list) and len(nb) == 4 and all(type(x) is int for x in nb)):
+        return
+    nb = list(nb)
+    how = draw(st.integers(-2, 5))
+    k = draw(st.integers(0, 3))
+    if how <= 0:
+        nb[0] = 0
+    elif how == 1:
+        nb[k] = 0
+    elif how == 2:
+        j = draw(st.integers(0, 3))
+        nb[k], nb[j] = nb[j], nb[k]
+    elif how == 3:
+        nb[k] = nb[k] * draw(st.sampled_from([2, 3, 16, 1024])) + draw(st.sampled_from([0, 1, 4]))
+    elif how == 4:
+        ne = t.get("ne")
+        ones = [d for d in range(4) if isinstance(ne, list) and len(ne) == 4 and ne[d] == 1]
+        if ones:
+            nb[draw(st.sampled_from(ones))] = draw(st.sampled_from([0, 4, 8, 1 << 16]))
+    else:
+        t["view_offs"] = draw(st.sampled_from([BASE_SIZE - 4, BASE_SIZE - 252, BASE_SIZE, 4, 1 << 20]))
+    t["nb"] = nb
+    ne, root = t.get("ne"), t.get("view_src")
+    if (type(root) is int and 0 <= root < len(tensors) and isinstance(ne, list) and len(ne) == 4
+            and all(type(x) is int and x > 0 for x in ne) and draw(st.integers(0, 3))):
+        # the view moved to where it just fits if one element per row counted (nb[0] = 0): the
+        # kernels read ne[0] contiguous elements there, past the end of the buffer
+        offset = tensors[root].get("offset", 0)
+        counted = 4 + sum((ne[d] - 1) * nb[d] for d in range(4))
+        if type(offset) is int:
+            t["view_offs"] = max(0, BASE_SIZE - offset - counted)
+
+
+@st.composite
+def lying_prefixes(draw):
+    """A fresh connection that declares more than it sends: a header or blob
+    length up to the 32/64-bit maximum, the start of a HELLO or SET_TENSOR
+    header, and then a few bytes or nothing. Sent with or without HELLO first."""
+    after_hello = draw(st.booleans())
+    header_len = draw(st.one_of(st.sampled_from([1, 64, 4096, 4097, 1 << 16, (16 << 20), (16 << 20) + 1,
+                                                 2**32 - 1]), st.integers(1, 2**32 - 1)))
+    blob_len = draw(st.one_of(st.sampled_from([0, 1, 1 << 20, (1 << 30) - 1, 1 << 30, 2**64 - 1]),
+                              st.integers(0, 2**64 - 1)))
+    if after_hello:
+        body = P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 1, "buffer": 1, "offset": 0, "size": 4},
+                              blob_len)[P.PREFIX.size:]
+    else:
+        body = P.encode_frame({"cmd": int(Command.HELLO), "id": 1, "version": P.PROTOCOL_VERSION},
+                              blob_len)[P.PREFIX.size:]
+    if draw(st.booleans()):
+        header_len = len(body)  # an honest header, a lying blob
+    data = P.PREFIX.pack(header_len, blob_len) + body[: draw(st.integers(0, len(body)))]
+    data += draw(st.binary(max_size=64))
+    return Message({}, b"", "lie", lie=(data, after_hello))
+
+
+@st.composite
+def tiny_buffer_bursts(draw):
+    size = draw(st.one_of(st.integers(1, 64), st.sampled_from([1, 4095, 4096, 4097])))
+    return Message({"cmd": int(Command.ALLOC_BUFFER), "size": size}, b"", "burst",
+                   burst=draw(st.integers(50, 600)))
 
 
 # ---------------------------------------------------------------- the client
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
 
 class FuzzFailure(AssertionError):
     """A reply (or its absence) that breaks the contract. Cases depend on the
@@ -344,13 +509,54 @@ class FuzzClient:
     statuses: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
     graphs: dict = field(default_factory=dict)  # graph_id -> tensors of the graph this connection cached
+    sizes: dict = field(default_factory=dict)  # buffer id -> size, for the no-effect checks
+    pid: int | None = None  # the daemon's, for the memory checks of lying_prefixes
+    lies: list = field(default_factory=list)  # lying connections held open
+    lies_rss: int = 0  # the daemon's RSS before the open lies were made
+    max_lie_growth: int = 0  # the most RSS a batch of lies added
+    victim: RawConn | None = None  # another client's buffer, which nothing we send may reach
+    victim_buffer: int = 0
     _id: int = 0
+
+    LIES_HELD = 16
+    CANARY = b"\xa5VICTIM-CANARY!\x5a"  # repeated over the victim's buffer
+    SNAPSHOT_MAX = 256 << 10  # buffers up to this size are compared around refused writes
 
     def _fail(self, text: str) -> FuzzFailure:
         self.failures.append(text)
         return FuzzFailure(text)
 
+    def _victim_up(self) -> None:
+        """A second client whose buffer the compute process maps before ours (so it
+        sits next to ours in memory if one process maps both): its canary must
+        never show in our outputs, and its bytes must never change."""
+        if self.victim is not None:
+            return
+        self.victim = RawConn(self.port, timeout=self.timeout)
+        self.victim.hello()
+        h, _ = self.victim.call(Command.ALLOC_BUFFER, {"size": BASE_SIZE})
+        assert h["status"] == Status.SUCCESS, h
+        self.victim_buffer = h["buffer"]
+        h, _ = self.victim.call(Command.SET_TENSOR, {"buffer": self.victim_buffer, "offset": 0, "size": BASE_SIZE},
+                                self._victim_bytes(BASE_SIZE))
+        assert h["status"] == Status.SUCCESS, h
+        self.victim_compute()
+
+    def _victim_bytes(self, n: int) -> bytes:
+        return (self.CANARY * (n // len(self.CANARY) + 1))[:n]
+
+    def victim_compute(self) -> None:
+        """The victim's buffer is mapped and its graph computes (checked)."""
+        _, _, fields, yb, expect = small_graph(self.victim_buffer, BASE_SIZE - 48, np.zeros(12, np.float32))
+        h, out = self.victim.call(Command.GRAPH_COMPUTE, fields, yb)
+        assert h["status"] == Status.SUCCESS, h
+        h, data = self.victim.call(Command.GET_TENSOR, {"buffer": self.victim_buffer, "offset": 0,
+                                                        "size": BASE_SIZE - 48})
+        if data != self._victim_bytes(BASE_SIZE - 48):
+            raise self._fail("another client's buffer changed while fuzzing")
+
     def connect(self) -> None:
+        self._victim_up()
         if self.conn is not None:
             self.conn.close()
         self.conn = RawConn(self.port, timeout=self.timeout)
@@ -362,6 +568,7 @@ class FuzzClient:
         assert h["status"] == Status.SUCCESS, h
         self.base = h["buffer"]
         self.buffers.append(self.base)
+        self.sizes = {self.base: BASE_SIZE}
         data = np.random.default_rng(0).standard_normal(BASE_SIZE // 4).astype(np.float32)
         data[:256] = np.arange(256) % 16  # row ids and small values at the start
         h, _ = self.conn.call(Command.SET_TENSOR, {"buffer": self.base, "offset": 0, "size": BASE_SIZE},
@@ -372,6 +579,17 @@ class FuzzClient:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        self._close_lies()
+
+    def close_victim(self) -> None:
+        if self.victim is not None:
+            self.victim.close()
+            self.victim = None
+
+    def _close_lies(self) -> None:
+        for conn in self.lies:
+            conn.close()
+        self.lies = []
 
     def _substitute(self, v):
         """BufRef -> one of our buffer ids, BASE -> our base buffer, in a copy."""
@@ -385,11 +603,90 @@ class FuzzClient:
             return self.base
         return v
 
+    def _snapshot(self) -> dict[int, bytes]:
+        """The contents of this connection's small buffers, read with valid requests
+        (on a new connection if the daemon hung up after the last reply)."""
+        try:
+            return self._read_buffers()
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            self.connect()
+            return self._read_buffers()
+
+    def _read_buffers(self) -> dict[int, bytes]:
+        out = {}
+        for b in self.buffers:
+            size = self.sizes.get(b)
+            if size is not None and size <= self.SNAPSHOT_MAX:
+                h, data = self.conn.call(Command.GET_TENSOR, {"buffer": b, "offset": 0, "size": size})
+                if h.get("status") == Status.SUCCESS:
+                    out[b] = data
+        return out
+
+    def _lie(self, msg: Message) -> None:
+        """A lying connection, held open beside up to LIES_HELD others: the bytes it
+        declared never come, so they must cost the daemon (almost) nothing."""
+        data, after_hello = msg.lie
+        if not self.lies and self.pid is not None:
+            self.lies_rss = rss(self.pid)
+        self.cases += 1
+        try:
+            conn = RawConn(self.port, timeout=5.0)
+            if after_hello:
+                conn.hello()
+            conn.send_raw(data)
+        except (OSError, EOFError, AssertionError):
+            return  # refused or closed: nothing held
+        self.lies.append(conn)
+        if len(self.lies) >= self.LIES_HELD:
+            if self.pid is not None:
+                time.sleep(0.2)  # let the daemon take in all it was sent
+                grown = rss(self.pid) - self.lies_rss
+                self.max_lie_growth = max(self.max_lie_growth, grown)
+                if grown > 32 << 20:
+                    self._close_lies()
+                    raise self._fail(f"{self.LIES_HELD} lying connections raised the daemon's RSS by "
+                                     f"{grown >> 20} MiB; the last sent {data[:80]!r}")
+            self._close_lies()
+
+    def _burst(self, msg: Message) -> None:
+        """Many tiny buffers in a row, then another client must still be served."""
+        self.cases += 1
+        size = msg.header["size"]
+        frames = []
+        for _ in range(msg.burst):
+            self._id += 1
+            frames.append(P.encode_frame({"cmd": int(Command.ALLOC_BUFFER), "id": self._id, "size": size}))
+        self.conn.send_raw(b"".join(frames))
+        for _ in range(msg.burst):
+            reply, _ = self.conn.recv_frame()
+            status = reply.get("status")
+            if status not in (Status.SUCCESS, Status.LIMIT_EXCEEDED):
+                raise self._fail(f"ALLOC_BUFFER of {size} bytes in a burst of {msg.burst}: {reply!r:.300}")
+            key = (msg.note, Status(status).name)
+            self.statuses[key] = self.statuses.get(key, 0) + 1
+        with RawConn(self.port, timeout=self.timeout) as other:
+            other.hello()
+            h, _ = other.call(Command.ALLOC_BUFFER, {"size": 4096})
+            if h.get("status") != Status.SUCCESS:
+                raise self._fail(f"after a burst of {msg.burst} ALLOC_BUFFERs another client cannot allocate: {h!r}")
+            b = h["buffer"]
+            h, _ = other.call(Command.SET_TENSOR, {"buffer": b, "offset": 0, "size": 4}, b"\1\2\3\4")
+            h2, data = other.call(Command.GET_TENSOR, {"buffer": b, "offset": 0, "size": 4})
+            if h.get("status") != Status.SUCCESS or data != b"\1\2\3\4":
+                raise self._fail(f"after a burst another client is not served: {h!r} {h2!r}")
+        self.close()  # frees the burst's buffers
+
     def send(self, msg: Message) -> dict | None:
         """Send one message, check its reply; None if the daemon hung up (then
         the next send reconnects)."""
+        if msg.lie is not None:
+            return self._lie(msg)
         if self.conn is None:
             self.connect()
+        if msg.burst:
+            return self._burst(msg)
+        cmd = msg.header.get("cmd")
+        before = self._snapshot() if type(cmd) is int and cmd in WRITING else None
         self._id += 1
         header = self._substitute(dict(msg.header, id=self._id))
         try:
@@ -424,10 +721,24 @@ class FuzzClient:
         if header.get("cmd") == Command.GRAPH_COMPUTE and type(header.get("graph_id")) is int:
             self.graphs.setdefault(header["graph_id"], []).append((header, bytes(msg.blob), Status(status).name))
             del self.graphs[header["graph_id"]][:-3]
+        if self.CANARY[1:13] in out:
+            raise self._fail(f"another client's data in the reply to {msg.note}: {header!r:.6000} "
+                             f"blob {bytes(msg.blob)!r}")
+        if header.get("cmd") in (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE) and self.cases % 50 == 0:
+            self.victim_compute()
+        if msg.must_refuse and status == Status.SUCCESS:
+            raise self._fail(f"a bool or float where the spec says int was accepted: {header!r:.3000}")
+        if before is not None and status in REFUSALS:
+            after = self._snapshot()
+            for b, data in before.items():
+                if after.get(b, data) != data:
+                    raise self._fail(f"a refused request ({Status(status).name}: {err}) changed buffer {b}: "
+                                     f"{header!r:.3000}")
         self.statuses[(msg.note.split()[0], Status(status).name)] = \
             self.statuses.get((msg.note.split()[0], Status(status).name), 0) + 1
         if status == Status.SUCCESS and header.get("cmd") == Command.ALLOC_BUFFER and "buffer" in reply:
             self.buffers.append(reply["buffer"])
+            self.sizes[reply["buffer"]] = reply.get("size")
         if status == Status.SUCCESS and header.get("cmd") == Command.FREE_BUFFER:
             b = header.get("buffer")
             if b in self.buffers:

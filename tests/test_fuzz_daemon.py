@@ -15,14 +15,16 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import DaemonProcess
-from fuzz_protocol import SEEDS, FuzzClient, command_messages, graph_messages, raw_messages
+from fuzz_protocol import (SEEDS, FuzzClient, command_messages, graph_messages, lying_prefixes, raw_messages,
+                           tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient
 from rpc_daemon.protocol import Command
 from rpc_helpers import assert_served
 
 MEM_MIB = 32
-# cases per family; the three add up to more than 2,000
+# cases per family; the first three add up to more than 2,000
 N_RAW, N_COMMANDS, N_GRAPHS = 700, 700, 900
+N_LIES, N_BURSTS = 160, 25
 
 
 def fuzz(n: int) -> settings:
@@ -63,7 +65,7 @@ def fuzzed():
         assert_served(d)  # compute process up, first allocations made: a fair baseline
         baseline = {"free_memory": free_memory_settled(d.endpoint, MEM_MIB << 20), "rss": rss(d.proc.pid),
                     "started": time.monotonic()}
-        client = FuzzClient(d.port)
+        client = FuzzClient(d.port, pid=d.proc.pid)
         yield d, client, baseline
     finally:
         d.stop()
@@ -122,12 +124,33 @@ def test_fuzz_graphs(fuzzed, data):
     _check_alive(d)
 
 
+@fuzz(N_LIES)
+@given(msg=lying_prefixes())
+def test_fuzz_lying_prefixes(fuzzed, msg):
+    """Connections that declare up to 4 GiB of header and 16 EiB of blob and send
+    a few bytes, 16 held open at once: the daemon's RSS must not follow the lies."""
+    d, client, _ = fuzzed
+    client.send(msg)
+    _check_alive(d)
+
+
+@fuzz(N_BURSTS)
+@given(msg=tiny_buffer_bursts())
+def test_fuzz_tiny_buffer_bursts(fuzzed, msg):
+    d, client, _ = fuzzed
+    client.send(msg)
+    _check_alive(d)
+
+
 def test_daemon_after_fuzzing(fuzzed):
     """Alive, correct, and back at its baseline once the fuzzing client left."""
     d, client, baseline = fuzzed
     cases, reconnects = client.cases, client.reconnects
     client.close()
+    client.close_victim()
     assert cases >= 2000, (cases, client.unencodable)
+    print(f"\nlying connections: at most {client.max_lie_growth / (1 << 20):.1f} MiB of daemon RSS for "
+          f"{client.LIES_HELD} held open")
     _check_alive(d)
     for seed in range(3):
         assert_served(d, seed=seed)
@@ -162,3 +185,26 @@ def test_fuzz_finding_cpy_into_a_bigger_dst(fuzzed):
                    "outputs": seed.outputs}, bytes(nbytes), "GRAPH_COMPUTE cpy finding")
     reply = client.send(msg)
     assert reply["status"] == -100 and f"tensors[{cpy}]" in reply["error"] and "view of dst" in reply["error"], reply
+
+
+def test_fuzz_finding_zero_stride_view_reads_another_client(fuzzed):
+    """The audit's finding A in the fuzzer's own terms: a view with nb[0] = 0 was
+    counted as one element per row, GET_ROWS read ne[0] of them, and the reply
+    carried the victim client's canary. Now refused, and the victim untouched."""
+    from ggml_ffi import lib
+    from fuzz_protocol import Message
+    d, client, _ = fuzzed
+    if client.conn is None:
+        client.connect()
+    tensors = [
+        {"type": 0, "ne": [16384, 1, 1, 1], "nb": [4, 65536, 65536, 65536], "buffer": client.base, "offset": 0},
+        {"type": 0, "ne": [1024, 1, 1, 1], "nb": [0, 4096, 4096, 4096], "op": lib.GGML_OP_VIEW, "src": [0],
+         "view_src": 0, "view_offs": 65532},
+        {"type": lib.GGML_TYPE_I32, "ne": [1, 1, 1, 1], "nb": [4, 4, 4, 4], "flags": lib.GGML_TENSOR_FLAG_INPUT},
+        {"type": 0, "ne": [1024, 1, 1, 1], "nb": [4, 4096, 4096, 4096], "op": lib.GGML_OP_GET_ROWS, "src": [1, 2],
+         "flags": lib.GGML_TENSOR_FLAG_OUTPUT | lib.GGML_TENSOR_FLAG_COMPUTE},
+    ]
+    reply = client.send(Message({"cmd": int(Command.GRAPH_COMPUTE), "tensors": tensors, "inputs": [[2, 0, 4]],
+                                 "outputs": [3]}, bytes(4), "GRAPH_COMPUTE zero-stride finding"))
+    assert reply is not None and reply["status"] == -100 and "tensors[1]" in reply["error"], reply
+    client.victim_compute()
