@@ -70,6 +70,12 @@ class Limits:
     max_buffers: int = 4096
     max_graphs: int = 64  # cached graphs per client
     max_client_bytes: int = 0  # bytes of buffers one client may hold; 0 = the daemon's --mem cap
+    # before authentication (HELLO, or AUTH with a secret) a frame is at most this
+    # header and no blob: HELLO and AUTH are ~100 bytes, and nothing is earned yet
+    max_preauth_header: int = 4096
+    # bytes of frames (header + blob held in daemon memory) received and queued but not
+    # yet handled, per connection; past it the daemon stops reading until they drain
+    max_inflight: int = 64 << 20
 
 
 # ---------------------------------------------------------------- framing
@@ -84,10 +90,20 @@ def encode_frame(header: dict, blob_len: int = 0) -> bytes:
     return PREFIX.pack(len(body), blob_len) + body
 
 
-def parse_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
+def parse_prefix(prefix: bytes, limits: Limits, authenticated: bool = True) -> tuple[int, int]:
+    """(header_len, blob_len) of a frame prefix within `limits`; before
+    authentication, within the pre-auth bound (a small header, no blob)."""
     if len(prefix) != PREFIX.size:
         raise ProtocolError(Status.INVALID_REQUEST, "truncated frame prefix", fatal=True)
     header_len, blob_len = PREFIX.unpack(prefix)
+    if not authenticated:
+        if header_len == 0 or header_len > limits.max_preauth_header:
+            raise ProtocolError(Status.LIMIT_EXCEEDED, f"frame header_len {header_len} outside "
+                                f"1..{limits.max_preauth_header} before authentication", fatal=True)
+        if blob_len:
+            raise ProtocolError(Status.LIMIT_EXCEEDED, f"frame blob_len {blob_len}: no blob before "
+                                "authentication", fatal=True)
+        return header_len, blob_len
     if header_len == 0 or header_len > limits.max_header:
         raise ProtocolError(Status.LIMIT_EXCEEDED,
                             f"frame header_len {header_len} outside 1..{limits.max_header}", fatal=True)
@@ -206,6 +222,24 @@ def field_int(h: dict, key: str, lo: int = 0, hi: int = (1 << 63) - 1, default=N
     return v
 
 
+def field_bool(h: dict, key: str, default: bool = False) -> bool:
+    """An optional bool field: absent (or nil) is `default`; an int is not a bool."""
+    v = h.get(key)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def command(h: dict) -> int:
+    """The request's `cmd`: an int (a bool or a float equal to a command is not one)."""
+    cmd = h.get("cmd")
+    if type(cmd) is not int:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field 'cmd' must be an integer, got {cmd!r:.40}")
+    return cmd
+
+
 def field_bytes(h: dict, key: str, max_len: int, default=None) -> bytes:
     v = h.get(key, default)
     if not isinstance(v, (bytes, bytearray)):
@@ -237,6 +271,16 @@ class ByteRange:
 def parse_range(h: dict, prefix: str = "") -> ByteRange:
     return ByteRange(field_int(h, prefix + "buffer", 1), field_int(h, prefix + "offset"),
                      field_int(h, "size"))
+
+
+def parse_set_tensor(h: dict, blob_len: int) -> tuple[ByteRange, bool]:
+    """Every field of a SET_TENSOR but buffer ownership and bounds (the
+    connection's): (range, cache). Checked before a byte of its blob lands."""
+    r = parse_range(h)
+    cache = field_bool(h, "cache")
+    if r.size != blob_len:
+        raise ProtocolError(Status.INVALID_REQUEST, f"size {r.size} != blob length {blob_len}")
+    return r, cache
 
 
 @dataclass(frozen=True)
@@ -272,7 +316,7 @@ def parse_outputs(h: dict, n_tensors: int | None) -> list[int]:
 
 def check_hello(h: dict) -> dict:
     version = h.get("version")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 are not 1
         raise ProtocolError(Status.VERSION_MISMATCH,
                             f"protocol version {version!r} not supported; this daemon speaks {PROTOCOL_VERSION}",
                             fatal=True)
