@@ -1,10 +1,13 @@
 """The worker daemon: asyncio connections that move bytes, and one handler per
 command. Validation lives in protocol.py and graph.py; compute in compute.py.
 
-A connection reads frames with a BufferedProtocol, so SET_TENSOR data lands
-straight in the destination shared-memory buffer. PING is answered as soon as
-it is read, even while the connection's previous request is still computing;
-every other request runs in order on the connection's own task.
+A connection is a BufferedProtocol that only moves bytes: protocol.FrameReader
+(the client's too) cuts the frames, and the connection, as its sink, says
+where each blob goes, so SET_TENSOR data lands straight in the destination
+shared-memory buffer once the whole request has been checked. PING is
+answered as soon as it is read, even while the connection's previous request
+is still computing; every other request runs in order on the connection's own
+task.
 """
 from __future__ import annotations
 
@@ -75,7 +78,6 @@ def available_memory() -> int:
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
-BLOB_CHUNK = 1 << 16  # a blob received into memory starts with this much room, then doubles as bytes arrive
 
 
 class Daemon:
@@ -119,14 +121,15 @@ class Connection(asyncio.BufferedProtocol):
         self.worker: asyncio.Task | None = None
         self.worker_busy = False
         self.last_activity = time.monotonic()
-        # between frames, bytes are received here, so a small request (prefix,
-        # header and blob) takes one receive and one pass, not three. Before
-        # authentication a frame is at most 12 + max_preauth_header bytes, so the
-        # buffer is small; it grows to RX_SIZE once the connection is authenticated.
-        self._rx = memoryview(bytearray(PREAUTH_RX_SIZE))
-        self._rx_used = False
-        # bytes received past a full queue: parsed once the queue drains (reading is paused meanwhile)
-        self._backlog = b""
+        # frames are cut by protocol.FrameReader, the client's too; this connection is its
+        # sink (header, frame, hold). Before authentication a frame is at most
+        # 12 + max_preauth_header bytes and no blob, so the receive buffer is small; it
+        # grows to RX_SIZE once the connection is authenticated. A blob is received into
+        # memory as it arrives (never allocated at the length its prefix claims), or
+        # straight into its SET_TENSOR destination.
+        self.reader = P.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
+                                    eager_blobs=False)
+        self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
         self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
@@ -134,26 +137,6 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()  # cleared while the client does not read its replies
         self._can_write.set()
         self._wbuf = 0
-        self._reset_frame()
-
-    # ------------------------------------------------------------ framing
-    # A frame goes through four stages: "prefix" (12 bytes), "header" (msgpack),
-    # then "blob" (received into its SET_TENSOR destination, or into memory) or
-    # "discard" (the blob of a refused request, skipped). Memory is committed
-    # only as bytes arrive: a partial prefix or header accumulates in `_part`,
-    # a blob received into memory grows with what has arrived (at most doubling
-    # what it holds, from BLOB_CHUNK). Nothing is sized by what a prefix claims.
-    def _reset_frame(self) -> None:
-        self._stage = "prefix"
-        self._part = bytearray()  # a prefix or header split over receives, as far as it has arrived
-        self._header_len = 0
-        self._blob_len = 0
-        self._blob: bytearray | None = None  # blob received into memory (capacity grows as it arrives)
-        self._dest: memoryview | None = None  # a direct SET_TENSOR's destination range
-        self._pos = 0  # blob bytes received (or discarded) so far
-        self._header: dict | None = None
-        self._error: ProtocolError | None = None
-        self._direct: SharedBuffer | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -171,108 +154,46 @@ class Connection(asyncio.BufferedProtocol):
         self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
         self.log.info("client connected")
 
+    # ------------------------------------------------------------ framing (moving bytes; protocol.FrameReader cuts frames)
     def get_buffer(self, sizehint: int):
-        self._rx_used = self._stage != "blob"
-        if self._rx_used:  # prefix, header, discard: through the receive buffer
-            return self._rx
-        if self._dest is not None:  # straight into the SET_TENSOR's destination
-            return self._dest[self._pos:]
-        if self._pos == len(self._blob):
-            self._grow_blob(self._pos + 1)
-        return memoryview(self._blob)[self._pos:]
-
-    def _grow_blob(self, need: int) -> None:
-        """Make room for `need` bytes of the blob being received into memory:
-        at least double, at most the blob's length; what arrived is kept."""
-        cap = min(self._blob_len, max(need, 2 * len(self._blob), BLOB_CHUNK))
-        grown = bytearray(cap)  # a new one: the transport may still hold a view of the old one
-        grown[: self._pos] = memoryview(self._blob)[: self._pos]
-        self._blob = grown
+        return self.reader.buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         self.daemon.stats["bytes_in"] += nbytes
         self.last_activity = time.monotonic()
-        if self._rx_used:
-            self._rx_used = False
-            self._consume(self._rx[:nbytes])
-            return
-        self._pos += nbytes
-        if self._pos >= self._blob_len:
-            self._frame_done()
-
-    def _consume(self, data: memoryview) -> None:
-        """Run received bytes through the frame state machine, frame after
-        frame; a prefix or header found whole in `data` is parsed in place, a
-        large blob's remaining bytes then arrive in place (get_buffer)."""
-        pos, n = 0, len(data)
-        while pos < n:
-            if self.transport is None or self.transport.is_closing():
-                return  # a frame error hung up: what follows is not read
-            stage = self._stage
-            if stage == "prefix" or stage == "header":
-                want = P.PREFIX.size if stage == "prefix" else self._header_len
-                if not self._part and n - pos >= want:
-                    part = data[pos: pos + want]
-                    pos += want
-                else:  # split over receives: keep what has arrived, no more
-                    k = min(n - pos, want - len(self._part))
-                    self._part += data[pos: pos + k]
-                    pos += k
-                    if len(self._part) < want:
-                        return
-                    part, self._part = self._part, bytearray()
-                if stage == "prefix":
-                    if not self._prefix(part):
-                        return
-                    continue
-                self._header_done(part)
-            else:
-                k = min(n - pos, self._blob_len - self._pos)
-                if stage == "blob":
-                    if self._dest is not None:
-                        self._dest[self._pos: self._pos + k] = data[pos: pos + k]
-                    else:
-                        if self._pos + k > len(self._blob):
-                            self._grow_blob(self._pos + k)
-                        self._blob[self._pos: self._pos + k] = data[pos: pos + k]
-                self._pos += k
-                pos += k
-                if self._pos < self._blob_len:
-                    return
-                self._frame_done()
-            if self._stage == "prefix" and self._over_bounds() and pos < n:
-                self._backlog += bytes(data[pos:])  # the queue bounds hold within one receive too
-                return
-
-    def _prefix(self, prefix) -> bool:
-        if hoptrace.ON:
+        if hoptrace.ON and not self.reader.partial:
             hoptrace.mark("daemon rx")
         try:
-            # before authentication: a small header and no blob (nothing is allocated for more)
-            self._header_len, self._blob_len = P.parse_prefix(bytes(prefix), self.limits, self.hello_done)
-        except ProtocolError as exc:  # framing broken: answer and hang up
-            self._reply(None, exc.status, exc.message)
-            self.abort(exc.message)
-            return False
-        self._stage = "header"
-        return True
-
-    def _header_done(self, raw) -> None:
-        try:
-            self._header = P.decode_header(raw, self.limits)
-            self._check_rate()
-            self._direct = self._direct_destination(self._header)
+            self.reader.received(nbytes)
         except ProtocolError as exc:
-            self._error = exc
-        if self._blob_len == 0:
-            self._frame_done()
-        elif self._error is not None:
-            self._stage, self._pos = "discard", 0
-        elif self._direct is not None:
-            off = self._header["offset"]
-            self._stage, self._dest, self._pos = "blob", self._direct.view[off: off + self._blob_len], 0
-        else:
-            self._stage, self._blob, self._pos = "blob", bytearray(), 0
+            self._framing_broken(exc)
+
+    def _framing_broken(self, exc: ProtocolError) -> None:
+        """A prefix past the limits (before authentication: past the pre-auth
+        bound): framing can no longer be trusted. Answer and hang up."""
+        self._reply(None, exc.status, exc.message)
+        self.abort(exc.message)
+
+    def header(self, h: dict | None, error: ProtocolError | None, blob_len: int):
+        """FrameSink: a header is read. Where its blob goes: DISCARD (the
+        request is refused: bad msgpack, rate limit, a SET_TENSOR that fails
+        its checks), its SET_TENSOR destination, or memory (None)."""
+        self._refused = None
+        if error is not None:
+            return P.DISCARD
+        try:
+            self._check_rate()
+            buf = self._direct_destination(h, blob_len)
+        except ProtocolError as exc:
+            self._refused = exc
+            return P.DISCARD
+        if buf is None:
+            return None
+        return buf.view[h["offset"]: h["offset"] + blob_len]
+
+    def hold(self) -> bool:
+        """FrameSink: stop parsing after this frame (the rest is kept)."""
+        return self.transport is None or self.transport.is_closing() or self._over_bounds()
 
     def _over_bounds(self) -> bool:
         """Too much queued: stop reading (backpressure) until the worker drains it."""
@@ -284,7 +205,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError(Status.LIMIT_EXCEEDED, f"request rate limit exceeded ({cfg.max_requests_per_second:g} "
                                                        f"requests/s, burst {cfg.request_burst}); slow down")
 
-    def _direct_destination(self, h: dict) -> SharedBuffer | None:
+    def _direct_destination(self, h: dict, blob_len: int) -> SharedBuffer | None:
         """For a SET_TENSOR that will run next, the buffer to read its data
         into. Every field is checked first, strictly (cmd 5.0 is not
         SET_TENSOR): a request that will be refused never lands a byte."""
@@ -292,21 +213,14 @@ class Connection(asyncio.BufferedProtocol):
             return None
         if type(h.get("cmd")) is not int or h["cmd"] != Command.SET_TENSOR:
             return None
-        r, _ = P.parse_set_tensor(h, self._blob_len)
+        r, _ = P.parse_set_tensor(h, blob_len)
         buf, _ = self._check_range(r)
         return buf
 
-    def _frame_done(self) -> None:
-        header, error = self._header, self._error
-        if self._stage != "blob":
-            blob = memoryview(b"")
-        elif self._dest is not None:
-            blob = self._dest
-        else:
-            blob = memoryview(self._blob)
-        direct = self._direct is not None
-        held = self._header_len + (0 if direct else len(blob))  # what the queued request keeps in memory
-        self._reset_frame()
+    def frame(self, header: dict | None, error: ProtocolError | None, blob, direct: bool, header_len: int) -> None:
+        """FrameSink: a frame is complete."""
+        error, self._refused = error or self._refused, None
+        held = header_len + (0 if direct else len(blob))  # what the queued request keeps in memory
         req_id = header.get("id") if isinstance(header, dict) else None
         if error is not None:
             self._reply(req_id, error.status, error.message)
@@ -394,11 +308,13 @@ class Connection(asyncio.BufferedProtocol):
             return
         if not self._can_write.is_set():
             return  # the client does not read its replies: resume_writing comes back here
-        if self._backlog:
-            backlog, self._backlog = self._backlog, b""
-            self._consume(memoryview(backlog))
+        if self.reader.held:
+            try:
+                self.reader.resume()
+            except ProtocolError as exc:
+                self._framing_broken(exc)
             # what it answered may have filled the write buffer (pause_writing) or the queue again
-            if self._backlog or self.transport.is_closing() or not self._can_write.is_set():
+            if self.reader.held or self.transport.is_closing() or not self._can_write.is_set():
                 return
         self.transport.resume_reading()
 
@@ -414,8 +330,7 @@ class Connection(asyncio.BufferedProtocol):
     def _release(self) -> None:
         # drop views into client buffers (a half-read SET_TENSOR blob, queued requests)
         # so the buffers can be unmapped now
-        self._reset_frame()
-        self._backlog = b""
+        self.reader.close()  # also breaks the reader <-> connection cycle: freed at once, not by the gc
         while not self.queue.empty():
             self.queue.get_nowait()
         for gid in [*self.graphs, -1]:  # -1: the key of one-off graphs
@@ -534,7 +449,8 @@ class Connection(asyncio.BufferedProtocol):
         """HELLO (and AUTH with a secret) succeeded: full frame limits, full-size receive buffer."""
         if not self.hello_done:
             self.hello_done = True
-            self._rx = memoryview(bytearray(RX_SIZE))  # a receive in progress keeps its view of the old one
+            self.reader.authenticated = True  # the next prefix, even in this receive, gets the full limits
+            self.reader.resize(RX_SIZE)
 
     def features(self) -> list[str]:
         return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]
