@@ -262,6 +262,34 @@ def test_large_queued_blob_arrives_intact(d):
         assert out == data
 
 
+def _rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * KiB
+    raise AssertionError("no RssAnon")
+
+
+def test_direct_set_tensor_lands_without_a_copy(d):
+    """The fast path kept: a 64 MiB SET_TENSOR on an idle connection is received
+    straight into its (shared-memory) buffer: the daemon's anonymous memory does
+    not grow by its size (a copy in memory would)."""
+    with RawConn(d.port) as conn:
+        conn.hello()
+        h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 64 * MiB})
+        buf = h["buffer"]
+        data = np.random.default_rng(3).integers(0, 256, 64 * MiB, dtype=np.uint8).tobytes()
+        before = _rss_anon(d.proc.pid)
+        h, _ = conn.call(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": len(data)}, data)
+        grown = _rss_anon(d.proc.pid) - before
+        assert h["status"] == Status.SUCCESS, h
+        assert grown < 8 * MiB, f"anonymous memory +{grown / MiB:.0f} MiB for a direct 64 MiB SET_TENSOR"
+        for off in (0, 33 * MiB + 7, 64 * MiB - 4096):
+            _, out = conn.call(Command.GET_TENSOR, {"buffer": buf, "offset": off, "size": 4096})
+            assert out == data[off: off + 4096]
+        conn.call(Command.FREE_BUFFER, {"buffer": buf})
+
+
 def test_queued_bytes_are_bounded_by_backpressure(start_daemon):
     """Bytes received but not yet handled are bounded per connection: while the
     connection's worker is busy, 30 pipelined 8 MiB frames do not all pile up
