@@ -1,10 +1,13 @@
 """The worker daemon: asyncio connections that move bytes, and one handler per
 command. Validation lives in protocol.py and graph.py; compute in compute.py.
 
-A connection reads frames with a BufferedProtocol, so SET_TENSOR data lands
-straight in the destination shared-memory buffer. PING is answered as soon as
-it is read, even while the connection's previous request is still computing;
-every other request runs in order on the connection's own task.
+A connection is a BufferedProtocol that only moves bytes: protocol.FrameReader
+(the client's too) cuts the frames, and the connection, as its sink, says
+where each blob goes, so SET_TENSOR data lands straight in the destination
+shared-memory buffer once the whole request has been checked. PING is
+answered as soon as it is read, even while the connection's previous request
+is still computing; every other request runs in order on the connection's own
+task.
 """
 from __future__ import annotations
 
@@ -73,6 +76,8 @@ def available_memory() -> int:
 
 
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
+RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
+PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
 
 
 class Daemon:
@@ -116,30 +121,22 @@ class Connection(asyncio.BufferedProtocol):
         self.worker: asyncio.Task | None = None
         self.worker_busy = False
         self.last_activity = time.monotonic()
-        self._scratch = bytearray(1 << 16)
-        # between frames, bytes are received here, so a small request (prefix,
-        # header and blob) takes one receive and one pass, not three
-        self._rx = memoryview(bytearray(1 << 16))
-        self._rx_used = False
-        # bytes received past a full queue: parsed once the queue drains (reading is paused meanwhile)
-        self._backlog = b""
+        # frames are cut by protocol.FrameReader, the client's too; this connection is its
+        # sink (header, frame, hold). Before authentication a frame is at most
+        # 12 + max_preauth_header bytes and no blob, so the receive buffer is small; it
+        # grows to RX_SIZE once the connection is authenticated. A blob is received into
+        # memory as it arrives (never allocated at the length its prefix claims), or
+        # straight into its SET_TENSOR destination.
+        self.reader = P.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
+                                    eager_blobs=False)
+        self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
+        self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
         self._warn_budget = TokenBucket(5.0, 20)  # refusals logged per client: no log flood
         self._can_write = asyncio.Event()  # cleared while the client does not read its replies
         self._can_write.set()
         self._wbuf = 0
-        self._reset_frame()
-
-    # ------------------------------------------------------------ framing
-    def _reset_frame(self) -> None:
-        self._stage = "prefix"
-        self._target = memoryview(bytearray(P.PREFIX.size))
-        self._pos = 0
-        self._header: dict | None = None
-        self._error: ProtocolError | None = None
-        self._blob_len = 0
-        self._direct: SharedBuffer | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -157,84 +154,50 @@ class Connection(asyncio.BufferedProtocol):
         self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
         self.log.info("client connected")
 
+    # ------------------------------------------------------------ framing (moving bytes; protocol.FrameReader cuts frames)
     def get_buffer(self, sizehint: int):
-        self._rx_used = self._stage in ("prefix", "header")
-        if self._rx_used:
-            return self._rx
-        if self._stage == "discard":
-            return memoryview(self._scratch)[: min(len(self._scratch), self._blob_len - self._pos)]
-        return self._target[self._pos:]
+        return self.reader.buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         self.daemon.stats["bytes_in"] += nbytes
         self.last_activity = time.monotonic()
-        if self._rx_used:
-            self._rx_used = False
-            self._consume(self._rx[:nbytes])
-            return
-        self._pos += nbytes
-        want = self._blob_len if self._stage == "discard" else len(self._target)
-        if self._pos >= want:
-            self._advance_or_hang_up()
-
-    def _consume(self, data: memoryview) -> None:
-        """Run received bytes through the frame state machine: copied into the
-        current target (prefix, header, blob) or skipped (discard), frame
-        after frame; a large blob's remaining bytes then arrive in place."""
-        pos = 0
-        while pos < len(data):
-            if self.transport is None or self.transport.is_closing():
-                return  # a frame error hung up: what follows is not read
-            if self._stage == "discard":
-                k = min(len(data) - pos, self._blob_len - self._pos)
-                want = self._blob_len
-            else:
-                k = min(len(data) - pos, len(self._target) - self._pos)
-                self._target[self._pos: self._pos + k] = data[pos: pos + k]
-                want = len(self._target)
-            self._pos += k
-            pos += k
-            if self._pos >= want:
-                if not self._advance_or_hang_up():
-                    return
-                if self.queue.qsize() > MAX_QUEUED and pos < len(data):
-                    self._backlog += bytes(data[pos:])  # the queue bound holds within one receive too
-                    return
-
-    def _advance_or_hang_up(self) -> bool:
+        if hoptrace.ON and not self.reader.partial:
+            hoptrace.mark("daemon rx")
         try:
-            self._advance()
-            return True
-        except ProtocolError as exc:  # framing broken: answer and hang up
-            self._reply(None, exc.status, exc.message)
-            self.abort(exc.message)
-            return False
+            self.reader.received(nbytes)
+        except ProtocolError as exc:
+            self._framing_broken(exc)
 
-    def _advance(self) -> None:
-        if self._stage == "prefix":
-            if hoptrace.ON:
-                hoptrace.mark("daemon rx")
-            header_len, self._blob_len = P.parse_prefix(bytes(self._target), self.limits)
-            self._stage, self._target, self._pos = "header", memoryview(bytearray(header_len)), 0
-            return
-        if self._stage == "header":
-            try:
-                self._header = P.decode_header(bytes(self._target), self.limits)
-                self._check_rate()
-                self._direct = self._direct_destination(self._header)
-            except ProtocolError as exc:
-                self._error = exc
-            if self._blob_len == 0:
-                return self._frame_done()
-            if self._error is not None:
-                self._stage, self._pos = "discard", 0
-            elif self._direct is not None:
-                off = self._header["offset"]
-                self._stage, self._target, self._pos = "blob", self._direct.view[off: off + self._blob_len], 0
-            else:
-                self._stage, self._target, self._pos = "blob", memoryview(bytearray(self._blob_len)), 0
-            return
-        self._frame_done()
+    def _framing_broken(self, exc: ProtocolError) -> None:
+        """A prefix past the limits (before authentication: past the pre-auth
+        bound): framing can no longer be trusted. Answer and hang up."""
+        self._reply(None, exc.status, exc.message)
+        self.abort(exc.message)
+
+    def header(self, h: dict | None, error: ProtocolError | None, blob_len: int):
+        """FrameSink: a header is read. Where its blob goes: DISCARD (the
+        request is refused: bad msgpack, rate limit, a SET_TENSOR that fails
+        its checks), its SET_TENSOR destination, or memory (None)."""
+        self._refused = None
+        if error is not None:
+            return P.DISCARD
+        try:
+            self._check_rate()
+            buf = self._direct_destination(h, blob_len)
+        except ProtocolError as exc:
+            self._refused = exc
+            return P.DISCARD
+        if buf is None:
+            return None
+        return buf.view[h["offset"]: h["offset"] + blob_len]
+
+    def hold(self) -> bool:
+        """FrameSink: stop parsing after this frame (the rest is kept)."""
+        return self.transport is None or self.transport.is_closing() or self._over_bounds()
+
+    def _over_bounds(self) -> bool:
+        """Too much queued: stop reading (backpressure) until the worker drains it."""
+        return self.queue.qsize() > MAX_QUEUED or self._inflight > self.limits.max_inflight
 
     def _check_rate(self) -> None:
         if self.hello_done and not self.bucket.take():
@@ -242,20 +205,22 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError(Status.LIMIT_EXCEEDED, f"request rate limit exceeded ({cfg.max_requests_per_second:g} "
                                                        f"requests/s, burst {cfg.request_burst}); slow down")
 
-    def _direct_destination(self, h: dict) -> SharedBuffer | None:
-        """For a SET_TENSOR that will run next, the buffer to read its data into."""
-        if h.get("cmd") != Command.SET_TENSOR or not self.hello_done or self.worker_busy or not self.queue.empty():
+    def _direct_destination(self, h: dict, blob_len: int) -> SharedBuffer | None:
+        """For a SET_TENSOR that will run next, the buffer to read its data
+        into. Every field is checked first, strictly (cmd 5.0 is not
+        SET_TENSOR): a request that will be refused never lands a byte."""
+        if not self.hello_done or self.worker_busy or not self.queue.empty():
             return None
-        buf, _ = self._check_range(P.parse_range(h))
-        if h["size"] != self._blob_len:
-            raise ProtocolError(Status.INVALID_REQUEST, f"size {h['size']} != blob length {self._blob_len}")
+        if type(h.get("cmd")) is not int or h["cmd"] != Command.SET_TENSOR:
+            return None
+        r, _ = P.parse_set_tensor(h, blob_len)
+        buf, _ = self._check_range(r)
         return buf
 
-    def _frame_done(self) -> None:
-        header, error = self._header, self._error
-        blob = self._target if self._stage == "blob" else memoryview(b"")
-        direct = self._direct is not None
-        self._reset_frame()
+    def frame(self, header: dict | None, error: ProtocolError | None, blob, direct: bool, header_len: int) -> None:
+        """FrameSink: a frame is complete."""
+        error, self._refused = error or self._refused, None
+        held = header_len + (0 if direct else len(blob))  # what the queued request keeps in memory
         req_id = header.get("id") if isinstance(header, dict) else None
         if error is not None:
             self._reply(req_id, error.status, error.message)
@@ -263,13 +228,12 @@ class Connection(asyncio.BufferedProtocol):
                 self.abort(error.message)
             return
         cmd = header.get("cmd")
-        if type(cmd) is not int:  # 0.0 or False must not pass for HELLO
+        if type(cmd) is not int:  # 0.0 or False must not pass for HELLO, 13.0 not for AUTH, 12.0 not for PING
             if not self.hello_done:
-                self._reply(req_id, Status.INVALID_REQUEST, f"the first command must be HELLO (cmd {cmd!r})")
+                self._reply(req_id, Status.INVALID_REQUEST, f"the first command must be HELLO (cmd {cmd!r:.40})")
                 self.abort("first frame without a valid cmd")
-            else:
-                self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r} (cmd must be an integer)")
-            return
+                return
+            cmd = None  # refused by _dispatch, in its turn: replies keep request order
         if cmd == Command.AUTH and self.auth is not None and self.auth.pending:
             self._auth(req_id, header)
             return
@@ -290,8 +254,9 @@ class Connection(asyncio.BufferedProtocol):
             return
         if hoptrace.ON:
             hoptrace.mark("daemon queued")
-        self.queue.put_nowait((header, blob, direct))
-        if self.queue.qsize() > MAX_QUEUED and self.transport is not None:
+        self.queue.put_nowait((header, blob, direct, held))
+        self._inflight += held
+        if self._over_bounds() and self.transport is not None:
             self.transport.pause_reading()
 
     # ------------------------------------------------------------ lifecycle
@@ -335,16 +300,21 @@ class Connection(asyncio.BufferedProtocol):
         self._resume_reading()
 
     def _resume_reading(self) -> None:
-        """Read again once the queue is short: first what was received past a full queue."""
-        if self.queue.qsize() >= 16 or self.transport is None or self.transport.is_closing():
+        """Read again once the queue is short (under 16 requests and half the
+        in-flight bound): first what was received past a full queue."""
+        if self.queue.qsize() >= 16 or self._inflight > self.limits.max_inflight // 2:
+            return
+        if self.transport is None or self.transport.is_closing():
             return
         if not self._can_write.is_set():
             return  # the client does not read its replies: resume_writing comes back here
-        if self._backlog:
-            backlog, self._backlog = self._backlog, b""
-            self._consume(memoryview(backlog))
+        if self.reader.held:
+            try:
+                self.reader.resume()
+            except ProtocolError as exc:
+                self._framing_broken(exc)
             # what it answered may have filled the write buffer (pause_writing) or the queue again
-            if self._backlog or self.transport.is_closing() or not self._can_write.is_set():
+            if self.reader.held or self.transport.is_closing() or not self._can_write.is_set():
                 return
         self.transport.resume_reading()
 
@@ -360,8 +330,7 @@ class Connection(asyncio.BufferedProtocol):
     def _release(self) -> None:
         # drop views into client buffers (a half-read SET_TENSOR blob, queued requests)
         # so the buffers can be unmapped now
-        self._reset_frame()
-        self._backlog = b""
+        self.reader.close()  # also breaks the reader <-> connection cycle: freed at once, not by the gc
         while not self.queue.empty():
             self.queue.get_nowait()
         for gid in [*self.graphs, -1]:  # -1: the key of one-off graphs
@@ -384,13 +353,16 @@ class Connection(asyncio.BufferedProtocol):
                     if self.closed:
                         return
                 self._resume_reading()
-                header, blob, direct = item
+                header, blob, direct, held = item
                 self.worker_busy = True
                 try:
                     await self._dispatch(header, blob, direct)
                 finally:
                     self.worker_busy = False
                     self.last_activity = time.monotonic()
+                    item = header = blob = None  # its memory goes now, not at the next request
+                    self._inflight -= held
+                self._resume_reading()
         finally:
             item = header = blob = None  # a direct SET_TENSOR's blob is a view into its buffer
             self._release()
@@ -415,8 +387,12 @@ class Connection(asyncio.BufferedProtocol):
 
     async def _dispatch(self, header: dict, blob, direct: bool) -> None:
         req_id = header.get("id")
-        cmd = header.get("cmd")
-        handler = HANDLERS.get(cmd) if type(cmd) is int else None
+        try:
+            cmd = P.command(header)  # an int: a bool or a float is refused, not taken for a command
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message)
+            return
+        handler = HANDLERS.get(cmd)
         if handler is None:
             self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r}")
             return
@@ -451,7 +427,7 @@ class Connection(asyncio.BufferedProtocol):
             self._reply(req_id, Status.NOT_AUTHORIZED, "authentication required: answer the challenge with AUTH",
                         quiet=True, version=P.PROTOCOL_VERSION, auth=challenge)
             return
-        self.hello_done = True
+        self._authenticated()
         self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=self.features(),
                     server="ggml-rpc-server (python)", max_blob=self.limits.max_blob,
                     idle_timeout=self.daemon.config.idle_timeout)
@@ -463,11 +439,18 @@ class Connection(asyncio.BufferedProtocol):
             self._reply(req_id, exc.status, exc.message)
             self.abort(exc.message)
             return
-        self.hello_done = True
+        self._authenticated()
         self.log.info("client authenticated")
         self._reply(req_id, Status.SUCCESS, version=P.PROTOCOL_VERSION, features=self.features(),
                     server="ggml-rpc-server (python)", max_blob=self.limits.max_blob,
                     idle_timeout=self.daemon.config.idle_timeout, proof=server_proof)
+
+    def _authenticated(self) -> None:
+        """HELLO (and AUTH with a secret) succeeded: full frame limits, full-size receive buffer."""
+        if not self.hello_done:
+            self.hello_done = True
+            self.reader.authenticated = True  # the next prefix, even in this receive, gets the full limits
+            self.reader.resize(RX_SIZE)
 
     def features(self) -> list[str]:
         return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]
@@ -561,13 +544,12 @@ async def handle_buffer_clear(c: Connection, h, blob, direct):
 
 
 async def handle_set_tensor(c: Connection, h, blob, direct):
-    buf, r = c._check_range(P.parse_range(h))
-    if r.size != len(blob):
-        raise ProtocolError(Status.INVALID_REQUEST, f"size {r.size} != blob length {len(blob)}")
+    r, cache = P.parse_set_tensor(h, len(blob))  # the same checks a direct write passed before landing
+    buf, r = c._check_range(r)
     dest = buf.view[r.offset: r.offset + r.size]
     if not direct:
         dest[:] = blob
-    if h.get("cache") and c.daemon.cache is not None:
+    if cache and c.daemon.cache is not None:
         await asyncio.get_running_loop().run_in_executor(None, c.daemon.cache.store, dest)
     return {}
 
@@ -621,7 +603,9 @@ def _input_blob(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, ob
     return [(i.tensor, i.blob_offset, i.size) for i in inputs], blob
 
 
-async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
+def _check_run(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, list, object, dict]:
+    """Everything a compute of `spec` with this request's inputs and outputs
+    needs checked, before it has any effect: (inputs, outputs, blob, buffers)."""
     if hoptrace.ON:
         hoptrace.mark("daemon handler")
     inputs, blob = _input_blob(c, spec, h, blob)
@@ -635,6 +619,11 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, h: dict, blob):
     for key in spec.buffers:
         buf = c._buffer(key)
         bufs[key] = (buf.size, buf.fd)
+    return inputs, outputs, blob, bufs
+
+
+async def _run_graph(c: Connection, graph_id, spec: GraphSpec, checked):
+    inputs, outputs, blob, bufs = checked
     key = c.graph_key(graph_id)
     if hoptrace.ON:
         hoptrace.mark("daemon validated")
@@ -660,14 +649,15 @@ async def handle_graph_compute(c: Connection, h, blob, direct):
         spec = parse_unchecked(h, c._buffer_size)
     else:
         spec = parse_graph(h, c.limits, c._buffer_size)
+    if graph_id and graph_id not in c.graphs and len(c.graphs) >= c.limits.max_graphs:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {c.limits.max_graphs} reached; free one")
+    checked = _check_run(c, spec, h, blob)  # a refused request must not replace the graph cached under its id
     if graph_id:
-        if graph_id not in c.graphs and len(c.graphs) >= c.limits.max_graphs:
-            raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {c.limits.max_graphs} reached; free one")
         c.graphs[graph_id] = spec
     else:
         graph_id = -1  # one-off graph: cached in the compute process under a throwaway key
     c.daemon.compute.forget_graph(c.graph_key(graph_id))
-    return await _run_graph(c, graph_id, spec, h, blob)
+    return await _run_graph(c, graph_id, spec, checked)
 
 
 async def handle_graph_recompute(c: Connection, h, blob, direct):
@@ -677,7 +667,7 @@ async def handle_graph_recompute(c: Connection, h, blob, direct):
         return {"status": Status.NOT_FOUND, "error": f"graph {graph_id} is not cached; send it with GRAPH_COMPUTE"}
     for key in spec.buffers:  # a buffer may have been freed since the graph was sent
         c._buffer(key)
-    return await _run_graph(c, graph_id, spec, h, blob)
+    return await _run_graph(c, graph_id, spec, _check_run(c, spec, h, blob))
 
 
 async def handle_graph_free(c: Connection, h, blob, direct):

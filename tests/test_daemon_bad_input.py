@@ -123,11 +123,15 @@ def test_truncated_frames_without_hello(d):
 
 # ---------------------------------------------------------------- bad requests, connection stays usable
 
-@pytest.mark.parametrize("cmd", [99, -1, 2**40, "HELLO", None, [1], 1.5, True])
-def test_unknown_command(d, cmd):
+@pytest.mark.parametrize("cmd, status, fragment", [
+    *[(c, Status.UNKNOWN_COMMAND, "unknown command") for c in (99, -1, 2**40)],
+    # not an integer: an ill-typed field, like any other (a bool or 5.0 is not SET_TENSOR)
+    *[(c, Status.INVALID_REQUEST, "'cmd' must be an integer") for c in ("HELLO", None, [1], 1.5, True, 5.0)],
+])
+def test_unknown_command(d, cmd, status, fragment):
     with raw_session(d) as conn:
         h, _ = conn.call(cmd, {})
-        assert h["status"] == Status.UNKNOWN_COMMAND and "unknown command" in h["error"], h
+        assert h["status"] == status and fragment in h["error"], h
         h, _ = conn.call(Command.DEVICE_INFO)
         assert h["status"] == Status.SUCCESS and h["name"] == "CPU"
         h, _ = conn.call(Command.ALLOC_BUFFER, {"size": 64})
@@ -799,8 +803,11 @@ def test_kept_bytes_do_not_resume_reading_for_a_client_that_reads_nothing():
         transport = PlainTransport(conn, high_water=64 << 10)
         conn.connection_made(transport)
         try:
-            data = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION}) + \
-                b"".join(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 66))
+            hello = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION})
+            buf = conn.get_buffer(-1)  # before HELLO the receive buffer is small (a frame is at most ~4 KiB)
+            buf[: len(hello)] = hello
+            conn.buffer_updated(len(hello))
+            data = b"".join(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 66))
             ping = P.encode_frame({"cmd": int(Command.PING), "id": 7})
             buf = conn.get_buffer(-1)
             data += ping * ((len(buf) - len(data)) // len(ping))
