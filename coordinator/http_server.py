@@ -24,17 +24,6 @@ from rpc_daemon.lifecycle import until_signalled
 
 log = structlog.get_logger("http")
 
-# Used when the GGUF carries no tokenizer.chat_template.
-FALLBACK_TEMPLATES = {
-    "gemma3": ("{{ bos_token }}{% for m in messages %}"
-               "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
-               "{% if m['role'] == 'system' %}<start_of_turn>user\n{{ m['content'] }}\n"
-               "{% else %}{% if not (loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'system') %}"
-               "<start_of_turn>{{ role }}\n{% endif %}{{ m['content'] }}<end_of_turn>\n{% endif %}"
-               "{% endfor %}<start_of_turn>model\n"),
-    "llama": ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-              "[assistant] "),
-}
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
 
 
@@ -115,7 +104,7 @@ class CompletionServer:
         self.n_ctx_slot = n_ctx_slot
         self.reconnect_interval = reconnect_interval
         self.loaded = True
-        template = coord.gguf.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(coord.hp.arch)
+        template = coord.gguf.get("tokenizer.chat_template") or coord.arch.FALLBACK_CHAT_TEMPLATE
         self.chat_template = _chat_environment().from_string(template)
 
     # ------------------------------------------------------------ app

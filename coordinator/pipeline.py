@@ -15,6 +15,7 @@ import numpy as np
 from coordinator.executors import StageFailed
 from coordinator.kv_cache import KVCells
 from coordinator.models.common import HParams, StepShape
+from coordinator.stage import StageOutput
 
 
 class StepFailed(Exception):
@@ -26,11 +27,13 @@ class StepFailed(Exception):
         self.reported, self.lost = reported, lost
 
 
-def _sized(p, out: bytes, expect: int) -> bytes:
-    if len(out) != expect:
+def _read(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
+    """Stage `p`'s reply taken apart, if it has the size its layout says."""
+    expect = p.stage.output_size(shape, head)
+    if len(data) != expect:
         raise StageFailed("compute", p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
-                                                 f"{len(out)} bytes, expected {expect}")
-    return out
+                                                 f"{len(data)} bytes, expected {expect}")
+    return p.stage.read_output(data, shape, head)
 
 
 def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
@@ -80,27 +83,27 @@ class Pipeline:
             if p.stage.first:
                 inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
             else:
-                inputs["hidden"] = np.frombuffer(hidden, dtype=np.float32)
+                inputs["hidden"] = hidden
             if p.stage.last:
                 inputs["out_rows"] = out_rows
-            hidden = _sized(p, await p.executor.run(p.stage, shape, inputs), p.stage.output_size(shape))
+            out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+            hidden = out.hidden
         if not wanted:  # the KV rows are written; no head round for rows nobody wants
             return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
         if self.head_split:
             return await self._head(hidden, shape)
         last = self.places[-1].endpoint
         if greedy:
-            n_out = len(out_rows)
-            _checked_logits(np.frombuffer(hidden, np.float32, n_out, n_out * 4), last)  # the rows' sums
-            return _checked_tokens(np.frombuffer(hidden, np.int32, n_out), self.hp.n_vocab, last)
-        return _checked_logits(np.frombuffer(hidden, dtype=np.float32).reshape(len(out_rows), self.hp.n_vocab), last)
+            _checked_logits(out.sums, last)
+            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
+        return _checked_logits(out.logits, last)
 
-    async def _head(self, normed: bytes, shape: StepShape) -> np.ndarray:
+    async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
         """Every endpoint's shard of the output head at once; then the logits
         side by side, or (greedy) each row's token from the shard whose best
         logit is highest (the first such shard: the lowest id, as argmax)."""
         places = [p for p in self.places if len(p.stage.head_rows)]
-        inputs = {"head_in": np.frombuffer(normed, dtype=np.float32)}
+        inputs = {"head_in": normed}
         # every shard's request runs to its end (or failure): none is left in flight past this decode
         results = await asyncio.gather(*(p.executor.run(p.stage, shape, inputs, head=True) for p in places),
                                        return_exceptions=True)
@@ -109,21 +112,17 @@ class Pipeline:
             lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.kind == "endpoint"]
             bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
             raise StepFailed(bug or (lost or failures)[0], lost)
-        n_out = shape.n_outputs
         if shape.argmax:
             best, value = [], []
-            for p, out in zip(places, results):
-                out = _sized(p, out, p.stage.output_size(shape, head=True))
-                r = p.stage.head_rows
-                _checked_logits(np.frombuffer(out, np.float32, n_out, 2 * n_out * 4), p.endpoint)  # the rows' sums
-                best.append(_checked_tokens(np.frombuffer(out, np.int32, n_out), len(r), p.endpoint) + r.start)
-                value.append(np.frombuffer(out, np.float32, n_out, n_out * 4))
+            for p, data in zip(places, results):
+                out, r = _read(p, data, shape, head=True), p.stage.head_rows
+                _checked_logits(out.sums, p.endpoint)
+                best.append(_checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
+                value.append(out.best)
             winner = np.argmax(np.stack(value), axis=0)
-            return np.stack(best)[winner, np.arange(n_out)].astype(np.int32)
-        logits = np.empty((n_out, self.hp.n_vocab), dtype=np.float32)
-        for p, out in zip(places, results):
-            out = _sized(p, out, p.stage.output_size(shape, head=True))
+            return np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
+        logits = np.empty((shape.n_outputs, self.hp.n_vocab), dtype=np.float32)
+        for p, data in zip(places, results):
             r = p.stage.head_rows
-            logits[:, r.start: r.stop] = _checked_logits(np.frombuffer(out, np.float32).reshape(n_out, len(r)),
-                                                         p.endpoint)
+            logits[:, r.start: r.stop] = _checked_logits(_read(p, data, shape, head=True).logits, p.endpoint)
         return logits
