@@ -13,7 +13,7 @@ from typing import Sequence
 from coordinator.planning import is_int
 from coordinator.results import Batch, DecodeError, DecodeResult
 from coordinator.sampling import Sampler
-from coordinator.tokenizer import Detokenizer
+from coordinator.text import TextStream
 
 
 class Generations:
@@ -46,8 +46,6 @@ class Generations:
         c = self.coord
         if not is_int(max_tokens) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, not {max_tokens!r}")
-        if isinstance(stop, str):  # one stop string, not a set of characters
-            stop = (stop,)
         ids = c.tokenize(prompt)
         # the last new token is sampled, never decoded: it needs no KV cell
         if len(ids) + max(max_tokens - 1, 0) > c.n_ctx:
@@ -56,10 +54,8 @@ class Generations:
         sampler = Sampler(temperature, top_k, top_p, seed)
         greedy = temperature == 0  # the last worker returns the argmax, not a megabyte of logits
         c.kv_seq_rm(0)
-        detok = Detokenizer(c.tokenizer)
-        text, emitted = "", 0
-        pos = 0
-        pending = ids
+        text = TextStream(c.tokenizer, stop)
+        pos, pending = 0, ids
         for _ in range(max_tokens):
             for start in range(0, len(pending), c.n_batch):
                 chunk = pending[start: start + c.n_batch]
@@ -71,18 +67,12 @@ class Generations:
             if c.tokenizer.is_eog(token):
                 break
             c.stats["generated"] += 1
-            text += detok.feed(token)
-            # hold back text that could be the start of a stop string
-            cut = min((text.find(s) for s in stop if s in text), default=-1)
-            if cut >= 0:
-                if cut > emitted:
-                    yield text[emitted:cut]
+            piece = text.feed(token)
+            if piece:
+                yield piece
+            if text.stopped:
                 return
-            safe = len(text) - max((len(s) - 1 for s in stop), default=0)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
             pending = [token]
-        text += detok.flush()
-        if len(text) > emitted:
-            yield text[emitted:]
+        piece = text.finish()
+        if piece:
+            yield piece
