@@ -31,7 +31,7 @@ import structlog
 from coordinator.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
                                       seq_masks)
 from coordinator.endpoints import EndpointSet, Placement
-from coordinator.executors import StageFailed, make_executor
+from coordinator.executors import make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
 from coordinator.kv_cache import KVCells
@@ -40,13 +40,13 @@ from coordinator.models import architecture
 from coordinator.pipeline import Pipeline, StepFailed
 from coordinator.planning import checked_setup, default_model_path, plan_rows, plan_split, split_weights
 from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeResult, EndpointFailure,
-                                 EndpointUnavailable, StepOutput)
+                                 EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
 from coordinator.tokenizer import Tokenizer
 from rpc_daemon.auth import load_secret
 
 __all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "EndpointUnavailable",
-           "default_model_path", "plan_rows", "plan_split"]
+           "FailureKind", "default_model_path", "plan_rows", "plan_split"]
 
 log = structlog.get_logger("coordinator")
 
@@ -88,7 +88,7 @@ class Coordinator:
                            "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
-        self.last_cause: str | None = None
+        self.last_cause: FailureKind | None = None
         self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0}
         self._io = LoopThread()
         self._lock = asyncio.Lock()  # one decode step at a time; latching and KV edits between steps
@@ -196,19 +196,19 @@ class Coordinator:
             problem = batch_problem(batch, self.n_batch, self.hp.n_vocab, self.kv)
             if problem:
                 log.warning("invalid batch", error=problem)
-                return self._failed(DecodeResult.INVALID_BATCH, problem, "invalid_batch")
+                return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
             for f in self._endpoints.failed():  # latched: fail fast, no network traffic
                 return self._failed(DecodeResult.ENDPOINT_FAILED, f"{f.cause} [latched {time.time() - f.since:.1f} "
                                     f"s ago; reconnect() to recover]", f.kind, f.endpoint)
             refeed = self._endpoints.needs_refeed
             problem = refeed and refeed_problem(batch, refeed, self.kv)
             if problem:
-                return self._failed(DecodeResult.INVALID_BATCH, problem, "invalid_batch")
+                return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
             n = len(batch.tokens)
             rows = self.kv.find_slot(n)
             if rows is None:
                 return self._failed(DecodeResult.NO_KV_SLOT, f"context full: no room for {n} tokens in the KV "
-                                    f"cache ({self.kv.used()} of {self.n_ctx} cells used)", "context_full")
+                                    f"cache ({self.kv.used()} of {self.n_ctx} cells used)", FailureKind.CONTEXT_FULL)
             tok_pos, tok_seq = np.asarray(batch.pos, dtype=np.int64), seq_masks(seq_ids_of(batch))
             want = list(batch.logits) if batch.logits is not None else [i == n - 1 for i in range(n)]
             out_rows = np.array([i for i, w in enumerate(want) if w], dtype=np.int32)
@@ -239,10 +239,10 @@ class Coordinator:
         if not isinstance(exc, StageFailed):  # a bug of ours: still a code, never an exception
             log.error("decode failed unexpectedly", exc_info=exc)
             return self._failed(DecodeResult.COMPUTE_FAILED, f"internal error in the coordinator: "
-                                f"{type(exc).__name__}: {exc}", "internal")
+                                f"{type(exc).__name__}: {exc}", FailureKind.INTERNAL)
         return self._failed(DecodeResult.COMPUTE_FAILED, exc.message, exc.cause, exc.endpoint)
 
-    def _failed(self, code: DecodeResult, message: str, cause: str, endpoint: str | None = None) -> DecodeResult:
+    def _failed(self, code: DecodeResult, message: str, cause: FailureKind, endpoint: str | None = None) -> DecodeResult:
         self.last_error, self.last_cause, self.last_failed_endpoint = message, cause, endpoint
         return code
 

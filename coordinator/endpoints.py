@@ -17,8 +17,8 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from coordinator.executors import StageFailed, peer_failed
-from coordinator.results import EndpointFailure, EndpointUnavailable
+from coordinator.executors import peer_failed
+from coordinator.results import EndpointFailure, EndpointUnavailable, FailureKind, StageFailed
 from coordinator.stage import Stage
 
 log = structlog.get_logger("coordinator")
@@ -78,7 +78,7 @@ class EndpointSet:
                 try:
                     await p.executor.load(p.stage, gguf, bar.update if bar else None)
                 except StageFailed as exc:
-                    if exc.kind == "endpoint":
+                    if exc.lost_connection:
                         self._latch(p, exc)
                     raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
         finally:
@@ -175,7 +175,7 @@ class EndpointSet:
                     # retire the healthy connection first: its buffers are freed before
                     # the new ones are allocated, and decodes fail fast in between
                     self._set_failure(p, EndpointFailure(p.endpoint, f"worker {p.endpoint}: connection being "
-                                                         f"replaced by reconnect()", "reconnect", time.time()))
+                                                         f"replaced by reconnect()", FailureKind.RECONNECT, time.time()))
                 old, p.executor = p.executor, None
             if old is not None:
                 await old.close()

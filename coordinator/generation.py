@@ -11,7 +11,7 @@ import contextlib
 from typing import Sequence
 
 from coordinator.planning import is_int
-from coordinator.results import Batch, DecodeError, DecodeResult
+from coordinator.results import Batch, DecodeError, DecodeResult, FailureKind
 from coordinator.sampling import Sampler
 from coordinator.text import TextStream
 
@@ -50,7 +50,7 @@ class Generations:
         # the last new token is sampled, never decoded: it needs no KV cell
         if len(ids) + max(max_tokens - 1, 0) > c.n_ctx:
             raise DecodeError(DecodeResult.NO_KV_SLOT, None, f"context full: prompt of {len(ids)} tokens plus "
-                              f"{max_tokens} new ones exceeds n_ctx {c.n_ctx}", "context_full")
+                              f"{max_tokens} new ones exceeds n_ctx {c.n_ctx}", FailureKind.CONTEXT_FULL)
         sampler = Sampler(temperature, top_k, top_p, seed)
         greedy = temperature == 0  # the last worker returns the argmax, not a megabyte of logits
         c.kv_seq_rm(0)

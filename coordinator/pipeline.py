@@ -12,9 +12,9 @@ import asyncio
 
 import numpy as np
 
-from coordinator.executors import StageFailed
 from coordinator.kv_cache import KVCells
 from coordinator.models.common import HParams, StepShape
+from coordinator.results import FailureKind, StageFailed
 from coordinator.stage import StageOutput
 
 
@@ -31,20 +31,20 @@ def _read(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
     """Stage `p`'s reply taken apart, if it has the size its layout says."""
     expect = p.stage.output_size(shape, head)
     if len(data) != expect:
-        raise StageFailed("compute", p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
+        raise StageFailed(FailureKind.COMPUTE, p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
                                                  f"{len(data)} bytes, expected {expect}")
     return p.stage.read_output(data, shape, head)
 
 
 def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
     if ((tokens < 0) | (tokens >= n_vocab)).any():
-        raise StageFailed("compute", endpoint, f"compute failed on worker {endpoint}: argmax token id out of range")
+        raise StageFailed(FailureKind.COMPUTE, endpoint, f"compute failed on worker {endpoint}: argmax token id out of range")
     return tokens
 
 
 def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     if not np.isfinite(logits).all():
-        raise StageFailed("compute", endpoint, f"compute failed on worker {endpoint}: logits contain NaN or infinity")
+        raise StageFailed(FailureKind.COMPUTE, endpoint, f"compute failed on worker {endpoint}: logits contain NaN or infinity")
     return logits
 
 
@@ -60,7 +60,7 @@ class Pipeline:
         try:
             return await self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
         except StageFailed as exc:
-            raise StepFailed(exc, [exc] if exc.kind == "endpoint" else []) from None
+            raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
         except (StepFailed, asyncio.CancelledError):
             raise
         except Exception as exc:  # a bug of ours: the decode reports it, never raises it
@@ -109,7 +109,7 @@ class Pipeline:
                                        return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.kind == "endpoint"]
+            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
             bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
             raise StepFailed(bug or (lost or failures)[0], lost)
         if shape.argmax:

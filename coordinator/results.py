@@ -18,12 +18,68 @@ class DecodeResult(enum.IntEnum):
     ENDPOINT_FAILED = -4
 
 
-class DecodeError(RuntimeError):
-    """A failed decode step of generate/stream. `cause` is one of 'unreachable',
-    'timeout', 'closed', 'protocol' (ENDPOINT_FAILED), 'compute', 'alloc',
-    'internal' (COMPUTE_FAILED), 'context_full' (NO_KV_SLOT), 'invalid_batch'."""
+class FailureKind(str, enum.Enum):
+    """What failed, in one word: EndpointFailure.kind, EndpointUnavailable.kind,
+    DecodeError.cause, Coordinator.last_cause, health()'s "kind". A str, so
+    `kind == "closed"`, f-strings, logs and JSON see the plain word."""
+    # the connection is gone (the endpoint is latched): from rpc_daemon's PeerFailed...
+    UNREACHABLE = "unreachable"
+    TIMEOUT = "timeout"
+    CLOSED = "closed"
+    PROTOCOL = "protocol"
+    ENDPOINT = "endpoint"  # ...or the worker refused what a connection needs first (DEVICE_INFO)
+    RECONNECT = "reconnect"  # retired by an explicit reconnect()
+    # the worker is fine, a request failed
+    COMPUTE = "compute"
+    ALLOC = "alloc"  # out of memory
+    LOAD = "load"  # a weight upload refused
+    # refused or failed here
+    INTERNAL = "internal"  # a bug of ours
+    CONTEXT_FULL = "context_full"
+    INVALID_BATCH = "invalid_batch"
 
-    def __init__(self, code: DecodeResult, endpoint: str | None, message: str, cause: str | None = None):
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__  # as the plain strings were, e.g. in EndpointFailure's repr
+
+    @property
+    def lost_connection(self) -> bool:
+        return self in _CONNECTION_KINDS
+
+    @classmethod
+    def of(cls, word: str) -> "FailureKind | str":
+        """The member for `word` (a PeerFailed kind); an unknown word as it is."""
+        try:
+            return cls(word)
+        except ValueError:
+            return word
+
+
+_CONNECTION_KINDS = frozenset({FailureKind.UNREACHABLE, FailureKind.TIMEOUT, FailureKind.CLOSED,
+                               FailureKind.PROTOCOL, FailureKind.ENDPOINT, FailureKind.RECONNECT})
+
+
+class StageFailed(Exception):
+    """A stage's request failed (executors raise it). `cause` says how;
+    `lost_connection`: the connection is gone, so the endpoint must be latched
+    (else the worker is fine and only this request failed)."""
+
+    def __init__(self, cause: FailureKind | str, endpoint: str, message: str):
+        super().__init__(message)
+        self.cause, self.endpoint, self.message = cause, endpoint, message
+
+    @property
+    def lost_connection(self) -> bool:
+        return self.cause in _CONNECTION_KINDS or not isinstance(self.cause, FailureKind)
+
+
+class DecodeError(RuntimeError):
+    """A failed decode step of generate/stream. `cause` is a FailureKind:
+    'unreachable', 'timeout', 'closed', 'protocol' (ENDPOINT_FAILED), 'compute',
+    'alloc', 'internal' (COMPUTE_FAILED), 'context_full' (NO_KV_SLOT),
+    'invalid_batch'."""
+
+    def __init__(self, code: DecodeResult, endpoint: str | None, message: str, cause: FailureKind | None = None):
         super().__init__(f"{DecodeResult(code).name}: {message}")
         self.code, self.endpoint, self.message, self.cause = DecodeResult(code), endpoint, message, cause
 
@@ -32,20 +88,20 @@ class EndpointUnavailable(ConnectionError):
     """Connecting to (or loading weights onto) a worker failed: raised by the
     constructor and by reconnect(). `kind` as in EndpointFailure."""
 
-    def __init__(self, endpoint: str, kind: str, message: str):
+    def __init__(self, endpoint: str, kind: FailureKind, message: str):
         super().__init__(message)
         self.endpoint, self.kind, self.message = endpoint, kind, message
 
 
 @dataclass
 class EndpointFailure:
-    """Why an endpoint is latched failed. `cause` is the message; `kind` one of
-    'unreachable', 'timeout', 'closed', 'protocol' (what the connection saw),
-    'reconnect' (retired by an explicit reconnect()) or 'alloc'/'load' (the
-    weights could not be placed while reconnecting)."""
+    """Why an endpoint is latched failed. `cause` is the message; `kind` a
+    FailureKind: 'unreachable', 'timeout', 'closed', 'protocol' (what the
+    connection saw), 'reconnect' (retired by an explicit reconnect()) or
+    'alloc'/'load' (the weights could not be placed while reconnecting)."""
     endpoint: str
     cause: str
-    kind: str
+    kind: FailureKind
     since: float  # unix time of the failure
     attempts: int = 0  # automatic reconnection attempts so far
     next_attempt: float | None = None  # unix time of the next automatic attempt, if one is scheduled
