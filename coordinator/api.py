@@ -197,7 +197,9 @@ class Coordinator:
             if problem:
                 log.warning("invalid batch", error=problem)
                 return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
-            for f in self._endpoints.failed():  # latched: fail fast, no network traffic
+            latched = self._endpoints.failed()
+            if latched:  # fail fast, no network traffic
+                f = latched[0]
                 return self._failed(DecodeResult.ENDPOINT_FAILED, f"{f.cause} [latched {time.time() - f.since:.1f} "
                                     f"s ago; reconnect() to recover]", f.kind, f.endpoint)
             refeed = self._endpoints.needs_refeed
@@ -242,7 +244,8 @@ class Coordinator:
                                 f"{type(exc).__name__}: {exc}", FailureKind.INTERNAL)
         return self._failed(DecodeResult.COMPUTE_FAILED, exc.message, exc.cause, exc.endpoint)
 
-    def _failed(self, code: DecodeResult, message: str, cause: FailureKind, endpoint: str | None = None) -> DecodeResult:
+    def _failed(self, code: DecodeResult, message: str, cause: FailureKind,
+                endpoint: str | None = None) -> DecodeResult:
         self.last_error, self.last_cause, self.last_failed_endpoint = message, cause, endpoint
         return code
 

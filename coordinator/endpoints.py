@@ -174,8 +174,8 @@ class EndpointSet:
                         return  # someone else reconnected it meanwhile
                     # retire the healthy connection first: its buffers are freed before
                     # the new ones are allocated, and decodes fail fast in between
-                    self._set_failure(p, EndpointFailure(p.endpoint, f"worker {p.endpoint}: connection being "
-                                                         f"replaced by reconnect()", FailureKind.RECONNECT, time.time()))
+                    retired = f"worker {p.endpoint}: connection being replaced by reconnect()"
+                    self._set_failure(p, EndpointFailure(p.endpoint, retired, FailureKind.RECONNECT, time.time()))
                 old, p.executor = p.executor, None
             if old is not None:
                 await old.close()

@@ -255,12 +255,6 @@ class RemoteExecutor:
         self.compute_us += compute
         self.rtt = max(0.0, elapsed - compute / 1e6)
 
-    async def ping(self) -> float:
-        try:
-            return await self.client.ping()
-        except PeerFailed as exc:
-            raise peer_failed(self.endpoint, exc) from None
-
     async def close(self) -> None:
         if self.client is not None:
             if self.client.failed is None and self.buffer is not None:

@@ -38,13 +38,15 @@ def _read(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
 
 def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
     if ((tokens < 0) | (tokens >= n_vocab)).any():
-        raise StageFailed(FailureKind.COMPUTE, endpoint, f"compute failed on worker {endpoint}: argmax token id out of range")
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: argmax token id out of range")
     return tokens
 
 
 def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     if not np.isfinite(logits).all():
-        raise StageFailed(FailureKind.COMPUTE, endpoint, f"compute failed on worker {endpoint}: logits contain NaN or infinity")
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: logits contain NaN or infinity")
     return logits
 
 

@@ -17,8 +17,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from coordinator.api import DecodeResult
-from coordinator.batching import Scheduler, ShuttingDown
+from coordinator.results import DecodeResult
+from coordinator.serving.batching import Scheduler, ShuttingDown
 from coordinator.sampling import Sampler
 from rpc_daemon.lifecycle import until_signalled
 

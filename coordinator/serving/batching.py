@@ -15,7 +15,7 @@ from typing import Sequence
 
 import structlog
 
-from coordinator.api import Batch, DecodeResult
+from coordinator.results import Batch, DecodeResult
 from coordinator.kv_cache import MAX_SEQ
 from coordinator.sampling import Sampler
 from coordinator.text import TextStream
