@@ -29,7 +29,7 @@ TRACE = tempfile.NamedTemporaryFile(prefix="hops-", suffix=".txt", delete=False)
 os.environ["GGML_RPC_HOP_TRACE"] = TRACE  # before rpc_daemon is imported: hoptrace reads it once
 
 from coordinator import Batch, Coordinator  # noqa: E402
-from coordinator.local_workers import LocalWorkers  # noqa: E402
+from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
 
 
 def steps(c: Coordinator, n: int, greedy: bool) -> list[float]:

@@ -10,9 +10,10 @@ from coordinator.api import (
     DecodeError,
     DecodeResult,
     EndpointFailure,
+    FailureKind,
     default_model_path,
     plan_split,
 )
 
-__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure",
+__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "FailureKind",
            "default_model_path", "plan_split"]

@@ -1,5 +1,5 @@
 import sys
 
-from coordinator.cli import main
+from coordinator.serving.cli import main
 
 sys.exit(main())

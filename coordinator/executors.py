@@ -11,6 +11,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 
+from coordinator.results import FailureKind, StageFailed
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
 from rpc_daemon.graph_codec import encode_graph
@@ -25,30 +26,18 @@ GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MU
 CACHE_MIN_BYTES = 128 << 10  # below this a send is cheaper than a hash look-up round trip, even on a LAN
 
 
-class StageFailed(Exception):
-    """kind: 'endpoint' (the connection is gone: unreachable, dead, timed out,
-    protocol) or 'compute' (the worker is fine but the compute failed) or
-    'alloc' (the worker is fine but out of memory) or 'load' (the worker
-    refused a weight upload request). `cause` refines it: for
-    'endpoint' the PeerFailed kind ('unreachable', 'timeout', 'closed',
-    'protocol'), otherwise the kind itself."""
-
-    def __init__(self, kind: str, endpoint: str, message: str, cause: str | None = None):
-        super().__init__(message)
-        self.kind, self.endpoint, self.message = kind, endpoint, message
-        self.cause = cause or kind
-
-
 def peer_failed(endpoint: str, exc: PeerFailed) -> StageFailed:
-    return StageFailed("endpoint", endpoint, exc.message, exc.kind)
+    return StageFailed(FailureKind.of(exc.kind), endpoint, exc.message)
 
 
-def rpc_failed(endpoint: str, exc: RpcError, kind: str = "compute") -> StageFailed:
+def rpc_failed(endpoint: str, exc: RpcError, kind: FailureKind = FailureKind.COMPUTE) -> StageFailed:
+    """A worker's error reply to a request that was to `kind` (COMPUTE, LOAD,
+    ALLOC, or ENDPOINT: one a connection needs first)."""
     if exc.status == Status.ALLOC_FAILED:
-        return StageFailed("alloc", endpoint, f"worker {endpoint} is out of memory: {exc.message}")
-    if kind == "compute":
+        return StageFailed(FailureKind.ALLOC, endpoint, f"worker {endpoint} is out of memory: {exc.message}")
+    if kind == FailureKind.COMPUTE:
         return StageFailed(kind, endpoint, f"compute failed on worker {endpoint}: {exc}")
-    if kind == "load":
+    if kind == FailureKind.LOAD:
         return StageFailed(kind, endpoint, f"loading weights onto worker {endpoint} failed: {exc}")
     return StageFailed(kind, endpoint, f"worker {endpoint} refused the request: {exc}")
 
@@ -116,7 +105,7 @@ class LocalExecutor:
             galloc = self.gallocs[id(g)] = Gallocr(self.backend)
         if id(g) not in self.allocated:
             if not galloc.alloc_graph(g.gf):
-                raise StageFailed("alloc", self.endpoint, "cannot allocate the compute buffer")
+                raise StageFailed(FailureKind.ALLOC, self.endpoint, "cannot allocate the compute buffer")
             self.allocated.add(id(g))
         for name, arr in inputs.items():
             x = g.inputs[name]
@@ -125,7 +114,7 @@ class LocalExecutor:
             ffi.memmove(x.data, ffi.from_buffer(arr), arr.nbytes)
         status = self.backend.compute(g.gf)
         if status != lib.GGML_STATUS_SUCCESS:
-            raise StageFailed("compute", self.endpoint, f"local compute returned ggml status {status}")
+            raise StageFailed(FailureKind.COMPUTE, self.endpoint, f"local compute returned ggml status {status}")
         return b"".join(ffi.buffer(out.data, lib.ggml_nbytes(out)) for out in g.outputs)
 
     async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
@@ -171,7 +160,7 @@ class RemoteExecutor:
         self.compute_us = 0  # worker-side compute time, summed
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
 
-    async def _request(self, cmd, fields=None, blob=b"", kind_on_error: str = "compute"):
+    async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE):
         try:
             return await self.client.request(cmd, fields, blob, self.request_timeout)
         except PeerFailed as exc:
@@ -185,19 +174,19 @@ class RemoteExecutor:
                                                   secret=self.secret, ssl_context=self.ssl_context)
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
-        self.info, _ = await self._request(Command.DEVICE_INFO, kind_on_error="endpoint")
+        self.info, _ = await self._request(Command.DEVICE_INFO, kind_on_error=FailureKind.ENDPOINT)
         missing = sorted(set(GRAPH_OPS) - set(self.info.get("ops") or ()))
         if missing:  # an older daemon: say so now, not as a failed compute at the first greedy step
-            raise StageFailed("endpoint", self.endpoint, f"worker {self.endpoint} runs an older ggml-rpc-server "
-                              f"without op(s) {', '.join(missing)}, which this coordinator's graphs use; "
-                              f"upgrade it", "protocol")
+            raise StageFailed(FailureKind.PROTOCOL, self.endpoint, f"worker {self.endpoint} runs an older "
+                              f"ggml-rpc-server without op(s) {', '.join(missing)}, which this coordinator's graphs "
+                              f"use; upgrade it")
         self.sent_graphs.clear()
         return self.info
 
     async def load(self, stage, gguf, progress=None) -> None:
         weights, kv = stage_tensors(stage)
         offsets, total = layout([t for _, t in weights] + kv)
-        reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error="alloc")
+        reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error=FailureKind.ALLOC)
         self.buffer = reply["buffer"]
         self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
         cached = self.use_cache and self.info.get("tensor_cache")
@@ -217,11 +206,11 @@ class RemoteExecutor:
                         continue
                     except RpcError as exc:
                         if exc.status != Status.NOT_FOUND:
-                            raise rpc_failed(self.endpoint, exc, "load") from None
+                            raise rpc_failed(self.endpoint, exc, FailureKind.LOAD) from None
                     except PeerFailed as exc:
                         raise peer_failed(self.endpoint, exc) from None
                     where["cache"] = True
-                await self._request(Command.SET_TENSOR, where, chunk, kind_on_error="load")
+                await self._request(Command.SET_TENSOR, where, chunk, kind_on_error=FailureKind.LOAD)
                 if progress:
                     progress(len(chunk))
 
@@ -265,12 +254,6 @@ class RemoteExecutor:
         compute = reply.get("compute_us", 0)
         self.compute_us += compute
         self.rtt = max(0.0, elapsed - compute / 1e6)
-
-    async def ping(self) -> float:
-        try:
-            return await self.client.ping()
-        except PeerFailed as exc:
-            raise peer_failed(self.endpoint, exc) from None
 
     async def close(self) -> None:
         if self.client is not None:

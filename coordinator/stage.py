@@ -14,12 +14,24 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ggml_ffi import Context, lib
 from coordinator.models.common import (F16, F32, I32, I64, GraphBuilder, HParams, StepInputs, StepShape,
                                        argmax_first, head_source)
 
 MAX_CACHED_GRAPHS = 8
 TENSORS_PER_LAYER = 80
+
+
+@dataclass
+class StageOutput:
+    """A stage's reply taken apart (Stage.read_output); what is not in it is None."""
+    hidden: np.ndarray | None = None  # f32: the next stage's (or the head round's) input
+    logits: np.ndarray | None = None  # f32[n_outputs, rows]
+    tokens: np.ndarray | None = None  # i32[n_outputs]: each row's argmax (in this shard)
+    best: np.ndarray | None = None  # f32[n_outputs]: that token's logit (head shards: to compare them)
+    sums: np.ndarray | None = None  # f32[n_outputs]: each row's sum (not finite: a NaN or infinite logit)
 
 
 @dataclass
@@ -81,8 +93,7 @@ class Stage:
             names.append("output_norm.weight")
             if head_rows is None:
                 names.append(head_source(gguf.tensors))
-        if hp.arch == "llama" and "rope_freqs.weight" in gguf.tensors:  # llama 3.x RoPE frequency factors
-            names.append("rope_freqs.weight")
+        names += arch.extra_weights(gguf.tensors)  # on every stage, e.g. llama 3.x's RoPE frequency factors
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
         stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows)
         if head_rows is not None and len(head_rows):
@@ -110,6 +121,9 @@ class Stage:
         src_name, start, stop = cut
         return gguf.tensor_data(src_name)[start:stop]
 
+    # ------------------------------------------------------------ the reply's layout
+    # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
+    # token (i32) and maximum, then the row sums (f32), one value per output row.
     def output_size(self, shape: StepShape, head: bool = False) -> int:
         if head:
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
@@ -119,6 +133,22 @@ class Stage:
         if self.last:
             return (2 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4  # argmax: token and row sum
         return self.hp.n_embd * shape.n_tokens * 4
+
+    def read_output(self, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
+        """The arrays in a reply of output_size(shape, head) bytes."""
+        n_out = shape.n_outputs
+        if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
+            return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
+                               best=np.frombuffer(data, np.float32, n_out, n_out * 4),
+                               sums=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4))
+        if head:
+            return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, len(self.head_rows)))
+        if self.last and self.head_rows is None and shape.argmax:  # the argmax token and the row's sum
+            return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
+                               sums=np.frombuffer(data, np.float32, n_out, n_out * 4))
+        if self.last and self.head_rows is None:
+            return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, self.hp.n_vocab))
+        return StageOutput(hidden=np.frombuffer(data, np.float32))
 
     def graph(self, shape: StepShape, head: bool = False) -> tuple[BuiltGraph, list]:
         """The step graph for `shape` (its head graph if `head`) and the graphs

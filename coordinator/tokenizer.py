@@ -14,6 +14,9 @@ Gemma 1/2/3, ...). The goal is token-for-token agreement with llama.cpp:
 Decoding mirrors llama.cpp's ``token_to_piece``: normal tokens have "▁" turned back into
 spaces, byte tokens give their raw byte, user-defined tokens are copied verbatim, and
 control/unknown tokens give nothing unless ``special=True``.
+
+About 400 lines in one module on purpose: it is one port of one llama.cpp file,
+kept in that file's order so the two can be compared side by side.
 """
 
 from __future__ import annotations

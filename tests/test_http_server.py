@@ -319,7 +319,7 @@ def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():
     import jinja2
     from jinja2.sandbox import SecurityError
 
-    from coordinator.http_server import _chat_environment
+    from coordinator.serving.http_server import _chat_environment
     env = _chat_environment()
     alternate = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                  "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"

@@ -1,5 +1,7 @@
-"""Architectures: each module gives hparams(gguf), embed(builder, tokens) and
-layer(builder, il, x, positions); the output head is shared (common.py)."""
+"""Architectures: each module gives hparams(gguf), embed(builder, tokens),
+layer(builder, il, x, positions), extra_weights(tensor names) (what every
+stage holds besides its layers) and FALLBACK_CHAT_TEMPLATE; the output head is
+shared (common.py). What differs between architectures lives here."""
 from coordinator.models import gemma3, llama
 
 ARCHITECTURES = {"llama": llama, "gemma3": gemma3}

@@ -84,7 +84,7 @@ class GraphBuilder:
         swa = hp.is_swa(il)
         base = hp.rope_base_swa if swa else hp.rope_base
         scale = 1.0 if swa else hp.rope_scale
-        factors = self.w.get("rope_freqs.weight") if hp.arch == "llama" else None
+        factors = self.w.get("rope_freqs.weight")  # only where the architecture asks for it (extra_weights)
         return lib.ggml_rope_ext(self.c, x, pos, factors if factors is not None else NULL, hp.n_rot, hp.rope_type, hp.n_ctx_train,
                                  base, scale, 0.0, 1.0, 32.0, 1.0)
 

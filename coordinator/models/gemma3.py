@@ -10,6 +10,21 @@ from ggml_ffi import lib
 from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams
 
 
+# the chat template when the GGUF carries none (tokenizer.chat_template)
+FALLBACK_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+    "{% if m['role'] == 'system' %}<start_of_turn>user\n{{ m['content'] }}\n"
+    "{% else %}{% if not (loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'system') %}"
+    "<start_of_turn>{{ role }}\n{% endif %}{{ m['content'] }}<end_of_turn>\n{% endif %}"
+    "{% endfor %}<start_of_turn>model\n")
+
+
+def extra_weights(tensors) -> list[str]:
+    """Weights every stage holds besides its layers': none."""
+    return []
+
+
 def hparams(g) -> HParams:
     n_embd, n_head = g.require("gemma3.embedding_length"), g.require("gemma3.attention.head_count")
     head_dim = g.get("gemma3.attention.key_length", n_embd // n_head)

@@ -7,6 +7,16 @@ from ggml_ffi import lib
 from coordinator.models.common import ROPE_NORMAL, GraphBuilder, HParams
 
 
+# the chat template when the GGUF carries none (tokenizer.chat_template)
+FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                          "[assistant] ")
+
+
+def extra_weights(tensors) -> list[str]:
+    """Weights every stage holds besides its layers': llama 3.x's RoPE frequency factors."""
+    return ["rope_freqs.weight"] if "rope_freqs.weight" in tensors else []
+
+
 def hparams(g) -> HParams:
     n_embd, n_head = g.require("llama.embedding_length"), g.require("llama.attention.head_count")
     head_dim = g.get("llama.attention.key_length", n_embd // n_head)

@@ -17,24 +17,13 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from coordinator.api import DecodeResult
-from coordinator.batching import Scheduler, ShuttingDown
+from coordinator.results import DecodeResult
+from coordinator.serving.batching import Scheduler, ShuttingDown
 from coordinator.sampling import Sampler
 from rpc_daemon.lifecycle import until_signalled
 
 log = structlog.get_logger("http")
 
-# Used when the GGUF carries no tokenizer.chat_template.
-FALLBACK_TEMPLATES = {
-    "gemma3": ("{{ bos_token }}{% for m in messages %}"
-               "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
-               "{% if m['role'] == 'system' %}<start_of_turn>user\n{{ m['content'] }}\n"
-               "{% else %}{% if not (loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'system') %}"
-               "<start_of_turn>{{ role }}\n{% endif %}{{ m['content'] }}<end_of_turn>\n{% endif %}"
-               "{% endfor %}<start_of_turn>model\n"),
-    "llama": ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-              "[assistant] "),
-}
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
 
 
@@ -115,7 +104,7 @@ class CompletionServer:
         self.n_ctx_slot = n_ctx_slot
         self.reconnect_interval = reconnect_interval
         self.loaded = True
-        template = coord.gguf.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(coord.hp.arch)
+        template = coord.gguf.get("tokenizer.chat_template") or coord.arch.FALLBACK_CHAT_TEMPLATE
         self.chat_template = _chat_environment().from_string(template)
 
     # ------------------------------------------------------------ app
@@ -157,36 +146,34 @@ class CompletionServer:
 
     # ------------------------------------------------------------ health and metrics
     def health_state(self) -> tuple[int, dict]:
-        reasons = []
-        if not self.loaded:
-            reasons.append("model loading")
-        failed = self.coord.failed_endpoints()
-        if failed:
+        """The library's health (Coordinator.health(): the latch state decodes
+        check) plus this server's own: the model loaded, the decode loop alive
+        and not stuck."""
+        health = self.coord.health()
+        reasons = [] if self.loaded else ["model loading"]
+        if health["status"] != "ok":
             reasons.append("endpoints failed")
-            if self.coord.auto_reconnect:
+            if health["status"] == "reconnecting":
                 reasons.append("reconnecting")
-        if not self.scheduler.alive:
-            reasons.append("decode loop stopped")
-        started = self.scheduler.decode_started
-        if started is not None and time.monotonic() - started > DECODE_STALL_SECONDS:
-            reasons.append(f"decode step in flight for {time.monotonic() - started:.0f} s")
+        reasons += self._decode_loop_problems()
+        failures = {e["endpoint"]: {"cause": e["cause"], "failed_since": e["since"]}
+                    for e in health["endpoints"] if not e["ok"]}
         body = {"status": "ok" if not reasons else "unavailable", "slots_busy": self.scheduler.busy,
                 "slots": self.scheduler.n_slots,
-                "endpoints": [dict(e, **self._failure(e["endpoint"], failed)) for e in self.coord.endpoints()]}
+                "endpoints": [dict(e, **failures.get(e["endpoint"], {})) for e in self.coord.endpoints()]}
         if reasons:
             body["reasons"] = reasons
         return (200 if not reasons else 503), body
 
-    def decode_loop_healthy(self) -> bool:
+    def _decode_loop_problems(self) -> list[str]:
+        problems = [] if self.scheduler.alive else ["decode loop stopped"]
         started = self.scheduler.decode_started
-        return self.scheduler.alive and (started is None or time.monotonic() - started <= DECODE_STALL_SECONDS)
+        if started is not None and time.monotonic() - started > DECODE_STALL_SECONDS:
+            problems.append(f"decode step in flight for {time.monotonic() - started:.0f} s")
+        return problems
 
-    @staticmethod
-    def _failure(endpoint: str, failed) -> dict:
-        for f in failed:
-            if f.endpoint == endpoint:
-                return {"cause": f.cause, "failed_since": f.since}
-        return {}
+    def decode_loop_healthy(self) -> bool:
+        return not self._decode_loop_problems()
 
     async def health(self, request) -> web.Response:
         status, body = self.health_state()

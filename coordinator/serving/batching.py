@@ -15,10 +15,10 @@ from typing import Sequence
 
 import structlog
 
-from coordinator.api import Batch, DecodeResult
+from coordinator.results import Batch, DecodeResult
 from coordinator.kv_cache import MAX_SEQ
 from coordinator.sampling import Sampler
-from coordinator.tokenizer import Detokenizer
+from coordinator.text import TextStream
 
 log = structlog.get_logger("batching")
 
@@ -43,15 +43,12 @@ class Slot:
     prompt: list[int]
     max_tokens: int
     sampler: Sampler
-    stop: Sequence[str]
-    detok: Detokenizer
+    text: TextStream
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     pending: list[int] = field(default_factory=list)  # tokens still to feed
     pos: int = 0
     fed: int = 0  # tokens of `pending` in the step being decoded
     generated: int = 0
-    text: str = ""
-    emitted: int = 0
     cancelled: bool = False
     first_token_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -114,7 +111,7 @@ class Scheduler:
         if self.closing:
             self.free.put_nowait(seq)
             raise ShuttingDown()
-        slot = Slot(seq, prompt, max_tokens, sampler, tuple(stop), Detokenizer(self.coord.tokenizer),
+        slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
                     pending=list(prompt))
         self.active.append(slot)
         self._wake.set()
@@ -136,11 +133,10 @@ class Scheduler:
             return
         self.free.put_nowait(slot.seq)
 
-    def _finish(self, slot: Slot, reason: str) -> None:
-        slot.text += slot.detok.flush()
-        if len(slot.text) > slot.emitted:
-            slot.events.put_nowait(SlotEvent("text", slot.text[slot.emitted:]))
-            slot.emitted = len(slot.text)
+    def _finish(self, slot: Slot, reason: str, piece: str = "") -> None:
+        piece += slot.text.finish()
+        if piece:
+            slot.events.put_nowait(SlotEvent("text", piece))
         slot.events.put_nowait(SlotEvent("done", finish_reason=reason))
         self._release(slot)
 
@@ -218,21 +214,12 @@ class Scheduler:
         slot.generated += 1
         if self.metrics:
             self.metrics.tokens_generated.inc()
-        slot.text += slot.detok.feed(token)
-        cut = min((slot.text.find(s) for s in slot.stop if s in slot.text), default=-1)
-        if cut >= 0:
-            slot.text = slot.text[:cut]
-            slot.detok = _NullDetok()
-            return self._finish(slot, "stop")
-        safe = len(slot.text) - max((len(s) - 1 for s in slot.stop), default=0)
-        if safe > slot.emitted:
-            slot.events.put_nowait(SlotEvent("text", slot.text[slot.emitted:safe]))
-            slot.emitted = safe
+        piece = slot.text.feed(token)
+        if slot.text.stopped:
+            return self._finish(slot, "stop", piece)
+        if piece:
+            slot.events.put_nowait(SlotEvent("text", piece))
         if slot.generated >= slot.max_tokens or slot.pos + 1 >= self.n_ctx_slot:
             return self._finish(slot, "length")
         slot.pending = [token]
 
-
-class _NullDetok:
-    def flush(self) -> str:
-        return ""

@@ -1,0 +1,234 @@
+"""The endpoints' state: each one's connection (executor) and stage, and its
+latch. docs/failure-semantics.md describes the behaviour.
+
+An endpoint whose connection fails is latched: decodes fail fast until a
+reconnect (manual, or automatic with backoff) opens a new connection and
+uploads the stage's weights again. Latching loses every sequence's KV cache;
+the owner's `lose_kv` callback clears it and says which sequences to re-feed.
+Nothing here needs a model: `connect(placement)` (an executor, opened and
+loaded) and `lose_kv()` are the owner's.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import structlog
+
+from coordinator.executors import peer_failed
+from coordinator.results import EndpointFailure, EndpointUnavailable, FailureKind, StageFailed
+from coordinator.stage import Stage
+
+log = structlog.get_logger("coordinator")
+
+
+@dataclass
+class Placement:
+    endpoint: str
+    layers: range
+    executor: object = None
+    stage: Stage | None = None
+    failure: EndpointFailure | None = None
+    reconnect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    auto_task: asyncio.Task | None = None
+
+
+def _bounds(r: range | None) -> list[int] | None:
+    return None if r is None else [r.start, r.stop]
+
+
+class EndpointSet:
+    def __init__(self, endpoints: list[str], io, lock: asyncio.Lock,
+                 connect: Callable[[Placement], Awaitable[object]], lose_kv: Callable[[], set[int]],
+                 auto_reconnect: bool = False, backoff: tuple[float, float] = (0.25, 8.0),
+                 stats: dict | None = None):
+        """`io`: the LoopThread; `lock`: the decode lock (latch and swap
+        connections between steps)."""
+        self.places = [Placement(e, range(0)) for e in endpoints]
+        self.io, self.lock, self.connect, self.lose_kv = io, lock, connect, lose_kv
+        self.auto_reconnect = bool(auto_reconnect)
+        self.backoff = tuple(backoff)
+        self.stats = stats if stats is not None else {"reconnects": 0}
+        self.needs_refeed: set[int] = set()
+
+    # ------------------------------------------------------------ opening
+    async def open_all(self, new_executor) -> list[dict]:
+        """A connection to every endpoint at once; their DEVICE_INFO."""
+        for p in self.places:
+            p.executor = new_executor(p.endpoint)
+        try:
+            infos = await asyncio.gather(*(p.executor.open() for p in self.places))
+        except StageFailed as exc:
+            raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
+        for p in self.places:
+            self.watch(p, p.executor)
+        return infos
+
+    async def load_all(self, gguf, progress: bool) -> None:
+        """Upload every stage's weights (a progress bar on request)."""
+        total = sum(len(p.stage.weight_data(gguf, n)) for p in self.places for n in p.stage.weights)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="uploading weights", leave=False)
+        try:
+            for p in self.places:
+                try:
+                    await p.executor.load(p.stage, gguf, bar.update if bar else None)
+                except StageFailed as exc:
+                    if exc.lost_connection:
+                        self._latch(p, exc)
+                    raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
+        finally:
+            if bar:
+                bar.close()
+
+    def watch(self, p: Placement, ex) -> None:
+        """Latch `p` as soon as its connection fails, also between decodes (a
+        worker that dies, hangs or drops us while we are idle), so health() and
+        failed() tell the truth before the next decode finds out."""
+        client = getattr(ex, "client", None)
+        if client is None:
+            return
+        client.on_failure = lambda failure: self.io.spawn(self._connection_lost(p, ex, failure))
+        if client.failed is not None:  # it failed before it was watched (during the upload)
+            client.on_failure(client.failed)
+
+    async def _connection_lost(self, p: Placement, ex, failure) -> None:
+        async with self.lock:  # between steps: a step in flight latches its own failures
+            if p.executor is ex and p.failure is None and not self.io.closed:
+                self._latch(p, peer_failed(p.endpoint, failure))
+
+    async def close_all(self) -> None:
+        for p in self.places:
+            if p.executor is not None:
+                try:
+                    await p.executor.close()
+                except Exception:
+                    pass
+
+    # ------------------------------------------------------------ status
+    def status(self) -> list[dict]:
+        return [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
+                 "head_rows": _bounds(p.stage.head_rows) if p.stage else None,
+                 "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self.places]
+
+    def failed(self) -> list[EndpointFailure]:
+        return [p.failure for p in self.places if p.failure is not None]
+
+    def health(self) -> dict:
+        failed = self.failed()
+        status = "ok" if not failed else ("reconnecting" if self.auto_reconnect else "failed")
+        return {"status": status,
+                "endpoints": [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
+                               "ok": p.failure is None,
+                               **({"kind": p.failure.kind, "cause": p.failure.cause, "since": p.failure.since,
+                                   "attempts": p.failure.attempts, "next_attempt": p.failure.next_attempt}
+                                  if p.failure is not None else {})}
+                              for p in self.places],
+                "needs_refeed": sorted(self.needs_refeed)}
+
+    # ------------------------------------------------------------ latching
+    def latch(self, exc: StageFailed) -> None:
+        """Latch the endpoint `exc` names (a failure of its connection)."""
+        for p in self.places:
+            if p.endpoint == exc.endpoint:
+                self._latch(p, exc)
+
+    def _latch(self, p: Placement, exc: StageFailed) -> None:
+        if p.failure is None:
+            self._set_failure(p, EndpointFailure(p.endpoint, exc.message, exc.cause, time.time()))
+
+    def _set_failure(self, p: Placement, failure: EndpointFailure) -> None:
+        """Latch `p` failed. Its worker freed our buffers with the connection, so
+        every sequence's KV cache is gone: lose_kv() clears it, and the
+        sequences are remembered for needs_refeed()/reconnect()."""
+        first = p.failure is None
+        if not first:  # still failed: since when stays the first failure's (alerts count from it)
+            failure.attempts, failure.since = p.failure.attempts, p.failure.since
+        p.failure = failure
+        self.needs_refeed |= self.lose_kv()
+        if first:
+            log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)
+        if self.auto_reconnect and not self.io.closed:
+            self._schedule_auto_reconnect(p)
+
+    # ------------------------------------------------------------ reconnecting
+    async def reconnect(self, endpoint: str | None) -> list[int]:
+        if endpoint is not None and endpoint not in [p.endpoint for p in self.places]:
+            raise ValueError(f"{endpoint!r} is not an endpoint of this coordinator")
+        for p in self.places:
+            if endpoint is None and p.failure is not None:
+                await self._reconnect_place(p, only_if_failed=True)
+            elif p.endpoint == endpoint:
+                await self._reconnect_place(p, only_if_failed=False)
+        return sorted(self.needs_refeed)
+
+    async def _reconnect_place(self, p: Placement, only_if_failed: bool) -> None:
+        async with p.reconnect_lock:
+            async with self.lock:
+                if p.failure is None:
+                    if only_if_failed:
+                        return  # someone else reconnected it meanwhile
+                    # retire the healthy connection first: its buffers are freed before
+                    # the new ones are allocated, and decodes fail fast in between
+                    retired = f"worker {p.endpoint}: connection being replaced by reconnect()"
+                    self._set_failure(p, EndpointFailure(p.endpoint, retired, FailureKind.RECONNECT, time.time()))
+                old, p.executor = p.executor, None
+            if old is not None:
+                await old.close()
+            # connect and upload outside the decode lock: decodes keep failing fast meanwhile
+            try:
+                ex = await self.connect(p)
+            except StageFailed as exc:
+                async with self.lock:
+                    self._set_failure(p, EndpointFailure(p.endpoint, exc.message, exc.cause, time.time()))
+                raise EndpointUnavailable(p.endpoint, exc.cause, exc.message) from None
+            async with self.lock:
+                p.stage.graphs.clear()  # their wire form names the old connection's buffer
+                p.executor = ex
+                self.watch(p, ex)
+                p.failure = None
+                self.stats["reconnects"] += 1
+                log.info("endpoint reconnected", endpoint=p.endpoint, needs_refeed=sorted(self.needs_refeed))
+
+    def set_auto_reconnect(self, enabled: bool, backoff: tuple[float, float] | None = None) -> None:
+        """On the loop thread: turn the policy on (retrying every latched
+        endpoint) or off (cancelling the retries)."""
+        self.auto_reconnect = bool(enabled)
+        if backoff is not None:
+            self.backoff = tuple(backoff)
+        for p in self.places:
+            if enabled and p.failure is not None:
+                self._schedule_auto_reconnect(p)
+            elif not enabled and p.auto_task is not None:
+                p.auto_task.cancel()
+                p.auto_task = None
+                if p.failure is not None:
+                    p.failure.next_attempt = None
+
+    def _schedule_auto_reconnect(self, p: Placement) -> None:
+        if p.auto_task is None or p.auto_task.done():
+            p.auto_task = self.io.loop.create_task(self._auto_reconnect(p))
+
+    async def _auto_reconnect(self, p: Placement) -> None:
+        delay, cap = self.backoff
+        while p.failure is not None and self.auto_reconnect and not self.io.closed:
+            p.failure.next_attempt = time.time() + delay
+            await asyncio.sleep(delay)
+            if p.failure is None:
+                return
+            attempt = p.failure.attempts + 1
+            p.failure.attempts = attempt
+            p.failure.next_attempt = None
+            try:
+                await self._reconnect_place(p, only_if_failed=True)
+                log.info("endpoint reconnected automatically", endpoint=p.endpoint, attempts=attempt)
+                return
+            except EndpointUnavailable as exc:
+                log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt, cause=exc.message)
+            except Exception:
+                log.exception("automatic reconnect failed", endpoint=p.endpoint)
+            delay = min(delay * 2, cap)

@@ -1,0 +1,130 @@
+"""One decode step through the stages: the forward pass (stage after stage,
+the hidden state coming back here between them) and, with the output head
+split, the head round (every endpoint's share at once).
+
+It touches no latch: a failure is raised as StepFailed, naming the failure the
+decode reports and every endpoint whose connection failed, for the caller to
+latch. docs/architecture.md, "A decode step", has the data flow.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from coordinator.kv_cache import KVCells
+from coordinator.models.common import HParams, StepShape
+from coordinator.results import FailureKind, StageFailed
+from coordinator.stage import StageOutput
+
+
+class StepFailed(Exception):
+    """`reported`: what the decode reports (a StageFailed, or any other
+    exception: a bug of ours); `lost`: the failures of connections, to latch."""
+
+    def __init__(self, reported: BaseException, lost: list[StageFailed]):
+        super().__init__(str(reported))
+        self.reported, self.lost = reported, lost
+
+
+def _read(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
+    """Stage `p`'s reply taken apart, if it has the size its layout says."""
+    expect = p.stage.output_size(shape, head)
+    if len(data) != expect:
+        raise StageFailed(FailureKind.COMPUTE, p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
+                                                 f"{len(data)} bytes, expected {expect}")
+    return p.stage.read_output(data, shape, head)
+
+
+def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
+    if ((tokens < 0) | (tokens >= n_vocab)).any():
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: argmax token id out of range")
+    return tokens
+
+
+def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
+    if not np.isfinite(logits).all():
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: logits contain NaN or infinity")
+    return logits
+
+
+class Pipeline:
+    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool):
+        self.places, self.hp, self.kv, self.head_split = places, hp, kv, head_split
+
+    async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
+                   out_rows: np.ndarray, greedy: bool) -> np.ndarray:
+        """The logits of the rows `out_rows` lists (f32[n_outputs, n_vocab]), or
+        with `greedy` their argmax tokens (i32[n_outputs]); the KV rows `rows`
+        written on every worker. Raises StepFailed."""
+        try:
+            return await self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+        except StageFailed as exc:
+            raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
+        except (StepFailed, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug of ours: the decode reports it, never raises it
+            raise StepFailed(exc, []) from exc
+
+    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+        n = len(tokens)
+        wanted = len(out_rows)
+        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped below
+            out_rows = np.array([n - 1], dtype=np.int32)
+        n_kv = self.kv.n_kv()
+        shape = StepShape(n, n_kv, len(out_rows), greedy)
+        mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
+        common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
+        if self.hp.n_swa:
+            common["mask_swa"] = mask_swa
+        hidden = None
+        for p in self.places:
+            inputs = dict(common)
+            if p.stage.first:
+                inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
+            else:
+                inputs["hidden"] = hidden
+            if p.stage.last:
+                inputs["out_rows"] = out_rows
+            out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+            hidden = out.hidden
+        if not wanted:  # the KV rows are written; no head round for rows nobody wants
+            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        if self.head_split:
+            return await self._head(hidden, shape)
+        last = self.places[-1].endpoint
+        if greedy:
+            _checked_logits(out.sums, last)
+            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
+        return _checked_logits(out.logits, last)
+
+    async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
+        """Every endpoint's shard of the output head at once; then the logits
+        side by side, or (greedy) each row's token from the shard whose best
+        logit is highest (the first such shard: the lowest id, as argmax)."""
+        places = [p for p in self.places if len(p.stage.head_rows)]
+        inputs = {"head_in": normed}
+        # every shard's request runs to its end (or failure): none is left in flight past this decode
+        results = await asyncio.gather(*(p.executor.run(p.stage, shape, inputs, head=True) for p in places),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
+            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
+            raise StepFailed(bug or (lost or failures)[0], lost)
+        if shape.argmax:
+            best, value = [], []
+            for p, data in zip(places, results):
+                out, r = _read(p, data, shape, head=True), p.stage.head_rows
+                _checked_logits(out.sums, p.endpoint)
+                best.append(_checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
+                value.append(out.best)
+            winner = np.argmax(np.stack(value), axis=0)
+            return np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
+        logits = np.empty((shape.n_outputs, self.hp.n_vocab), dtype=np.float32)
+        for p, data in zip(places, results):
+            r = p.stage.head_rows
+            logits[:, r.start: r.stop] = _checked_logits(_read(p, data, shape, head=True).logits, p.endpoint)
+        return logits

@@ -1,0 +1,158 @@
+"""What goes into a decode and what comes out: Batch, the result codes, the
+errors, the latch record of a failed endpoint, and a step's outputs."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+class DecodeResult(enum.IntEnum):
+    OK = 0
+    NO_KV_SLOT = 1
+    ABORTED = 2
+    INVALID_BATCH = -1
+    COMPUTE_FAILED = -3
+    ENDPOINT_FAILED = -4
+
+
+class FailureKind(str, enum.Enum):
+    """What failed, in one word: EndpointFailure.kind, EndpointUnavailable.kind,
+    DecodeError.cause, Coordinator.last_cause, health()'s "kind". A str, so
+    `kind == "closed"`, f-strings, logs and JSON see the plain word."""
+    # the connection is gone (the endpoint is latched): from rpc_daemon's PeerFailed...
+    UNREACHABLE = "unreachable"
+    TIMEOUT = "timeout"
+    CLOSED = "closed"
+    PROTOCOL = "protocol"
+    ENDPOINT = "endpoint"  # ...or the worker refused what a connection needs first (DEVICE_INFO)
+    RECONNECT = "reconnect"  # retired by an explicit reconnect()
+    # the worker is fine, a request failed
+    COMPUTE = "compute"
+    ALLOC = "alloc"  # out of memory
+    LOAD = "load"  # a weight upload refused
+    # refused or failed here
+    INTERNAL = "internal"  # a bug of ours
+    CONTEXT_FULL = "context_full"
+    INVALID_BATCH = "invalid_batch"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__  # as the plain strings were, e.g. in EndpointFailure's repr
+
+    @property
+    def lost_connection(self) -> bool:
+        return self in _CONNECTION_KINDS
+
+    @classmethod
+    def of(cls, word: str) -> "FailureKind | str":
+        """The member for `word` (a PeerFailed kind); an unknown word as it is."""
+        try:
+            return cls(word)
+        except ValueError:
+            return word
+
+
+_CONNECTION_KINDS = frozenset({FailureKind.UNREACHABLE, FailureKind.TIMEOUT, FailureKind.CLOSED,
+                               FailureKind.PROTOCOL, FailureKind.ENDPOINT, FailureKind.RECONNECT})
+
+
+class StageFailed(Exception):
+    """A stage's request failed (executors raise it). `cause` says how;
+    `lost_connection`: the connection is gone, so the endpoint must be latched
+    (else the worker is fine and only this request failed)."""
+
+    def __init__(self, cause: FailureKind | str, endpoint: str, message: str):
+        super().__init__(message)
+        self.cause, self.endpoint, self.message = cause, endpoint, message
+
+    @property
+    def lost_connection(self) -> bool:
+        return self.cause in _CONNECTION_KINDS or not isinstance(self.cause, FailureKind)
+
+
+class DecodeError(RuntimeError):
+    """A failed decode step of generate/stream. `cause` is a FailureKind:
+    'unreachable', 'timeout', 'closed', 'protocol' (ENDPOINT_FAILED), 'compute',
+    'alloc', 'internal' (COMPUTE_FAILED), 'context_full' (NO_KV_SLOT),
+    'invalid_batch'."""
+
+    def __init__(self, code: DecodeResult, endpoint: str | None, message: str, cause: FailureKind | None = None):
+        super().__init__(f"{DecodeResult(code).name}: {message}")
+        self.code, self.endpoint, self.message, self.cause = DecodeResult(code), endpoint, message, cause
+
+
+class EndpointUnavailable(ConnectionError):
+    """Connecting to (or loading weights onto) a worker failed: raised by the
+    constructor and by reconnect(). `kind` as in EndpointFailure."""
+
+    def __init__(self, endpoint: str, kind: FailureKind, message: str):
+        super().__init__(message)
+        self.endpoint, self.kind, self.message = endpoint, kind, message
+
+
+@dataclass
+class EndpointFailure:
+    """Why an endpoint is latched failed. `cause` is the message; `kind` a
+    FailureKind: 'unreachable', 'timeout', 'closed', 'protocol' (what the
+    connection saw), 'reconnect' (retired by an explicit reconnect()) or
+    'alloc'/'load' (the weights could not be placed while reconnecting)."""
+    endpoint: str
+    cause: str
+    kind: FailureKind
+    since: float  # unix time of the failure
+    attempts: int = 0  # automatic reconnection attempts so far
+    next_attempt: float | None = None  # unix time of the next automatic attempt, if one is scheduled
+
+
+@dataclass
+class Batch:
+    """Tokens to decode. `seq_ids[i]` lists the sequences token i belongs to;
+    `logits[i]` says whether its logits are wanted (default: the last token)."""
+    tokens: Sequence[int]
+    pos: Sequence[int]
+    seq_ids: Sequence[Sequence[int]] | None = None
+    logits: Sequence[bool] | None = None
+
+    @classmethod
+    def single(cls, tokens: Sequence[int], pos0: int, seq: int = 0, all_logits: bool = False) -> "Batch":
+        n = len(tokens)
+        return cls(list(tokens), list(range(pos0, pos0 + n)), [[seq]] * n,
+                   [all_logits or i == n - 1 for i in range(n)])
+
+
+class StepOutput:
+    """What an OK decode left to read: per batch token that wanted logits, its
+    logits, or (greedy) its argmax token. None of it after a failed decode."""
+
+    def __init__(self, out_rows: np.ndarray | None = None, logits: np.ndarray | None = None,
+                 tokens: np.ndarray | None = None):
+        self.logits_, self.tokens = logits, tokens
+        self.rows = {} if out_rows is None else {int(i): k for k, i in enumerate(out_rows)}
+
+    def _row(self, i: int) -> int:
+        if i < 0:
+            k = len(self.rows) + i
+            if not 0 <= k < len(self.rows):
+                raise IndexError(f"logits index {i} out of range")
+            return k
+        if i not in self.rows:
+            raise IndexError(f"token {i} of the last batch did not request logits")
+        return self.rows[i]
+
+    def logits(self, i: int) -> np.ndarray:
+        if self.logits_ is None:
+            if self.tokens is not None:
+                raise RuntimeError("no logits: the last decode ran with greedy=True (read token(i))")
+            raise RuntimeError("no logits: the last decode did not return OK")
+        return self.logits_[self._row(i)]
+
+    def token(self, i: int) -> int:
+        if self.tokens is not None:
+            return int(self.tokens[self._row(i)])
+        return int(np.argmax(self.logits(i)))
+
+
+NO_OUTPUT = StepOutput()

@@ -1,0 +1,302 @@
+"""`ggml-coordinator`: generate text or benchmark over ggml-rpc-server workers.
+
+Without --endpoints it starts --local-workers daemons on free loopback ports,
+uses them and stops them at exit.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import signal
+import statistics
+import sys
+import time
+
+from coordinator.api import Coordinator
+from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
+
+EXIT_DECODE_FAILED = 2
+EXIT_CONNECT_FAILED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def _defaults(fn) -> dict:
+    """The keyword defaults of `fn`: the CLI's defaults are the library's, stated there once."""
+    return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+
+
+LIBRARY = _defaults(Coordinator.__init__)  # n_ctx, threads, ...
+GENERATION = _defaults(Coordinator.stream)  # max_tokens, temperature, top_k, top_p, seed
+
+
+def _count(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in minimum..maximum."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, not {value}")
+        return value
+    return parse
+
+
+def _proportions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 1,2") from None
+    if not all(v > 0 and v != float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"proportions must be positive (every worker holds at least one layer): "
+                                         f"{text!r}")
+    return values
+
+
+def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
+    p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
+    p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
+    p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
+    p.add_argument("-t", "--threads", type=_count(1), default=LIBRARY["threads"], help="compute threads per worker")
+    p.add_argument("-c", "--ctx-size", type=_count(1), default=None,
+                   help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: --parallel x --ctx-per-slot)")
+    p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
+    if with_head_flag:
+        p.add_argument("--no-head-split", dest="head_split", action="store_false",
+                       help="the last worker computes the whole output head (default: every worker a share)")
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="the workers' shared secret (else $GGML_RPC_SECRET); local workers get it too")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _common(g)
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-n", "--n-predict", type=_count(0), default=GENERATION["max_tokens"])
+    g.add_argument("--temp", type=float, default=GENERATION["temperature"])
+    g.add_argument("--top-k", type=int, default=GENERATION["top_k"])
+    g.add_argument("--top-p", type=float, default=GENERATION["top_p"])
+    g.add_argument("--seed", type=int, default=GENERATION["seed"])
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _common(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=_count(0, 65535), default=8080)
+    s.add_argument("--parallel", type=_count(1, MAX_SEQ), default=4,
+                   help="slots decoding together (continuous batching)")
+    s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
+    b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
+    _common(b, with_head_flag=False)
+    b.add_argument("--reps", type=_count(1), default=3)
+    b.add_argument("--pp", type=_count(1), default=64)
+    b.add_argument("--tg", type=_count(1), default=32)
+    b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
+                   help="run the workers with the output head split over them, whole on the last, or both "
+                        "(both: two rows side by side; the workers hold the model twice)")
+    args = p.parse_args(argv)
+    if args.command == "serve" and args.ctx_size is not None:
+        s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
+    if args.ctx_size is None:
+        args.ctx_size = LIBRARY["n_ctx"]
+    if args.command == "generate":
+        from coordinator.sampling import Sampler
+        try:  # before any worker is started or the model read
+            Sampler(args.temp, args.top_k, args.top_p, args.seed)
+        except ValueError as exc:
+            g.error(str(exc))
+    return args
+
+
+@contextlib.contextmanager
+def endpoints_for(args, supervise: bool = False):
+    if args.endpoints:
+        yield [e.strip() for e in args.endpoints.split(",") if e.strip()]
+        return
+    from coordinator.serving.local_workers import LocalWorkers
+
+    extra = ("--secret-file", args.secret_file) if args.secret_file else ()
+    with LocalWorkers(args.local_workers, args.threads, extra) as workers:
+        if supervise:  # a server restarts a local worker that dies; generate and bench report it and stop
+            workers.supervise()
+        yield workers.endpoints
+
+
+def _security(args) -> dict:
+    """Coordinator options for the workers' shared secret and TLS (docs/security.md)."""
+    return {"secret_file": args.secret_file, "tls_ca": args.tls_ca}
+
+
+def cmd_generate(args) -> int:
+    from coordinator import DecodeError
+
+    with endpoints_for(args) as endpoints:
+        try:
+            c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
+                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
+        except (ConnectionError, OSError, ValueError) as exc:
+            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            return EXIT_CONNECT_FAILED
+        with c:
+            started, n = time.perf_counter(), 0
+            generated0 = c.stats["generated"]
+            try:
+                for piece in c.stream(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except DecodeError as exc:
+                print(f"\nggml-coordinator: generation failed: {exc}", file=sys.stderr)
+                return EXIT_DECODE_FAILED
+            elapsed = time.perf_counter() - started
+            n = c.stats["generated"] - generated0
+            n_layer = c.hp.n_layer
+            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1} "
+                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
+                              + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
+                                 if e["head_rows"] else "") for e in c.endpoints())
+            print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
+    return 0
+
+
+def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
+    """pp tokens/s; tg tokens/s reading full logits (llama-bench's measure);
+    tg tokens/s with greedy=True (what generate does at temperature 0)."""
+    from coordinator import Batch, DecodeError
+
+    rng = __import__("numpy").random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(10, 1000, n_pp)]
+    rates = []
+    for greedy in (None, False, True):
+        c.kv_clear()
+        t = time.perf_counter()
+        code = c.decode(Batch.single(prompt, 0))
+        if greedy is None:
+            rates.append(n_pp / (time.perf_counter() - t))
+            continue
+        if code != 0:
+            raise DecodeError(code, None, "prompt decode failed")
+        tok, pos = c.token(-1), n_pp
+        t = time.perf_counter()
+        for _ in range(n_tg):
+            code = c.decode(Batch.single([tok], pos), greedy=greedy)
+            if code != 0:
+                raise DecodeError(code, None, "decode failed")
+            tok, pos = c.token(-1), pos + 1
+        rates.append(n_tg / (time.perf_counter() - t))
+    return tuple(rates)
+
+
+def cmd_bench(args) -> int:
+
+    results = {}
+    with endpoints_for(args) as endpoints:
+        rpc = f"rpc x{len(endpoints)}"
+        setups = {"local": (["local"], {})}
+        total = args.threads * len(endpoints)
+        if total > args.threads:  # the workers' cores, all in one process: what one machine alone would do
+            setups[f"local -t {total}"] = (["local"], {"threads": total})
+        if args.head_split in ("on", "both") or len(endpoints) == 1:
+            setups[rpc] = (endpoints, {"split": args.split})
+        if args.head_split in ("off", "both") and len(endpoints) > 1:
+            setups[rpc + " head whole"] = (endpoints, {"split": args.split, "head_split": False})
+        coords = {}
+        try:
+            for name, (eps, opts) in setups.items():
+                opts = {"threads": args.threads, **opts}
+                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
+                                           **opts, **_security(args))
+        except BaseException:
+            for c in coords.values():
+                c.close()
+            raise
+        try:
+            for c in coords.values():
+                _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
+            for _ in range(args.reps):  # interleaved, so both see the same machine load
+                for name, c in coords.items():
+                    results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
+        finally:
+            for c in coords.values():
+                c.close()
+    cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
+    width = max(len(name) for name in results) + 20
+    print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
+    med = {}
+    for name, rs in results.items():
+        med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
+        print(f"{name:<{width}}" + "".join(f"{v:>14.1f}" for v in med[name]))
+    baselines = [name for name in med if name.startswith("local")]
+    for base in baselines:
+        for name in med:
+            if name not in baselines:
+                label = f"ratio {name}" + (f" / {base}" if base != "local" else "")
+                print(f"{label:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med[base])))
+    print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
+          "workers' threads")
+    print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
+    if any(name.endswith("head whole") for name in med):
+        print("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
+              "split it over the workers, computed at the same time")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from coordinator.loop import run_async
+    from coordinator.serving.http_server import serve_http
+
+    with endpoints_for(args, supervise=True) as endpoints:
+        try:
+            c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
+                            n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
+                            head_split=args.head_split)
+        except (ConnectionError, OSError, ValueError) as exc:
+            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            return EXIT_CONNECT_FAILED
+        with c:
+            name = c.gguf.get("general.name") or os.path.basename(c.model_path)
+            try:
+                run_async(serve_http(c, args.host, args.port, args.parallel, args.ctx_per_slot, name))
+            except OSError as exc:
+                print(f"ggml-coordinator: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+                return 1
+    return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so every `with` unwinds: the
+    coordinator frees its remote buffers and local workers are stopped."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    args = parse_args(argv)
+    from rpc_daemon import logs
+
+    logs.configure(args.log_format, args.log_level)
+    if args.command != "serve":  # serve handles its signals in its event loop (graceful drain)
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+    except KeyboardInterrupt:
+        print("\nggml-coordinator: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("\nggml-coordinator: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
