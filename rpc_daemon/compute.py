@@ -73,6 +73,7 @@ class ComputePool:
         self._reaper: asyncio.TimerHandle | None = None
         self._lock: asyncio.Lock | None = None
         self._closed = False
+        self._respawn = False
         # --mem left for buffers' neighbours (set by the daemon): max_bytes - client buffers
         self.budget_base: Callable[[], int] | None = None
 
@@ -103,9 +104,14 @@ class ComputePool:
             if child is not None:
                 child[1].close()
             child = spawn_child(self.n_threads)
-        self.warm()
+        self._respawn = True  # the next spare starts once this call is done: not on its critical path
         log.info("compute process assigned", pid=child[0].pid, client=client_id)
         return child
+
+    def call_done(self) -> None:
+        if self._respawn:  # after the reply has gone out (the caller replies before it yields)
+            self._respawn = False
+            asyncio.get_running_loop().call_soon(self.warm)
 
     def for_client(self, client_id: int) -> ComputeProcess:
         proc = self.by_client.get(client_id)
@@ -241,8 +247,17 @@ class ComputeProcess:
         self.restarts += 1
 
     def shut(self) -> subprocess.Popen | None:
-        """Close the link and the output area; returns the child for the pool to kill and reap."""
+        """No more calls; returns the child for the pool to kill and reap. A call in flight (a
+        flush) keeps the link and the output area until the child's death ends it: closing a
+        socket the loop is reading from would leave that call, and the daemon-wide lock, hanging."""
         self._closed = True
+        self.compute_bytes = 0
+        proc, self.proc = self.proc, None
+        if not self._busy:
+            self._close_link()
+        return proc
+
+    def _close_link(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -250,9 +265,6 @@ class ComputeProcess:
             self.arena.close()
             os.close(self.arena_fd)
             self.arena = None
-        self.compute_bytes = 0
-        proc, self.proc = self.proc, None
-        return proc
 
     # ------------------------------------------------------------ calls
     def forget_buffer(self, key: int) -> None:
@@ -381,6 +393,9 @@ class ComputeProcess:
                 raise ComputeFailed(cause) from None
             finally:
                 self._busy = False
+                if self._closed:
+                    self._close_link()
+                self.pool.call_done()
                 if sizing:
                     self._sizing -= 1
                     if not self._sizing and self._settled is not None:
@@ -392,6 +407,8 @@ class ComputeProcess:
                 self.known_graphs.discard(key)  # refused for memory: the spec goes again next time
             elif sizing and reply.get("status") == 0:
                 self.sized.add(key)
+            if self._closed:
+                raise ComputeFailed("the client is gone")
             if reply.get("arena_bytes"):
                 out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
             return reply, out

@@ -151,8 +151,38 @@ class ComputeState:
         return reply, b"".join(ffi.buffer(ptrs[i].data, n)[:] for (i, o, n) in outputs)
 
 
+def warm_up(state: ComputeState) -> None:
+    """Compute one tiny graph and drop it: a spare process is started ahead, so the first-use costs
+    of a fresh process (symbol lookups, first allocations) are paid before a client needs it."""
+    from ggml_ffi import Context
+    from rpc_daemon.graph import parse_graph
+    from rpc_daemon.graph_codec import encode_graph
+    from rpc_daemon.protocol import Limits
+
+    try:
+        ctx = Context(8)
+        try:
+            a = ctx.new_tensor(lib.GGML_TYPE_F32, [4], "a")
+            lib.ggml_set_input(a)
+            z = lib.ggml_add(ctx.ptr, a, a)
+            lib.ggml_set_output(z)
+            gf = ctx.new_graph()
+            lib.ggml_build_forward_expand(gf, z)
+            tensors, index = encode_graph(gf, lambda t: None)
+        finally:
+            ctx.close()
+        spec = parse_graph({"tensors": tensors, "outputs": [index[z]]}, Limits(), lambda b: None)
+        state.compute({"graph_key": "warm-up", "graph": spec, "inputs": [(index[a], 0, 16)],
+                       "outputs": [index[z]]}, bytearray(16))
+    except Exception:  # best effort: a failure here costs only the first compute's latency
+        pass
+    finally:
+        state.drop_graph("warm-up")
+
+
 def serve(sock: socket.socket, n_threads: int) -> None:
     state = ComputeState(n_threads)
+    warm_up(state)
     try:
         while True:
             try:
