@@ -48,7 +48,7 @@ def test_tiny_buffers_cost_no_descriptors(start_daemon):
     allowed only 600 descriptors: every allocation succeeds, the next is LIMIT_EXCEEDED
     and the client keeps its connection; the daemon's descriptor count does not grow with
     the buffers; two more clients connect, allocate and compute. (Before: two descriptors
-    per buffer, so the client's allocations failed at ~270 and then everybody's did.)"""
+    per buffer, so the client's allocations failed after a few hundred and then everybody's did.)"""
     dd = start_daemon("-t", "1", "--max-clients", "8", nofile=(600, 600))
     n_max = 4096
 
