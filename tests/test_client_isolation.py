@@ -232,3 +232,35 @@ def test_out_of_bounds_graph_cannot_reach_another_client(start_daemon):
     victim = re.search(r"client=(\d+)", next(line for line in dd.log_lines if "compute process assigned" in line))
     assert all(re.search(r"client=(\d+)", line).group(1) != victim.group(1) for line in lost), lost
     assert_served(dd)
+
+
+# ---------------------------------------------------------------- the arena, without a daemon
+
+def test_arena_reuses_freed_ranges_zeroed_and_releases_pages():
+    """First fit, neighbours coalesced, every buffer zeroed when handed out, freed pages released
+    (MADV_REMOVE inside, ftruncate at the top), sizes counted as whole pages, one arena per owner."""
+    from rpc_daemon.buffers import PAGE, BufferRegistry
+
+    reg = BufferRegistry(64 * PAGE, arena_bytes=1 << 30)
+    held = lambda: os.fstat(reg.arena(1).fd).st_blocks * 512  # noqa: E731
+    a, b, c = (reg.alloc(1, n) for n in (1, 2 * PAGE, PAGE + 1))
+    assert [x.offset for x in (a, b, c)] == [0, PAGE, 3 * PAGE] and reg.allocated == 5 * PAGE
+    assert os.fstat(reg.arena(1).fd).st_size == 5 * PAGE  # the file ends at the highest live buffer
+    for x in (a, b, c):
+        x.view[:] = b"\xff" * x.size
+    reg.free(b)  # a hole: its pages go back
+    assert held() == 3 * PAGE and reg.allocated == 3 * PAGE
+    d = reg.alloc(1, PAGE)  # first fit: into the hole, zeroed
+    assert d.offset == PAGE and bytes(d.view) == b"\0" * PAGE
+    reg.free(a)
+    reg.free(d)  # coalesced with a's range: 2 pages at 0
+    e = reg.alloc(1, 2 * PAGE)
+    assert e.offset == 0 and bytes(e.view) == b"\0" * (2 * PAGE)
+    reg.free(c)  # the top: the file shrinks to the highest live buffer
+    assert os.fstat(reg.arena(1).fd).st_size == 2 * PAGE
+    assert reg.alloc(1, 63 * PAGE) is None  # --mem counts whole pages: 2 + 63 > 64
+    other = reg.alloc(2, 1)  # another owner: another arena, never the same memory
+    assert reg.arena(2) is not reg.arena(1) and reg.get(1, other.key) is None
+    reg.release(1)
+    reg.release(2)
+    assert reg.allocated == 0 and len(reg) == 0 and reg.arena(1) is None
