@@ -176,9 +176,11 @@ ATTACK_OFFSETS = [ATTACKER_BYTES + k * WINDOW for k in range(16)] + [64 * MiB, 1
 def test_out_of_bounds_graph_cannot_reach_another_client(start_daemon):
     """With validation off, an attacker's graphs read and write far past its own buffer, at
     offsets where the single shared compute process had the victim's buffer, its graph's
-    intermediates and the output area mapped (right above the attacker's), and beyond: its computes may die (FAILED), but no victim byte
-    shows in any of its outputs, the victim's buffer stays byte for byte the same, and the
-    victim computes correctly throughout, in a process that never died."""
+    intermediates and the output area mapped (right above the attacker's), and beyond: its
+    computes may die (FAILED), but no victim byte shows in any of its outputs, the victim's
+    buffer stays byte for byte the same, and the victim computes correctly throughout, in a
+    process that never died. On 20fd020 the first read (8 MiB past) returned the victim's
+    data, and writes changed its buffer and crashed its computes."""
     dd = start_daemon("-t", "1", "--unsafe-no-validation")
     data = victim_data()
 
