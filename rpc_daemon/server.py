@@ -92,7 +92,7 @@ def fd_client_limit(max_clients: int) -> int:
     need = FDS_BASE + max_clients * FDS_PER_CLIENT
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
-        target = hard if hard == resource.RLIM_INFINITY or hard < need else need
+        target = need if hard == resource.RLIM_INFINITY else hard  # headroom: all the hard limit allows
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
