@@ -1,11 +1,22 @@
-"""The daemon side of the compute process: start it, feed it, survive its death.
+"""The daemon side of the compute processes: start them, feed them, survive their deaths.
 
-Calls are serialized by a lock on the event loop (the child computes one graph
-at a time with all its threads) and the link is driven by the loop itself, so
-the loop never blocks on compute and pays no thread hop per call. When the
-child dies (abort, segfault) or overruns its deadline, the call fails with a
-message that says so, the child is reaped, and the next call starts a fresh one
-that maps every live buffer again: no buffer contents are lost.
+Each client computes in a process of its own, which maps that client's arena
+(rpc_daemon/buffers.py) and no other memory of any client: a graph that gets
+past validation and reads or writes out of bounds in libggml can reach only its
+own client's data. A process that has ever served a client is never given to
+another; it is killed when its client leaves.
+
+`ComputePool` keeps one spare process started ahead (the first compute of a new
+client, or the restart after a crash, takes it and a new spare starts), a
+daemon-wide lock that serializes computes (each process computes with all the
+daemon's threads: one graph at a time uses the machine), and the sum of the
+processes' intermediates, counted against --mem.
+
+Calls are driven by the event loop itself, so the loop never blocks on compute
+and pays no thread hop per call. When a child dies (abort, segfault) or
+overruns its deadline, the call fails with a message that says so, the child is
+reaped, and the client's next call takes a fresh one that maps its arena again:
+no buffer contents are lost.
 """
 from __future__ import annotations
 
@@ -24,35 +35,162 @@ from rpc_daemon import compute_link, hoptrace
 
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
-FDS_PER_MESSAGE = 200  # the kernel passes at most 253 descriptors with one message (SCM_MAX_FD)
 
 
 class ComputeFailed(Exception):
     pass
 
 
-class ComputeProcess:
+def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in (parent, child):  # a whole logits reply fits: no ping-pong of partial reads
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LINK_BUFFER)
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rpc_daemon.compute_worker", str(child.fileno()), str(n_threads)],
+            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    parent.setblocking(False)
+    log.info("compute process started", pid=proc.pid, threads=n_threads)
+    return proc, parent
+
+
+class ComputePool:
+    """Every compute process of the daemon: one per client that computes, and a spare."""
+
     def __init__(self, n_threads: int, timeout: float = 600.0):
         self.n_threads = n_threads
         self.timeout = timeout
+        self.by_client: dict[int, ComputeProcess] = {}
+        self._spare: tuple[subprocess.Popen, socket.socket] | None = None
+        self._dying: list[subprocess.Popen] = []  # killed, not reaped yet
+        self._reaper: asyncio.TimerHandle | None = None
+        self._lock: asyncio.Lock | None = None
+        self._closed = False
+        self._respawn = False
+        # --mem left for buffers' neighbours (set by the daemon): max_bytes - client buffers
+        self.budget_base: Callable[[], int] | None = None
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Daemon-wide: one graph computes at a time, whoever's it is."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    @property
+    def compute_bytes(self) -> int:
+        return sum(p.compute_bytes for p in self.by_client.values())
+
+    @property
+    def restarts(self) -> int:
+        return sum(p.restarts for p in self.by_client.values())
+
+    def warm(self) -> None:
+        """Start the spare now, so a client's first compute need not wait for a process to start."""
+        if self._spare is None and not self._closed:
+            self._spare = spawn_child(self.n_threads)
+
+    def take_child(self, client_id: int) -> tuple[subprocess.Popen, socket.socket]:
+        """A fresh process for a client: the spare (then a new spare starts), else a new one."""
+        child, self._spare = self._spare, None
+        if child is None or child[0].poll() is not None:
+            if child is not None:
+                child[1].close()
+            child = spawn_child(self.n_threads)
+        self._respawn = True  # the next spare starts once this call is done: not on its critical path
+        log.info("compute process assigned", pid=child[0].pid, client=client_id)
+        return child
+
+    def call_done(self) -> None:
+        if self._respawn:  # after the reply has gone out (the caller replies before it yields)
+            self._respawn = False
+            asyncio.get_running_loop().call_soon(self.warm)
+
+    def for_client(self, client_id: int) -> ComputeProcess:
+        proc = self.by_client.get(client_id)
+        if proc is None:
+            proc = self.by_client[client_id] = ComputeProcess(self, client_id)
+        return proc
+
+    def get(self, client_id: int) -> ComputeProcess | None:
+        return self.by_client.get(client_id)
+
+    def release(self, client_id: int) -> None:
+        """The client left: its process (which has seen its memory) is killed."""
+        proc = self.by_client.pop(client_id, None)
+        if proc is not None:
+            self._bury(proc.shut())
+
+    def _bury(self, child: subprocess.Popen | None) -> None:
+        if child is None:
+            return
+        try:
+            child.kill()
+        except ProcessLookupError:
+            pass
+        self._dying.append(child)
+        self._reap()
+
+    def _reap(self) -> None:
+        self._reaper = None
+        self._dying = [p for p in self._dying if p.poll() is None]
+        if self._dying and not self._closed:
+            self._reaper = asyncio.get_running_loop().call_later(0.05, self._reap)
+
+    async def allocations_settled(self) -> None:
+        for proc in list(self.by_client.values()):
+            await proc.allocations_settled()
+
+    def close(self) -> None:
+        """Stop every child now: at shutdown every client is gone, so a compute in
+        flight has nobody to deliver to. Each is killed and reaped."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        children = [p.shut() for p in self.by_client.values()]
+        self.by_client.clear()
+        if self._spare is not None:
+            children.append(self._spare[0])
+            self._spare[1].close()
+            self._spare = None
+        children = [c for c in children if c is not None] + self._dying
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        for child in children:
+            child.wait()
+        self._dying = []
+
+
+class ComputeProcess:
+    """One client's compute process (restarted after a death, for that client only)."""
+
+    def __init__(self, pool: ComputePool, client_id: int):
+        self.pool = pool
+        self.client_id = client_id
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.restarts = 0
         self.generation = 0  # bumps with every new child: its graph cache starts empty
-        self.mapped: set[int] = set()  # buffer keys the current child has mapped
+        self.mapped: set[int] = set()  # buffer keys the current child has a ggml buffer for
+        self.arena_mapped = False  # the current child has mapped the client's arena
         self.known_graphs: set[str] = set()
         self.pending_unmaps: set[int] = set()
         self.pending_drops: set[str] = set()
         self.compute_bytes = 0  # the child's graph allocators' buffers, as its last reply said
-        # --mem left for intermediates (set by the daemon), taken under the lock right before a call
-        self.budget: Callable[[], int] | None = None
         # graphs whose allocation the daemon has seen (so compute_bytes holds them), and calls in
         # flight that may allocate: buffer allocations wait for those, so the two cannot both take
         # the same free memory
         self.sized: set[str] = set()
         self._sizing = 0
         self._settled: asyncio.Event | None = None
-        self._lock: asyncio.Lock | None = None
         # outputs come back through this shared area, not through the link: a
         # megabyte of logits per step costs a memcpy instead of a socket round
         self.arena: mmap.mmap | None = None
@@ -64,30 +202,22 @@ class ComputeProcess:
 
     # ------------------------------------------------------------ lifecycle
     def _start(self) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (parent, child):  # a whole logits reply fits: no ping-pong of partial reads
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER)
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LINK_BUFFER)
-        env = dict(os.environ, GGML_NO_BACKTRACE="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rpc_daemon.compute_worker", str(child.fileno()), str(self.n_threads)],
-            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        child.close()
-        self.sock = parent
-        self.sock.setblocking(False)
+        self.proc, self.sock = self.pool.take_child(self.client_id)
         self.generation += 1
         self.mapped.clear()
+        self.arena_mapped = False
         self.known_graphs.clear()
         self.pending_unmaps.clear()
         self.pending_drops.clear()
         self.sized.clear()
         self.compute_bytes = 0
-        log.info("compute process started", pid=self.proc.pid, threads=self.n_threads, generation=self.generation)
 
-    def warm(self) -> None:
-        """Start the compute process now rather than at the first compute."""
-        if self.proc is None and not self._closed:
-            self._start()
+    def budget(self) -> int | None:
+        """--mem left for this process's intermediates: the cap less every buffer and
+        the other processes' intermediates."""
+        if self.pool.budget_base is None:
+            return None
+        return self.pool.budget_base() - (self.pool.compute_bytes - self.compute_bytes)
 
     async def _death_cause(self) -> str:
         for _ in range(100):  # the link closed, so the child is gone or going: up to 1 s
@@ -107,7 +237,8 @@ class ComputeProcess:
         return f"compute process exited with code {code}"
 
     def _discard(self, cause: str) -> None:
-        log.error("compute process lost", cause=cause, generation=self.generation)
+        log.error("compute process lost", cause=cause, generation=self.generation, client=self.client_id,
+                  pid=self.proc.pid if self.proc is not None else None)
         if self.sock is not None:
             self.sock.close()
         self.sock = None
@@ -115,10 +246,18 @@ class ComputeProcess:
         self.compute_bytes = 0  # its memory went with it
         self.restarts += 1
 
-    def close(self) -> None:
-        """Stop the child now: at shutdown every client is gone, so a compute in
-        flight has nobody to deliver to."""
+    def shut(self) -> subprocess.Popen | None:
+        """No more calls; returns the child for the pool to kill and reap. A call in flight (a
+        flush) keeps the link and the output area until the child's death ends it: closing a
+        socket the loop is reading from would leave that call, and the daemon-wide lock, hanging."""
         self._closed = True
+        self.compute_bytes = 0
+        proc, self.proc = self.proc, None
+        if not self._busy:
+            self._close_link()
+        return proc
+
+    def _close_link(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -126,15 +265,6 @@ class ComputeProcess:
             self.arena.close()
             os.close(self.arena_fd)
             self.arena = None
-        if self.proc is not None:
-            if self._busy:
-                self.proc.kill()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
 
     # ------------------------------------------------------------ calls
     def forget_buffer(self, key: int) -> None:
@@ -191,24 +321,23 @@ class ComputeProcess:
         return size, self.arena_fd
 
     async def call(self, header: dict, blob=b"", buffers: dict | None = None, spec=None,
-                   out_size: int = 0) -> tuple[dict, bytes]:
-        """Run one request in the child. `buffers` maps key -> (size, fd) for every
-        buffer the graph uses; `spec` is sent only if the child lacks the graph."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+                   out_size: int = 0, client_arena: tuple[int, int] | None = None) -> tuple[dict, bytes]:
+        """Run one request in the child. `buffers` maps key -> (offset, size) in the
+        client's arena for every buffer the graph uses; `client_arena` is the
+        arena's (size, fd); `spec` is sent only if the child lacks the graph."""
+        async with self.pool.lock:
             if self._closed:
                 raise ComputeFailed("the daemon is shutting down")
             if self.proc is None:
                 self._start()
             loop = asyncio.get_running_loop()
-            maps, fds = [], []
-            for key, (size, fd) in (buffers or {}).items():
-                if key not in self.mapped:
-                    maps.append((key, size))
-                    fds.append(fd)
+            maps = [(k, offset, size) for k, (offset, size) in (buffers or {}).items() if k not in self.mapped]
             header = dict(header, maps=maps, unmaps=sorted(self.pending_unmaps),
                           drop_graphs=sorted(self.pending_drops))
+            fds = []
+            if buffers and not self.arena_mapped:  # the client's memory: mapped once per child
+                header["client_arena"] = client_arena[0]
+                fds.append(client_arena[1])
             arena = self._arena_for(out_size) if out_size else None
             if arena is not None:
                 header["arena"] = arena[0]
@@ -218,17 +347,12 @@ class ComputeProcess:
                 header["graph"] = spec
             sizing = key is not None and key not in self.sized
             if sizing:
-                if self.budget is not None:
-                    header["budget"] = self.budget()
+                budget = self.budget()
+                if budget is not None:
+                    header["budget"] = budget
                 self._sizing += 1  # from here on the finally below undoes it
             self._busy = True
             try:
-                while len(header["maps"]) > FDS_PER_MESSAGE:  # a graph over many buffers: map them in batches
-                    batch, header["maps"] = header["maps"][:FDS_PER_MESSAGE], header["maps"][FDS_PER_MESSAGE:]
-                    batch_fds, fds = fds[:FDS_PER_MESSAGE], fds[FDS_PER_MESSAGE:]
-                    await compute_link.asend(loop, self.sock, {"kind": "sync", "maps": batch}, b"", batch_fds)
-                    await asyncio.wait_for(compute_link.arecv(loop, self.sock), self.timeout)
-                    self.mapped.update(k for k, _ in batch)
                 if hoptrace.ON:
                     hoptrace.mark("daemon to compute")
                 sending = compute_link.asend(loop, self.sock, header, blob, fds)
@@ -236,25 +360,30 @@ class ComputeProcess:
                     # only a message larger than the link's buffers can block on a child that stopped
                     # reading; bounded, it cannot hold the lock (nor ALLOC_BUFFER, waiting for a graph
                     # being sized) for ever. Smaller ones skip wait_for's extra task on the hot path.
-                    await asyncio.wait_for(sending, self.timeout)
+                    await asyncio.wait_for(sending, self.pool.timeout)
                 else:
                     await sending
-                self.mapped.update(k for k, _ in header["maps"])
+                if "client_arena" in header:
+                    self.arena_mapped = True
+                self.mapped.update(k for k, _, _ in maps)
                 self.pending_unmaps.clear()
                 self.pending_drops.clear()
                 if key is not None:
                     self.known_graphs.add(key)
-                reply, out = await asyncio.wait_for(compute_link.arecv(loop, self.sock), self.timeout)
+                reply, out = await asyncio.wait_for(compute_link.arecv(loop, self.sock), self.pool.timeout)
             except asyncio.TimeoutError:
+                if self._closed:
+                    raise ComputeFailed("the daemon is shutting down") from None
                 self.proc.kill()
-                cause = f"compute did not finish within {self.timeout:g} s; compute process killed"
+                cause = f"compute did not finish within {self.pool.timeout:g} s; compute process killed"
                 await self._death_cause()
                 self._discard(cause)
                 raise ComputeFailed(cause) from None
             except asyncio.CancelledError:
                 # the link is mid-message and cannot be resynchronized
-                self.proc.kill()
-                self._discard("call cancelled")
+                if self.proc is not None:
+                    self.proc.kill()
+                    self._discard("call cancelled")
                 raise
             except (compute_link.LinkClosed, OSError):
                 if self._closed:
@@ -264,6 +393,9 @@ class ComputeProcess:
                 raise ComputeFailed(cause) from None
             finally:
                 self._busy = False
+                if self._closed:
+                    self._close_link()
+                self.pool.call_done()
                 if sizing:
                     self._sizing -= 1
                     if not self._sizing and self._settled is not None:
@@ -275,6 +407,8 @@ class ComputeProcess:
                 self.known_graphs.discard(key)  # refused for memory: the spec goes again next time
             elif sizing and reply.get("status") == 0:
                 self.sized.add(key)
+            if self._closed:
+                raise ComputeFailed("the client is gone")
             if reply.get("arena_bytes"):
                 out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
             return reply, out

@@ -3,12 +3,18 @@
 A GGML_ASSERT aborts and a bad pointer segfaults the process that computes;
 here that costs nothing: every client buffer lives in shared memory owned by
 the daemon, which maps it into this process, reports the death to the client
-and starts a new compute process on the next request.
+and gives it a new compute process on its next request.
+
+One process serves one client: it maps that client's arena (one memfd holding
+all its buffers, rpc_daemon/buffers.py) once, and wraps each buffer, a range of
+it, as a ggml CPU buffer. No other client's memory is ever mapped here, so a
+graph that strays out of bounds can only fault or touch its own client's data.
 
 Run as `python -m rpc_daemon.compute_worker FD THREADS` by rpc_daemon.compute.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import socket
@@ -19,11 +25,31 @@ from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlo
 from rpc_daemon import compute_link, hoptrace
 from rpc_daemon.graph_codec import build_graph, context_size
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int) -> int:
+    """Address of a shared mapping of `size` bytes of `fd`. Python's mmap will not
+    map past the end of the file, and the client's arena file is only as long as
+    its highest live buffer: the rest of the range faults until it grows."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return addr
+
 
 class ComputeState:
     def __init__(self, n_threads: int):
         self.backend = CpuBackend(n_threads)
-        self.buffers: dict[int, tuple] = {}  # key -> (mmap, cdata ptr, ggml buffer)
+        # this process serves ONE client: its arena (every buffer of it) is mapped here
+        # once, and nothing of any other client ever is
+        self.client_arena: tuple[int, int] | None = None  # (address, size)
+        self.buffers: dict[int, tuple] = {}  # key -> (ggml buffer, address)
         self.arena: mmap.mmap | None = None  # outputs go here when the daemon provides it
         self.arena_ptr = None
         # key -> (ctx, ptrs, gf, allocator). One allocator per graph: a shared one
@@ -36,12 +62,20 @@ class ComputeState:
         self.allocated: dict[str, int] = {}
         self.compute_bytes = 0  # all graphs' compute buffers: counted against --mem by the daemon
 
-    def map_buffer(self, key: int, size: int, fd: int) -> None:
-        mm = mmap.mmap(fd, size)
+    def map_client_arena(self, size: int, fd: int) -> None:
+        if self.client_arena is not None:  # the daemon maps a client's arena once: never a second one
+            raise RuntimeError("a compute process serves one client arena")
+        addr = map_shared(fd, size)
         os.close(fd)
-        ptr = ffi.from_buffer(mm)
-        buf = lib.ggml_backend_cpu_buffer_from_ptr(ptr, size)
-        self.buffers[key] = (mm, ptr, buf)
+        self.client_arena = (addr, size)
+
+    def map_buffer(self, key: int, offset: int, size: int) -> None:
+        base, arena_size = self.client_arena
+        if offset + size > arena_size:
+            raise RuntimeError(f"buffer {key} lies outside the client's arena")
+        addr = base + offset
+        buf = lib.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", addr), size)
+        self.buffers[key] = (buf, addr)
 
     def map_arena(self, size: int, fd: int) -> None:
         if self.arena is not None:
@@ -54,12 +88,7 @@ class ComputeState:
     def unmap_buffer(self, key: int) -> None:
         entry = self.buffers.pop(key, None)
         if entry:
-            mm, ptr, buf = entry
-            lib.ggml_backend_buffer_free(buf)
-            # `entry` still references ptr, so `del ptr` alone left the export open
-            # and mm.close() raised BufferError, killing this process
-            ffi.release(ptr)
-            mm.close()
+            lib.ggml_backend_buffer_free(entry[0])  # the memory stays: it is the arena's
 
     def drop_graph(self, key: str) -> None:
         entry = self.graphs.pop(key, None)
@@ -69,7 +98,7 @@ class ComputeState:
             lib.ggml_free(entry[0])
 
     def buffer_table(self) -> dict:
-        return {k: (buf, int(ffi.cast("uintptr_t", ptr))) for k, (mm, ptr, buf) in self.buffers.items()}
+        return self.buffers
 
     def compute(self, header: dict, blob: bytearray) -> tuple[dict, bytes]:
         key = header["graph_key"]
@@ -122,8 +151,38 @@ class ComputeState:
         return reply, b"".join(ffi.buffer(ptrs[i].data, n)[:] for (i, o, n) in outputs)
 
 
+def warm_up(state: ComputeState) -> None:
+    """Compute one tiny graph and drop it: a spare process is started ahead, so the first-use costs
+    of a fresh process (symbol lookups, first allocations) are paid before a client needs it."""
+    from ggml_ffi import Context
+    from rpc_daemon.graph import parse_graph
+    from rpc_daemon.graph_codec import encode_graph
+    from rpc_daemon.protocol import Limits
+
+    try:
+        ctx = Context(8)
+        try:
+            a = ctx.new_tensor(lib.GGML_TYPE_F32, [4], "a")
+            lib.ggml_set_input(a)
+            z = lib.ggml_add(ctx.ptr, a, a)
+            lib.ggml_set_output(z)
+            gf = ctx.new_graph()
+            lib.ggml_build_forward_expand(gf, z)
+            tensors, index = encode_graph(gf, lambda t: None)
+        finally:
+            ctx.close()
+        spec = parse_graph({"tensors": tensors, "outputs": [index[z]]}, Limits(), lambda b: None)
+        state.compute({"graph_key": "warm-up", "graph": spec, "inputs": [(index[a], 0, 16)],
+                       "outputs": [index[z]]}, bytearray(16))
+    except Exception:  # best effort: a failure here costs only the first compute's latency
+        pass
+    finally:
+        state.drop_graph("warm-up")
+
+
 def serve(sock: socket.socket, n_threads: int) -> None:
     state = ComputeState(n_threads)
+    warm_up(state)
     try:
         while True:
             try:
@@ -132,11 +191,13 @@ def serve(sock: socket.socket, n_threads: int) -> None:
                     hoptrace.mark("compute rx")
             except compute_link.LinkClosed:
                 return
-            maps = header.get("maps", ())
-            for (key, size), fd in zip(maps, fds):
-                state.map_buffer(key, size, fd)
+            fds = list(fds)
+            if "client_arena" in header:
+                state.map_client_arena(header["client_arena"], fds.pop(0))
             if "arena" in header:
-                state.map_arena(header["arena"], fds[len(maps)])
+                state.map_arena(header["arena"], fds.pop(0))
+            for key, offset, size in header.get("maps", ()):
+                state.map_buffer(key, offset, size)
             for key in header.get("unmaps", ()):
                 state.unmap_buffer(key)
             for key in header.get("drop_graphs", ()):

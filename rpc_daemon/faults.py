@@ -158,8 +158,10 @@ class Fault:
         conn.log.warning("test fault fired", cmd=name, point=self.spec.point, action=self.spec.action,
                          delay=self.spec.delay or None, at=f"{time.time():.6f}")
 
-    def _compute_pid(self) -> int | None:
-        proc = getattr(self.daemon.compute, "proc", None)
+    def _compute_pid(self, conn) -> int | None:
+        """The pid of the connection's own compute process (each client computes in its own)."""
+        cp = self.daemon.compute.get(conn.client_id)
+        proc = cp.proc if cp is not None else None
         return getattr(proc, "pid", None) if proc is not None else None
 
     async def _act(self, conn) -> bool:
@@ -175,7 +177,7 @@ class Fault:
         if a == "exit":
             os._exit(EXIT_STATUS)
         if a in ("kill", "crash-compute"):
-            pid = self._compute_pid()
+            pid = self._compute_pid(conn)
             if pid is not None:
                 try:
                     os.kill(pid, signal.SIGKILL)

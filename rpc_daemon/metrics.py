@@ -26,9 +26,12 @@ class DaemonCollector:
         yield GaugeMetricFamily("ggml_rpc_buffer_bytes", "Bytes allocated to clients", value=d.buffers.allocated)
         yield GaugeMetricFamily("ggml_rpc_buffer_bytes_max", "Cap on bytes allocated to clients (--mem)",
                                 value=d.buffers.max_bytes)
-        yield GaugeMetricFamily("ggml_rpc_compute_bytes", "Bytes of graph intermediates the compute process "
-                                                          "holds (counted against --mem)",
+        yield GaugeMetricFamily("ggml_rpc_compute_bytes", "Bytes of graph intermediates the compute processes "
+                                                          "hold (counted against --mem)",
                                 value=d.compute.compute_bytes)
+        yield GaugeMetricFamily("ggml_rpc_compute_processes", "Compute processes serving clients (one per client "
+                                                              "that computes; the spare not counted)",
+                                value=len(d.compute.by_client))
 
 
 def serve_metrics(daemon, host: str, port: int):

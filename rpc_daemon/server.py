@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +27,8 @@ from rpc_daemon import auth as A
 from rpc_daemon import hoptrace
 from rpc_daemon import protocol as P
 from rpc_daemon import row_ids
-from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer
-from rpc_daemon.compute import ComputeFailed, ComputeProcess
+from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer, arena_size_for, round_up
+from rpc_daemon.compute import ComputeFailed, ComputePool
 from rpc_daemon.graph import SUPPORTED_OP_NAMES, GraphSpec, parse_graph
 from rpc_daemon.protocol import Command, ProtocolError, Status
 from rpc_daemon.ratelimit import TokenBucket
@@ -79,16 +81,52 @@ MAX_QUEUED = 64  # requests queued per connection before it stops reading
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
 
+# Descriptors the daemon holds per connected client, whatever its buffer count: its socket,
+# its arena (the memfd and the mmap's duplicate), its compute process's link, and that
+# process's output area (memfd + mmap); plus 2 in passing (a tensor-cache file, a process spawn).
+FDS_PER_CLIENT = 8
+# and for itself: stdio, the listening socket(s), the event loop, the metrics server, the
+# spare compute process's link, libraries' own
+FDS_BASE = 64
+
+
+def fd_client_limit(max_clients: int) -> int:
+    """How many clients the open-files limit lets the daemon serve: raises the soft
+    RLIMIT_NOFILE up to the hard one if `max_clients` needs it, and if even that is
+    too low, says so and returns the smaller number it can serve."""
+    need = FDS_BASE + max_clients * FDS_PER_CLIENT
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else hard  # headroom: all the hard limit allows
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_clients
+    served = max(1, (soft - FDS_BASE) // FDS_PER_CLIENT)
+    log.warning("the open-files limit cannot cover --max-clients: refusing clients past the limit it can",
+                rlimit_nofile=soft, hard_limit=hard, max_clients=max_clients, effective_max_clients=served,
+                fds_per_client=FDS_PER_CLIENT, fds_base=FDS_BASE,
+                fix=f"raise the limit to {need} (ulimit -n, systemd LimitNOFILE=) or lower --max-clients")
+    return served
+
 
 class Daemon:
     """State shared by all connections."""
 
     def __init__(self, config: DaemonConfig):
+        max_clients = fd_client_limit(config.max_clients)
+        if max_clients != config.max_clients:
+            config = dataclasses.replace(config, max_clients=max_clients)
         self.config = config
-        self.buffers = BufferRegistry(config.mem or physical_memory())
-        self.compute = ComputeProcess(config.threads, config.compute_timeout)
+        mem = config.mem or physical_memory()
+        self.buffers = BufferRegistry(mem, arena_size_for(config.limits.max_client_bytes or mem))
+        # one compute process per client that computes (and a spare), serialized daemon-wide
+        self.compute = ComputePool(config.threads, config.compute_timeout)
         self.buffers.compute_bytes = lambda: self.compute.compute_bytes
-        self.compute.budget = lambda: self.buffers.max_bytes - self.buffers.allocated
+        self.compute.budget_base = lambda: self.buffers.max_bytes - self.buffers.allocated
         self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
@@ -333,13 +371,10 @@ class Connection(asyncio.BufferedProtocol):
         self.reader.close()  # also breaks the reader <-> connection cycle: freed at once, not by the gc
         while not self.queue.empty():
             self.queue.get_nowait()
-        for gid in [*self.graphs, -1]:  # -1: the key of one-off graphs
-            self.daemon.compute.forget_graph(self.graph_key(gid))
         self.graphs.clear()
-        for buf in self.daemon.buffers.owned_by(self.client_id):
-            self.daemon.compute.forget_buffer(buf.key)
-            self.daemon.buffers.free(buf)
-        self.daemon.compute.flush_soon()
+        # its compute process has mapped its memory: it is killed, never handed to anyone else
+        self.daemon.compute.release(self.client_id)
+        self.daemon.buffers.release(self.client_id)  # its buffers and its arena
         self.daemon.connections.discard(self)
 
     async def _work(self) -> None:
@@ -476,6 +511,11 @@ class Connection(asyncio.BufferedProtocol):
     def graph_key(self, graph_id: int) -> str:
         return f"{self.client_id}:{graph_id}"
 
+    def forget_graph(self, graph_id: int) -> None:
+        proc = self.daemon.compute.get(self.client_id)
+        if proc is not None:
+            proc.forget_graph(self.graph_key(graph_id))
+
 
 # ---------------------------------------------------------------- handlers
 # Each takes (connection, header, blob, direct) and returns reply fields, or
@@ -509,13 +549,13 @@ def cpu_model() -> str:
 
 async def handle_alloc_buffer(c: Connection, h, blob, direct):
     size = P.field_int(h, "size", 1)
-    owned = c.daemon.buffers.owned_by(c.client_id)
-    if len(owned) >= c.limits.max_buffers:
+    count, held = c.daemon.buffers.held_by(c.client_id)
+    if count >= c.limits.max_buffers:
         raise ProtocolError(Status.LIMIT_EXCEEDED, f"buffer count limit {c.limits.max_buffers} reached")
     cap = c.limits.max_client_bytes
-    if cap and sum(b.size for b in owned) + size > cap:
-        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes: this client holds "
-                                                   f"{sum(b.size for b in owned)} of its {cap}-byte limit")
+    if cap and held + round_up(size) > cap:  # buffers are whole pages, and count as such
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes ({round_up(size)} as whole "
+                                                   f"pages): this client holds {held} of its {cap}-byte limit")
     await c.daemon.compute.allocations_settled()  # a graph's first compute may be taking memory right now
     buf = c.daemon.buffers.alloc(c.client_id, size)
     if buf is None:
@@ -528,9 +568,12 @@ async def handle_alloc_buffer(c: Connection, h, blob, direct):
 
 async def handle_free_buffer(c: Connection, h, blob, direct):
     buf = c._buffer(P.field_int(h, "buffer", 1))
-    c.daemon.compute.forget_buffer(buf.key)
-    c.daemon.buffers.free(buf)
-    c.daemon.compute.flush_soon()
+    proc = c.daemon.compute.get(c.client_id)
+    if proc is not None:
+        proc.forget_buffer(buf.key)
+    c.daemon.buffers.free(buf)  # its pages are released at once (the child's ggml buffer struct goes below)
+    if proc is not None:
+        proc.flush_soon()
     return {}
 
 
@@ -618,19 +661,22 @@ def _check_run(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, lis
     bufs = {}
     for key in spec.buffers:
         buf = c._buffer(key)
-        bufs[key] = (buf.size, buf.fd)
+        bufs[key] = (buf.offset, buf.size)
     return inputs, outputs, blob, bufs
 
 
 async def _run_graph(c: Connection, graph_id, spec: GraphSpec, checked):
     inputs, outputs, blob, bufs = checked
+    arena = c.daemon.buffers.arena(c.client_id)
     key = c.graph_key(graph_id)
     if hoptrace.ON:
         hoptrace.mark("daemon validated")
     try:
-        reply, out = await c.daemon.compute.call(
+        # the client's own compute process: only its arena is mapped there
+        reply, out = await c.daemon.compute.for_client(c.client_id).call(
             {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,
-            out_size=sum(spec.tensors[i].nbytes for i in outputs))
+            out_size=sum(spec.tensors[i].nbytes for i in outputs),
+            client_arena=(arena.size, arena.fd) if arena is not None else None)
     except ComputeFailed as exc:
         c.daemon.stats["compute_restarts"] += 1
         return {"status": Status.FAILED, "error": str(exc)}
@@ -656,7 +702,7 @@ async def handle_graph_compute(c: Connection, h, blob, direct):
         c.graphs[graph_id] = spec
     else:
         graph_id = -1  # one-off graph: cached in the compute process under a throwaway key
-    c.daemon.compute.forget_graph(c.graph_key(graph_id))
+    c.forget_graph(graph_id)
     return await _run_graph(c, graph_id, spec, checked)
 
 
@@ -673,8 +719,10 @@ async def handle_graph_recompute(c: Connection, h, blob, direct):
 async def handle_graph_free(c: Connection, h, blob, direct):
     graph_id = P.field_int(h, "graph_id", 1)
     if c.graphs.pop(graph_id, None) is not None:
-        c.daemon.compute.forget_graph(c.graph_key(graph_id))
-        c.daemon.compute.flush_soon()  # its compute memory is returned (and counted free) now, not at the next compute
+        c.forget_graph(graph_id)
+        proc = c.daemon.compute.get(c.client_id)
+        if proc is not None:
+            proc.flush_soon()  # its compute memory is returned (and counted free) now, not at the next compute
     return {}
 
 

@@ -24,11 +24,19 @@ class DaemonProcess:
     """A real daemon process on a loopback port: a free one, or `port` (e.g. to
     restart a worker where its clients expect it)."""
 
-    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 20.0, port: int = 0):
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 20.0, port: int = 0,
+                 nofile: tuple[int, int] | None = None):
+        """`nofile`: the daemon's RLIMIT_NOFILE (soft, hard)."""
         self.args = args
         cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", str(port), *args]
+
+        def limit_files():
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, **(env or {})), start_new_session=True)
+                                     env=dict(os.environ, **(env or {})), start_new_session=True,
+                                     preexec_fn=limit_files if nofile else None)
         self.log_lines: list[str] = []
         self.port = None
         # one thread reads stderr from the start (so the daemon never blocks on a

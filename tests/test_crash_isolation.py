@@ -103,6 +103,16 @@ def compute_pids(d) -> list[int]:
             if "compute process started" in line and (m := re.search(r"pid=(\d+)", line))]
 
 
+def assigned_pids(d) -> list[int]:
+    """Compute processes handed to a client (each client computes in its own)."""
+    return [int(m.group(1)) for line in d.log_lines
+            if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))]
+
+
+def lost_lines(d) -> list[str]:
+    return [line for line in d.log_lines if "compute process lost" in line]
+
+
 @pytest.mark.parametrize("make_bad, signame, log_fragment, _rejected", CRASHES)
 def test_compute_crash_is_contained(start_daemon, make_bad, signame, log_fragment, _rejected):
     d = start_daemon("-t", "1", "--unsafe-no-validation")
@@ -147,8 +157,13 @@ def test_compute_crash_is_contained(start_daemon, make_bad, signame, log_fragmen
 
     run(scenario())
     assert d.alive()
-    # the first compute process, and one restart after each of the 3 deaths
-    assert eventually(lambda: len(compute_pids(d)) == 4), compute_pids(d)
+    # 3 deaths, each of them a process of the crashing client (the first to compute), restarted
+    # for it alone: every process has its own pid, and none served two clients
+    assert eventually(lambda: len(lost_lines(d)) == 3), lost_lines(d)
+    first = re.search(r"client=(\d+)", next(line for line in d.log_lines if "compute process assigned" in line))
+    assert all(f"client={first.group(1)}" in line for line in lost_lines(d)), lost_lines(d)
+    assert len(set(compute_pids(d))) == len(compute_pids(d))
+    assert len(assigned_pids(d)) == len(set(assigned_pids(d)))
     if log_fragment:
         assert eventually(lambda: any(log_fragment in line for line in d.log_lines)), "".join(d.log_lines[-20:])
 
@@ -176,8 +191,9 @@ def test_validation_rejects_crashing_graphs(start_daemon, make_bad, _signame, _l
             await c.aclose()
 
     run(scenario())
-    # refused before compute: the one compute process never died
-    assert len(compute_pids(d)) == 1
+    # refused before compute: the client's compute process never died (the daemon started
+    # one spare, the client took it, and the next spare started)
+    assert len(compute_pids(d)) == 2 and len(assigned_pids(d)) == 1
     assert not any("compute process lost" in line for line in d.log_lines)
 
 

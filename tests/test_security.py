@@ -696,9 +696,15 @@ def test_secret_from_env_is_not_inherited(start_daemon):
         run(RpcClient.connect(dd.endpoint))
     children = subprocess.run(["pgrep", "-P", str(dd.proc.pid)], capture_output=True, text=True).stdout.split()
     assert children, "no compute process"
+    checked = 0
     for pid in children:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            assert A.ENV_VAR.encode() not in f.read()
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert A.ENV_VAR.encode() not in f.read()
+            checked += 1
+        except ProcessLookupError:  # the departed client's compute process, killed and reaped meanwhile
+            pass
+    assert checked, "no compute process"  # the spare at least
 
 
 # ================================================================ TLS
