@@ -3,7 +3,7 @@
     python bench/bench_hops.py [--tg N] [--model PATH] [--greedy]
 
 Runs the bundled model (or --model) on two local workers with
-GGML_RPC_HOP_TRACE set (rpc_daemon/hoptrace.py), so the coordinator, each
+GGML_RPC_HOP_TRACE set (rpc_daemon/service/hoptrace.py), so the coordinator, each
 daemon and each compute process stamp fixed points of every compute request
 with the shared monotonic clock. After a warm-up it decodes --tg single tokens
 and prints, per stage, the median time between consecutive points, then the

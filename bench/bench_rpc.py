@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess lives in the tests' con
 from conftest import DaemonProcess  # noqa: E402
 from ggml_ffi import Context, CpuBackend, Gallocr, ffi, lib  # noqa: E402
 from rpc_daemon.client import RpcClient  # noqa: E402
-from rpc_daemon.graph_codec import encode_graph  # noqa: E402
-from rpc_daemon.protocol import Command  # noqa: E402
+from rpc_daemon.wire.graph_codec import encode_graph  # noqa: E402
+from rpc_daemon.wire.protocol import Command  # noqa: E402
 
 MiB = 1 << 20
 F32 = lib.GGML_TYPE_F32

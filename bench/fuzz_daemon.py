@@ -28,7 +28,7 @@ from conftest import DaemonProcess  # noqa: E402
 from fuzz_protocol import (FuzzClient, command_messages, graph_messages, lying_prefixes,  # noqa: E402
                            raw_messages, tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient  # noqa: E402
-from rpc_daemon.protocol import Command  # noqa: E402
+from rpc_daemon.wire.protocol import Command  # noqa: E402
 from rpc_helpers import normal_session  # noqa: E402
 
 FAMILIES = {"raw": raw_messages, "commands": command_messages, "graphs": graph_messages, "lies": lying_prefixes,

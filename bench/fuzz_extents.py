@@ -5,7 +5,7 @@ the same: tests/test_graph_extents.py).
                                  [--mutate-rate 0.35] [--report-every 10000]
 
 Generates --cases random graphs for every op the validator accepts
-(tests/extents_fuzz.py), validates each with rpc_daemon/graph.py and
+(tests/extents_fuzz.py), validates each with rpc_daemon/validation/graph.py and
 row_ids as the daemon does, and computes the accepted ones with libggml in a
 child process on client buffers fenced by PROT_NONE guard pages and filled
 with a canary. Reports cases, acceptance rate per op, throughput and every

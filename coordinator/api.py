@@ -43,7 +43,7 @@ from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeResult, En
                                  EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
 from coordinator.tokenizer import Tokenizer
-from rpc_daemon.auth import load_secret
+from rpc_daemon.wire.auth import load_secret
 
 __all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "EndpointUnavailable",
            "FailureKind", "default_model_path", "plan_rows", "plan_split"]

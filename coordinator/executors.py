@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from coordinator.results import FailureKind, StageFailed
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
-from rpc_daemon.tls import client_context
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_daemon.wire.tls import client_context
 
 ALIGN = 64
 UPLOAD_CHUNK = 16 << 20
@@ -146,7 +146,7 @@ class RemoteExecutor:
                  use_cache: bool = True, request_timeout: float | None = 900.0, secret: bytes | None = None,
                  tls_ca: str | None = None):
         self.endpoint = endpoint
-        self.secret = secret  # shared secret for HELLO's challenge-response (rpc_daemon/auth.py)
+        self.secret = secret  # shared secret for HELLO's challenge-response (rpc_daemon/wire/auth.py)
         self.ssl_context = client_context(tls_ca) if tls_ca else None  # TLS, verifying the worker against tls_ca
         self.connect_timeout = connect_timeout
         self.liveness_timeout = liveness_timeout  # None: no liveness pings (measurements only)

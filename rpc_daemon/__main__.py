@@ -1,5 +1,5 @@
 import sys
 
-from rpc_daemon.cli import main
+from rpc_daemon.daemon.cli import main
 
 sys.exit(main())

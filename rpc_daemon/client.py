@@ -29,10 +29,11 @@ import socket
 import ssl
 import time
 
-from rpc_daemon import hoptrace, protocol as P
-from rpc_daemon.auth import AuthFailed, ClientAuth
-from rpc_daemon.protocol import Command, Status
-from rpc_daemon.sockets import tune_socket
+from rpc_daemon.service import hoptrace
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire.auth import AuthFailed, ClientAuth
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_daemon.wire.sockets import tune_socket
 
 class RpcError(Exception):
     """The daemon answered with an error status; the connection is still usable."""
@@ -114,8 +115,8 @@ class RpcClient(asyncio.BufferedProtocol):
                       ping_interval: float | None = None, limits: P.Limits = P.Limits(),
                       secret: bytes | None = None, ssl_context=None) -> "RpcClient":
         """Open a connection and exchange HELLO, all within `connect_timeout`.
-        With `secret`, HELLO authenticates both sides (rpc_daemon/auth.py); with
-        `ssl_context` (rpc_daemon.tls.client_context) the connection is TLS."""
+        With `secret`, HELLO authenticates both sides (rpc_daemon/wire/auth.py); with
+        `ssl_context` (rpc_daemon.wire.tls.client_context) the connection is TLS."""
         host, port = parse_endpoint(endpoint)
         started = time.monotonic()
         try:
@@ -456,7 +457,7 @@ class RpcClient(asyncio.BufferedProtocol):
 
 async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> dict:
     """HELLO, and with a secret the AUTH round that completes it (protocol in
-    rpc_daemon/auth.py). Returns the daemon's final HELLO reply."""
+    rpc_daemon/wire/auth.py). Returns the daemon's final HELLO reply."""
     state = ClientAuth(secret) if secret else None
     fields = {"version": P.PROTOCOL_VERSION, "features": list(P.FEATURES)}
     if state is not None:

@@ -1,4 +1,4 @@
-"""Graph-extent fuzzing: random graphs that rpc_daemon/graph.py accepts, computed
+"""Graph-extent fuzzing: random graphs that rpc_daemon/validation/graph.py accepts, computed
 on client buffers fenced by PROT_NONE guard pages, must neither fault nor write
 outside what they declare.
 
@@ -20,7 +20,7 @@ bench/fuzz_extents.py (long runs).
   trailing guard starts. Each area is filled with a canary pattern (the
   buffer's data is the canary), the graph is built with
   graph_codec.build_graph, allocated with Gallocr and computed on CpuBackend
-  exactly as rpc_daemon/compute_worker.py does; then every byte of every area
+  exactly as rpc_daemon/compute/worker.py does; then every byte of every area
   outside the byte ranges the graph's buffer-writing nodes (CPY, SET_ROWS)
   declare, [offset, offset + extent), must still hold the canary. A fault or
   abort kills the child: the harness reports the case (and its signal) and
@@ -50,9 +50,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from ggml_ffi import lib, type_traits  # noqa: E402
-from rpc_daemon import graph as G  # noqa: E402
-from rpc_daemon import row_ids  # noqa: E402
-from rpc_daemon.protocol import Limits, ProtocolError, Status  # noqa: E402
+from rpc_daemon.validation import graph as G  # noqa: E402
+from rpc_daemon.validation import row_ids  # noqa: E402
+from rpc_daemon.wire.protocol import Limits, ProtocolError, Status  # noqa: E402
 
 F32, F16, BF16, I32, I64 = (lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16, lib.GGML_TYPE_I32,
                             lib.GGML_TYPE_I64)
@@ -823,7 +823,7 @@ def _child(threads: int) -> None:
     inp = sys.stdin.buffer
 
     from ggml_ffi import NULL, CpuBackend, Gallocr, ffi
-    from rpc_daemon.graph_codec import build_graph, context_size
+    from rpc_daemon.wire.graph_codec import build_graph, context_size
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -49,10 +49,10 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ggml_ffi import Context, NULL, lib
-from rpc_daemon import protocol as P
-from rpc_daemon.graph import SUPPORTED_OPS
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.validation.graph import SUPPORTED_OPS
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import RawConn, small_graph
 
 BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer

@@ -9,10 +9,10 @@ import time
 import numpy as np
 
 from ggml_ffi import Context, lib
-from rpc_daemon import protocol as P
+from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient, RpcError
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
 
 RECV_TIMEOUT = 10.0
 

@@ -1,5 +1,5 @@
 """Regression tests for the graph-validation audit (docs/security.md, findings
-table): graphs that passed rpc_daemon/graph.py and then let one client read or
+table): graphs that passed rpc_daemon/validation/graph.py and then let one client read or
 write past its buffer (A), or aborted the compute process on a GGML_ASSERT (C),
 plus the ones tests/test_graph_extents.py's fuzzer and a read of the kernels
 found next to them.
@@ -15,8 +15,8 @@ import struct
 import pytest
 
 from ggml_ffi import lib, type_traits
-from rpc_daemon.graph import parse_graph
-from rpc_daemon.protocol import Command, Limits, ProtocolError, Status
+from rpc_daemon.validation.graph import parse_graph
+from rpc_daemon.wire.protocol import Command, Limits, ProtocolError, Status
 from rpc_helpers import RawConn
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
@@ -143,7 +143,7 @@ def test_a_extent_counts_rows_not_ggml_nbytes():
     """The choke point's extent is the bytes the kernels touch, whatever nb[0]:
     a view whose rows (ne[0] packed elements) run past its view_src is refused
     even where ggml_nbytes would fit. nb[0] = 0 itself is refused at the schema."""
-    from rpc_daemon.graph import TensorSpec
+    from rpc_daemon.validation.graph import TensorSpec
     t = TensorSpec(0, F32, (1024, 1, 1, 1), (0, 4096, 4096, 4096), 0, b"", 0, (), -1, 0, 0, 0, "")
     assert t.extent() == 4096
     t = TensorSpec(0, F32, (16, 3, 1, 1), (8, 4, 12, 12), 0, b"", 0, (), -1, 0, 0, 0, "")

@@ -20,8 +20,8 @@ import numpy as np
 
 from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import RawConn, assert_served, check_compute, checked_session, expect_error
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -241,7 +241,7 @@ def test_out_of_bounds_graph_cannot_reach_another_client(start_daemon):
 def test_arena_reuses_freed_ranges_zeroed_and_releases_pages():
     """First fit, neighbours coalesced, every buffer zeroed when handed out, freed pages released
     (MADV_REMOVE inside, ftruncate at the top), sizes counted as whole pages, one arena per owner."""
-    from rpc_daemon.buffers import PAGE, BufferRegistry
+    from rpc_daemon.daemon.buffers import PAGE, BufferRegistry
 
     reg = BufferRegistry(64 * PAGE, arena_bytes=1 << 30)
     held = lambda: os.fstat(reg.arena(1).fd).st_blocks * 512  # noqa: E731

@@ -15,8 +15,8 @@ import pytest
 
 from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, RawConn, chain_graph, expect_error, normal_session
 
 A_OFF, B_OFF, BUF_SIZE = 0, 256, 4096

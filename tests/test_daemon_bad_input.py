@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ggml_ffi import lib
-from rpc_daemon import protocol as P
+from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import RawConn, assert_served, check_compute, expect_error, normal_session, small_graph
 
 MiB = 1 << 20
@@ -463,7 +463,7 @@ def test_mem_cap(start_daemon):
 def outer_product_graph(n: int):
     """z = a x b (mul_mat of two inline [1, n] f32 vectors): 8n bytes in, a 4n*n-byte intermediate."""
     from ggml_ffi import Context
-    from rpc_daemon.graph_codec import encode_graph
+    from rpc_daemon.wire.graph_codec import encode_graph
 
     ctx = Context(8)
     try:
@@ -727,7 +727,7 @@ class PlainTransport:
 def test_queue_bound_holds_within_one_receive():
     """Sans-I/O, on the connection object: one 64 KiB receive full of small requests queues no more than
     the bound, and the rest is parsed once the queue drains."""
-    from rpc_daemon.server import MAX_QUEUED, Connection, Daemon, DaemonConfig
+    from rpc_daemon.daemon.server import MAX_QUEUED, Connection, Daemon, DaemonConfig
 
     async def scenario():
         daemon = Daemon(DaemonConfig(max_requests_per_second=0))
@@ -768,7 +768,7 @@ def test_graph_over_more_buffers_than_one_message_carries(d):
     each buffer was a memfd of its own; now they are ranges of the client's one arena), and the sum over all
     of them is right."""
     from ggml_ffi import Context
-    from rpc_daemon.graph_codec import encode_graph
+    from rpc_daemon.wire.graph_codec import encode_graph
 
     n_bufs = 300
     values = np.arange(n_bufs * 4, dtype=np.float32).reshape(n_bufs, 4) / 7
@@ -811,7 +811,7 @@ def test_kept_bytes_do_not_resume_reading_for_a_client_that_reads_nothing():
     """Parsing the bytes kept past a full queue answers PINGs on the spot; when those replies fill the write
     buffer (pause_writing), reading stays paused: a client that reads none of its replies cannot make the
     daemon's write buffer grow by sending more."""
-    from rpc_daemon.server import Connection, Daemon, DaemonConfig
+    from rpc_daemon.daemon.server import Connection, Daemon, DaemonConfig
 
     async def scenario():
         daemon = Daemon(DaemonConfig(max_requests_per_second=0))

@@ -119,7 +119,7 @@ def test_daemon_metrics_port():
     import asyncio
 
     from rpc_daemon.client import RpcClient
-    from rpc_daemon.protocol import Command
+    from rpc_daemon.wire.protocol import Command
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

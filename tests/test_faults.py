@@ -39,9 +39,9 @@ import pytest
 
 from conftest import DaemonProcess
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
-from rpc_daemon import protocol as P
+from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import PeerFailed, RpcClient
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, assert_served, chain_graph
 
 try:

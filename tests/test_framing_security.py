@@ -22,11 +22,11 @@ import pytest
 
 from conftest import DaemonProcess
 from ggml_ffi import Context, lib
-from rpc_daemon import protocol as P
+from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
-from rpc_daemon.tls import client_context
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_daemon.wire.tls import client_context
 from rpc_helpers import RawConn, assert_served, normal_session, small_graph
 from tls_certs import make_tls_files
 
@@ -142,7 +142,7 @@ async def _session(endpoint: str, secret=None, ssl_context=None) -> None:
 
 def test_real_client_hello_and_auth_fit_the_preauth_bound():
     """The pre-auth bound admits the real client's HELLO and AUTH with room to spare."""
-    from rpc_daemon.auth import ClientAuth
+    from rpc_daemon.wire.auth import ClientAuth
     state = ClientAuth(SECRET)
     hello = {"version": P.PROTOCOL_VERSION, "features": list(P.FEATURES), **state.hello_fields(),
              "cmd": 0, "id": 2**63 - 1}

@@ -18,7 +18,7 @@ from conftest import DaemonProcess
 from fuzz_protocol import (SEEDS, FuzzClient, command_messages, graph_messages, lying_prefixes, raw_messages,
                            tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient
-from rpc_daemon.protocol import Command
+from rpc_daemon.wire.protocol import Command
 from rpc_helpers import assert_served
 
 MEM_MIB = 32

@@ -1,4 +1,4 @@
-"""Property: every graph the validator (rpc_daemon/graph.py) accepts computes
+"""Property: every graph the validator (rpc_daemon/validation/graph.py) accepts computes
 inside the client buffers it names and writes only what it declares.
 
 Random graphs for every op of graph.OP_RULES, built by the op rules with
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import extents_fuzz as F
 from ggml_ffi import lib
-from rpc_daemon import graph as G
+from rpc_daemon.validation import graph as G
 
 N_CASES = 3200  # about three quarters are accepted: >= 2,000 computed
 MIN_ACCEPTED = 2000

@@ -1,6 +1,6 @@
 """Every op the daemon accepts computes bit for bit what libggml computes in process.
 
-For each op in rpc_daemon.graph.OP_RULES (NONE aside), and for ops that read
+For each op in rpc_daemon.validation.graph.OP_RULES (NONE aside), and for ops that read
 weights, each tensor type llama and gemma3 GGUFs use (f32, f16, q8_0, q5_0,
 q4_0, q4_K, q6_K), a small graph is built here with libggml's own op
 constructors and computed twice:
@@ -34,9 +34,9 @@ import pytest
 from conftest import DaemonProcess
 from ggml_ffi import NULL, Context, CpuBackend, Gallocr, ffi, lib, row_size, type_traits
 from rpc_daemon.client import RpcClient
-from rpc_daemon.graph import OP_RULES
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command
+from rpc_daemon.validation.graph import OP_RULES
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
 Q8_0, Q5_0, Q4_0 = lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q5_0, lib.GGML_TYPE_Q4_0
@@ -610,8 +610,8 @@ def test_every_weight_type_is_covered():
 def test_set_rows_with_more_src_planes_than_dst_is_refused():
     """The CPU kernel writes src plane (i2, i3) into dst plane (i2, i3); a dst
     with fewer planes than src would be written past its end."""
-    from rpc_daemon.graph import parse_graph
-    from rpc_daemon.protocol import Limits, ProtocolError
+    from rpc_daemon.validation.graph import parse_graph
+    from rpc_daemon.wire.protocol import Limits, ProtocolError
 
     with Context(16) as ctx:
         dst = ctx.new_tensor(F32, [64, 16, 2], "dst")
@@ -633,8 +633,8 @@ def test_set_rows_with_more_src_planes_than_dst_is_refused():
 
 
 def test_arange_whose_length_the_kernel_would_assert_on_is_refused():
-    from rpc_daemon.graph import parse_graph
-    from rpc_daemon.protocol import Limits, ProtocolError
+    from rpc_daemon.validation.graph import parse_graph
+    from rpc_daemon.wire.protocol import Limits, ProtocolError
 
     with Context(8) as ctx:
         r = lib.ggml_arange(ctx.ptr, 0.5, 10.0, 0.75)  # ceil(9.5 / 0.75) = 13 elements
@@ -665,8 +665,8 @@ ABORTING = {  # graphs libggml's CPU backend aborts on (SIGABRT in the compute p
 
 @pytest.mark.parametrize("name", ABORTING)
 def test_validator_refuses_what_the_cpu_backend_aborts_on(name):
-    from rpc_daemon.graph import parse_graph
-    from rpc_daemon.protocol import Limits, ProtocolError
+    from rpc_daemon.validation.graph import parse_graph
+    from rpc_daemon.wire.protocol import Limits, ProtocolError
 
     make, message = ABORTING[name]
     with Context(16) as ctx:

@@ -1,5 +1,5 @@
-"""Sans-I/O tests of rpc_daemon.protocol (framing, field checks) and
-rpc_daemon.graph (the validation choke point). No sockets, no daemon."""
+"""Sans-I/O tests of rpc_daemon.wire.protocol (framing, field checks) and
+rpc_daemon.validation.graph (the validation choke point). No sockets, no daemon."""
 from __future__ import annotations
 
 import copy
@@ -8,10 +8,10 @@ import msgpack
 import pytest
 
 from ggml_ffi import Context, lib, tensor_name
-from rpc_daemon import protocol as P
-from rpc_daemon.graph import MAX_ELEMENTS, MAX_NE, parse_graph
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import ProtocolError, Status
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.validation.graph import MAX_ELEMENTS, MAX_NE, parse_graph
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import ProtocolError, Status
 
 LIMITS = P.Limits()
 BUF, BUF_SIZE = 7, 4096

@@ -23,14 +23,14 @@ import pytest
 
 from conftest import DaemonProcess
 from ggml_ffi import Context, lib
-from rpc_daemon import auth as A
-from rpc_daemon import protocol as P
-from rpc_daemon import row_ids
+from rpc_daemon.wire import auth as A
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.validation import row_ids
 from rpc_daemon.client import PeerFailed, RpcClient
-from rpc_daemon.graph_codec import encode_graph
-from rpc_daemon.protocol import Command, Status
-from rpc_daemon.ratelimit import TokenBucket
-from rpc_daemon.tls import client_context
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_daemon.daemon.ratelimit import TokenBucket
+from rpc_daemon.wire.tls import client_context
 from rpc_helpers import RawConn, assert_served, check_compute, checked_session, expect_error, small_graph
 from tls_certs import make_tls_files
 
@@ -435,7 +435,7 @@ def test_rows_out_of_range_unvalidated_is_contained(start_daemon):
 def test_row_checks_plan_and_check_pure():
     """row_ids without a daemon: a strided view over inline ids, broadcast (stride 0) dims dropped, and
     overlapping strides refused rather than iterated."""
-    from rpc_daemon.graph import parse_graph
+    from rpc_daemon.validation.graph import parse_graph
     fields, i_full, i_z, n = get_rows_graph(5, view=True)
     spec = parse_graph(fields, P.Limits(), lambda b: 4096 if b == 5 else None)
     (chk,) = spec.row_checks
@@ -799,20 +799,20 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
         assert r.returncode == 2, r.stderr
         assert f"refusing to listen on {host} without a shared secret" in r.stderr and "--insecure" in r.stderr
     # the flag checks without binding anything (parse only)
-    from rpc_daemon.cli import parse_args
+    from rpc_daemon.daemon.cli import parse_args
     config, _ = parse_args(["-H", "0.0.0.0", "--insecure"])
     assert config.insecure and config.secret is None
     config, _ = parse_args(["-H", "0.0.0.0", "--secret-file", secret_file, "--tls-cert", tls_files.cert,
                             "--tls-key", tls_files.key])
     assert config.secret == SECRET and config.tls_cert == tls_files.cert and SECRET.decode() not in repr(config)
     env = {A.ENV_VAR: SECRET.decode()}
-    from rpc_daemon import security_cli
+    from rpc_daemon.daemon import security_cli
     import argparse
     p = argparse.ArgumentParser()
     p.add_argument("-H", "--host", default="127.0.0.1")
     security_cli.add_args(p)
     args = p.parse_args(["-H", "0.0.0.0"])
-    from rpc_daemon.server import DaemonConfig
+    from rpc_daemon.daemon.server import DaemonConfig
     cfg = security_cli.apply(p, args, DaemonConfig(host="0.0.0.0"), environ=env)
     assert cfg.secret == SECRET and A.ENV_VAR not in env  # taken, and scrubbed from the environment
     # bad security settings exit with status 2 before listening

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import DaemonProcess
 from rpc_daemon.client import RpcClient, RpcError
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire.protocol import Command, Status
 
 SIZE = 2 << 20
 

@@ -283,7 +283,7 @@ def _terminate(signum, frame):
 def main(argv=None) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     args = parse_args(argv)
-    from rpc_daemon import logs
+    from rpc_daemon.service import logs
 
     logs.configure(args.log_format, args.log_level)
     if args.command != "serve":  # serve handles its signals in its event loop (graceful drain)

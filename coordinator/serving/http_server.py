@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from coordinator.results import DecodeResult
 from coordinator.serving.batching import Scheduler, ShuttingDown
 from coordinator.sampling import Sampler
-from rpc_daemon.lifecycle import until_signalled
+from rpc_daemon.service.lifecycle import until_signalled
 
 log = structlog.get_logger("http")
 

@@ -1,7 +1,7 @@
 """The daemon side of the compute processes: start them, feed them, survive their deaths.
 
 Each client computes in a process of its own, which maps that client's arena
-(rpc_daemon/buffers.py) and no other memory of any client: a graph that gets
+(rpc_daemon/daemon/buffers.py) and no other memory of any client: a graph that gets
 past validation and reads or writes out of bounds in libggml can reach only its
 own client's data. A process that has ever served a client is never given to
 another; it is killed when its client leaves.
@@ -31,7 +31,8 @@ from typing import Callable
 
 import structlog
 
-from rpc_daemon import compute_link, hoptrace
+from rpc_daemon.compute import link as compute_link
+from rpc_daemon.service import hoptrace
 
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
@@ -49,7 +50,7 @@ def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
     env = dict(os.environ, GGML_NO_BACKTRACE="1")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rpc_daemon.compute_worker", str(child.fileno()), str(n_threads)],
+            [sys.executable, "-m", "rpc_daemon.compute.worker", str(child.fileno()), str(n_threads)],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
     except BaseException:
         parent.close()

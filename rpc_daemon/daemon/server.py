@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from rpc_daemon import auth as A
-from rpc_daemon import hoptrace
-from rpc_daemon import protocol as P
-from rpc_daemon import row_ids
-from rpc_daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer, arena_size_for, round_up
-from rpc_daemon.compute import ComputeFailed, ComputePool
-from rpc_daemon.graph import SUPPORTED_OP_NAMES, GraphSpec, parse_graph
-from rpc_daemon.protocol import Command, ProtocolError, Status
-from rpc_daemon.ratelimit import TokenBucket
-from rpc_daemon.sockets import tune_socket
-from rpc_daemon.tensor_cache import TensorCache
+from rpc_daemon.wire import auth as A
+from rpc_daemon.service import hoptrace
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.validation import row_ids
+from rpc_daemon.daemon.buffers import ALIGNMENT, BufferRegistry, SharedBuffer, arena_size_for, round_up
+from rpc_daemon.compute.pool import ComputeFailed, ComputePool
+from rpc_daemon.validation.graph import SUPPORTED_OP_NAMES, GraphSpec, parse_graph
+from rpc_daemon.wire.protocol import Command, ProtocolError, Status
+from rpc_daemon.daemon.ratelimit import TokenBucket
+from rpc_daemon.wire.sockets import tune_socket
+from rpc_daemon.daemon.tensor_cache import TensorCache
 
 log = structlog.get_logger("rpc")
 
@@ -52,7 +52,7 @@ class DaemonConfig:
     max_clients: int = 64
     limits: P.Limits = P.Limits()
     unsafe_no_validation: bool = False  # tests only: lets graphs reach libggml unchecked
-    test_faults: tuple = ()  # tests only: fault specs for rpc_daemon/faults.py (--test-fault)
+    test_faults: tuple = ()  # tests only: fault specs for rpc_daemon/testing/faults.py (--test-fault)
     # security (docs/security.md)
     secret: bytes | None = field(default=None, repr=False)  # set: HELLO runs auth.py's challenge-response
     tls_cert: str | None = None  # set (with tls_key): TLS on the listening port
@@ -131,9 +131,9 @@ class Daemon:
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
         self.stats = collections.Counter()
-        self.faults = None  # tests only: injected faults (rpc_daemon/faults.py), None in normal use
+        self.faults = None  # tests only: injected faults (rpc_daemon/testing/faults.py), None in normal use
         if config.test_faults:
-            from rpc_daemon.faults import Faults
+            from rpc_daemon.testing.faults import Faults
             self.faults = Faults(list(config.test_faults), self)
 
     def new_client_id(self) -> int:
@@ -691,7 +691,7 @@ async def _run_graph(c: Connection, graph_id, spec: GraphSpec, checked):
 async def handle_graph_compute(c: Connection, h, blob, direct):
     graph_id = P.field_int(h, "graph_id", 0, default=0)
     if c.daemon.config.unsafe_no_validation:
-        from rpc_daemon.graph import parse_unchecked
+        from rpc_daemon.validation.graph import parse_unchecked
         spec = parse_unchecked(h, c._buffer_size)
     else:
         spec = parse_graph(h, c.limits, c._buffer_size)

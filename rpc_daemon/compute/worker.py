@@ -6,11 +6,11 @@ the daemon, which maps it into this process, reports the death to the client
 and gives it a new compute process on its next request.
 
 One process serves one client: it maps that client's arena (one memfd holding
-all its buffers, rpc_daemon/buffers.py) once, and wraps each buffer, a range of
+all its buffers, rpc_daemon/daemon/buffers.py) once, and wraps each buffer, a range of
 it, as a ggml CPU buffer. No other client's memory is ever mapped here, so a
 graph that strays out of bounds can only fault or touch its own client's data.
 
-Run as `python -m rpc_daemon.compute_worker FD THREADS` by rpc_daemon.compute.
+Run as `python -m rpc_daemon.compute.worker FD THREADS` by rpc_daemon.compute.pool.
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import sys
 import time
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
-from rpc_daemon import compute_link, hoptrace
-from rpc_daemon.graph_codec import build_graph, context_size
+from rpc_daemon.compute import link as compute_link
+from rpc_daemon.service import hoptrace
+from rpc_daemon.wire.graph_codec import build_graph, context_size
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -155,9 +156,9 @@ def warm_up(state: ComputeState) -> None:
     """Compute one tiny graph and drop it: a spare process is started ahead, so the first-use costs
     of a fresh process (symbol lookups, first allocations) are paid before a client needs it."""
     from ggml_ffi import Context
-    from rpc_daemon.graph import parse_graph
-    from rpc_daemon.graph_codec import encode_graph
-    from rpc_daemon.protocol import Limits
+    from rpc_daemon.validation.graph import parse_graph
+    from rpc_daemon.wire.graph_codec import encode_graph
+    from rpc_daemon.wire.protocol import Limits
 
     try:
         ctx = Context(8)

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from rpc_daemon import protocol as P
-from rpc_daemon.protocol import Command, Status
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire.protocol import Command, Status
 
 log = structlog.get_logger("rpc")
 

@@ -10,8 +10,8 @@ import os
 import pathlib
 import sys
 
-from rpc_daemon import security_cli
-from rpc_daemon.server import DaemonConfig
+from rpc_daemon.daemon import security_cli
+from rpc_daemon.daemon.server import DaemonConfig
 
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
 
@@ -34,7 +34,7 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (same --host)")
     p.add_argument("--unsafe-no-validation", action="store_true", help=argparse.SUPPRESS)
-    # tests only: misbehave on purpose at a chosen point (see rpc_daemon/faults.py)
+    # tests only: misbehave on purpose at a chosen point (see rpc_daemon/testing/faults.py)
     p.add_argument("--test-fault", action="append", default=[], metavar="SPEC", help=argparse.SUPPRESS)
     security_cli.add_args(p)
     args = p.parse_args(argv)
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
                           metrics_port=args.metrics_port)
     config = security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
     if args.test_fault:
-        from rpc_daemon.faults import FaultSpec, FaultSpecError
+        from rpc_daemon.testing.faults import FaultSpec, FaultSpecError
         try:
             for spec in args.test_fault:
                 FaultSpec.parse(spec)
@@ -61,9 +61,9 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
 def main(argv=None) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     config, args = parse_args(argv)
-    from rpc_daemon import logs
+    from rpc_daemon.service import logs
     logs.configure(args.log_format, args.log_level)
-    from rpc_daemon.app import serve
+    from rpc_daemon.daemon.app import serve
     try:
         import uvloop
         runner = uvloop.run

@@ -50,7 +50,7 @@ class Command(IntEnum):
     GRAPH_RECOMPUTE = 10
     GRAPH_FREE = 11
     PING = 12
-    AUTH = 13  # second half of an authenticated HELLO (rpc_daemon/auth.py)
+    AUTH = 13  # second half of an authenticated HELLO (rpc_daemon/wire/auth.py)
 
 
 class ProtocolError(Exception):

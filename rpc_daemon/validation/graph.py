@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ggml_ffi import lib, nbytes as ggml_nbytes, type_traits
-from rpc_daemon import row_ids
-from rpc_daemon.protocol import ProtocolError, Status, field_list
+from rpc_daemon.validation import row_ids
+from rpc_daemon.wire.protocol import ProtocolError, Status, field_list
 
 MAX_NE = 1 << 40
 MAX_ELEMENTS = 1 << 42

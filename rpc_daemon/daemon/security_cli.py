@@ -16,9 +16,9 @@ import dataclasses
 import os
 import sys
 
-from rpc_daemon import auth
-from rpc_daemon.protocol import Limits
-from rpc_daemon.server import DaemonConfig
+from rpc_daemon.wire import auth
+from rpc_daemon.wire.protocol import Limits
+from rpc_daemon.daemon.server import DaemonConfig
 
 MiB = 1 << 20
 _L = Limits()
@@ -76,12 +76,12 @@ def apply(p: argparse.ArgumentParser, args: argparse.Namespace, config: DaemonCo
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
     if args.tls_cert:
-        from rpc_daemon.tls import TlsConfigError, server_context
+        from rpc_daemon.wire.tls import TlsConfigError, server_context
         try:
             server_context(args.tls_cert, args.tls_key)
         except TlsConfigError as exc:
             p.error(str(exc))
-    from rpc_daemon.app import is_loopback
+    from rpc_daemon.daemon.app import is_loopback
     if not is_loopback(config.host) and secret is None and not args.insecure:
         p.error(f"refusing to listen on {config.host} without a shared secret: anyone who can reach the port "
                 f"could read and write this worker's memory and run graphs on it. Give --secret-file PATH (or "

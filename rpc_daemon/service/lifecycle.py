@@ -8,7 +8,7 @@ import contextlib
 import signal
 from typing import Callable
 
-from rpc_daemon import systemd
+from rpc_daemon.service import systemd
 
 
 @contextlib.asynccontextmanager

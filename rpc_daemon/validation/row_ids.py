@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggml_ffi import lib
-from rpc_daemon.protocol import ProtocolError, Status
+from rpc_daemon.wire.protocol import ProtocolError, Status
 
 _DTYPES = {lib.GGML_TYPE_I32: np.dtype("<i4"), lib.GGML_TYPE_I64: np.dtype("<i8")}
 

@@ -31,7 +31,7 @@ import os
 import secrets as _secrets
 import stat
 
-from rpc_daemon.protocol import PROTOCOL_VERSION, ProtocolError, Status
+from rpc_daemon.wire.protocol import PROTOCOL_VERSION, ProtocolError, Status
 
 METHOD = "hmac-sha256"
 NONCE_LEN = 32

@@ -6,9 +6,9 @@ import ipaddress
 
 import structlog
 
-from rpc_daemon.lifecycle import until_signalled
+from rpc_daemon.service.lifecycle import until_signalled
 
-from rpc_daemon.server import Connection, Daemon, DaemonConfig
+from rpc_daemon.daemon.server import Connection, Daemon, DaemonConfig
 
 log = structlog.get_logger("rpc")
 
@@ -26,12 +26,12 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     loop = asyncio.get_running_loop()
     ssl_context = None
     if config.tls_cert:
-        from rpc_daemon.tls import server_context
+        from rpc_daemon.wire.tls import server_context
         ssl_context = server_context(config.tls_cert, config.tls_key)
     daemon = Daemon(config)
     metrics_server = None
     if config.metrics_port is not None:
-        from rpc_daemon.metrics import serve_metrics
+        from rpc_daemon.daemon.metrics import serve_metrics
         metrics_server = serve_metrics(daemon, config.host, config.metrics_port)
     server = await loop.create_server(lambda: Connection(daemon), config.host, config.port, reuse_address=True,
                                       ssl=ssl_context,
