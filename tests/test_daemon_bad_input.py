@@ -727,7 +727,8 @@ class PlainTransport:
 def test_queue_bound_holds_within_one_receive():
     """Sans-I/O, on the connection object: one 64 KiB receive full of small requests queues no more than
     the bound, and the rest is parsed once the queue drains."""
-    from rpc_daemon.daemon.server import MAX_QUEUED, Connection, Daemon, DaemonConfig
+    from rpc_daemon.daemon.config import DaemonConfig
+    from rpc_daemon.daemon.connection import MAX_QUEUED, Connection, Daemon
 
     async def scenario():
         daemon = Daemon(DaemonConfig(max_requests_per_second=0))
@@ -811,7 +812,8 @@ def test_kept_bytes_do_not_resume_reading_for_a_client_that_reads_nothing():
     """Parsing the bytes kept past a full queue answers PINGs on the spot; when those replies fill the write
     buffer (pause_writing), reading stays paused: a client that reads none of its replies cannot make the
     daemon's write buffer grow by sending more."""
-    from rpc_daemon.daemon.server import Connection, Daemon, DaemonConfig
+    from rpc_daemon.daemon.config import DaemonConfig
+    from rpc_daemon.daemon.connection import Connection, Daemon
 
     async def scenario():
         daemon = Daemon(DaemonConfig(max_requests_per_second=0))

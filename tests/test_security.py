@@ -812,7 +812,7 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
     p.add_argument("-H", "--host", default="127.0.0.1")
     security_cli.add_args(p)
     args = p.parse_args(["-H", "0.0.0.0"])
-    from rpc_daemon.daemon.server import DaemonConfig
+    from rpc_daemon.daemon.config import DaemonConfig
     cfg = security_cli.apply(p, args, DaemonConfig(host="0.0.0.0"), environ=env)
     assert cfg.secret == SECRET and A.ENV_VAR not in env  # taken, and scrubbed from the environment
     # bad security settings exit with status 2 before listening

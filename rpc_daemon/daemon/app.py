@@ -6,9 +6,9 @@ import ipaddress
 
 import structlog
 
+from rpc_daemon.daemon.config import DaemonConfig
+from rpc_daemon.daemon.connection import Connection, Daemon
 from rpc_daemon.service.lifecycle import until_signalled
-
-from rpc_daemon.daemon.server import Connection, Daemon, DaemonConfig
 
 log = structlog.get_logger("rpc")
 

@@ -11,7 +11,7 @@ import pathlib
 import sys
 
 from rpc_daemon.daemon import security_cli
-from rpc_daemon.daemon.server import DaemonConfig
+from rpc_daemon.daemon.config import DaemonConfig
 
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
 

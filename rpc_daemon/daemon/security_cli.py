@@ -18,7 +18,7 @@ import sys
 
 from rpc_daemon.wire import auth
 from rpc_daemon.wire.protocol import Limits
-from rpc_daemon.daemon.server import DaemonConfig
+from rpc_daemon.daemon.config import DaemonConfig
 
 MiB = 1 << 20
 _L = Limits()

@@ -55,13 +55,15 @@ class Command(IntEnum):
 
 class ProtocolError(Exception):
     """A request the daemon refuses. `fatal` means the framing can no longer be
-    trusted, so the connection is closed after the reply."""
+    trusted, so the connection is closed after the reply. `fields` go into the
+    refusal's reply header too."""
 
-    def __init__(self, status: Status, message: str, fatal: bool = False):
+    def __init__(self, status: Status, message: str, fatal: bool = False, fields: dict | None = None):
         super().__init__(message)
         self.status = Status(status)
         self.message = message
         self.fatal = fatal
+        self.fields = fields or {}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,395 @@
+"""The daemon's connections: asyncio BufferedProtocols that only move bytes,
+and the Daemon state they share. What each command does is in handlers.py
+(one table); what a request must satisfy, in rpc_daemon/validation/.
+
+protocol.FrameReader (the client's too) cuts the frames, and the connection,
+as its sink, says where each blob goes, so SET_TENSOR data lands straight in
+the destination shared-memory buffer once the whole request has been checked.
+Commands whose table row says so (PING, HELLO, AUTH) are answered as soon as
+they are read, even while the connection's previous request is still
+computing; every other request runs in order on the connection's own task.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import time
+
+import structlog
+
+from rpc_daemon.compute.pool import ComputePool
+from rpc_daemon.daemon.buffers import BufferRegistry, SharedBuffer, arena_size_for
+from rpc_daemon.daemon.config import DaemonConfig, fd_client_limit, physical_memory
+from rpc_daemon.daemon.handlers import COMMANDS, Session
+from rpc_daemon.daemon.ratelimit import TokenBucket
+from rpc_daemon.daemon.tensor_cache import TensorCache
+from rpc_daemon.service import hoptrace
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire.protocol import Command, ProtocolError, Status
+from rpc_daemon.wire.sockets import tune_socket
+
+log = structlog.get_logger("rpc")
+
+
+MAX_QUEUED = 64  # requests queued per connection before it stops reading
+RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
+PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
+
+
+class Daemon:
+    """State shared by all connections."""
+
+    def __init__(self, config: DaemonConfig):
+        max_clients = fd_client_limit(config.max_clients)
+        if max_clients != config.max_clients:
+            config = dataclasses.replace(config, max_clients=max_clients)
+        self.config = config
+        mem = config.mem or physical_memory()
+        self.buffers = BufferRegistry(mem, arena_size_for(config.limits.max_client_bytes or mem))
+        # one compute process per client that computes (and a spare), serialized daemon-wide
+        self.compute = ComputePool(config.threads, config.compute_timeout)
+        self.buffers.compute_bytes = lambda: self.compute.compute_bytes
+        self.compute.budget_base = lambda: self.buffers.max_bytes - self.buffers.allocated
+        self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
+        self.connections: set[Connection] = set()
+        self._ids = itertools.count(1)
+        self.stats = collections.Counter()
+        self.faults = None  # tests only: injected faults (rpc_daemon/testing/faults.py), None in normal use
+        if config.test_faults:
+            from rpc_daemon.testing.faults import Faults
+            self.faults = Faults(list(config.test_faults), self)
+
+    def new_client_id(self) -> int:
+        return next(self._ids)
+
+    def close(self) -> None:
+        for conn in list(self.connections):
+            conn.abort("daemon shutting down")
+        self.compute.close()
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, daemon: Daemon):
+        self.daemon = daemon
+        self.limits = daemon.config.limits
+        self.session = Session(daemon, self._authenticated)  # what the handlers see of this client
+        self.transport: asyncio.Transport | None = None
+        self.log = log
+        self.closed = False
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.worker: asyncio.Task | None = None
+        self.worker_busy = False
+        self.last_activity = time.monotonic()
+        # frames are cut by protocol.FrameReader, the client's too; this connection is its
+        # sink (header, frame, hold). Before authentication a frame is at most
+        # 12 + max_preauth_header bytes and no blob, so the receive buffer is small; it
+        # grows to RX_SIZE once the connection is authenticated. A blob is received into
+        # memory as it arrives (never allocated at the length its prefix claims), or
+        # straight into its SET_TENSOR destination.
+        self.reader = P.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
+                                    eager_blobs=False)
+        self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
+        self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
+        self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
+        self._warn_budget = TokenBucket(5.0, 20)  # refusals logged per client: no log flood
+        self._can_write = asyncio.Event()  # cleared while the client does not read its replies
+        self._can_write.set()
+        self._wbuf = 0
+
+    @property
+    def client_id(self) -> int:
+        return self.session.client_id
+
+    @property
+    def hello_done(self) -> bool:
+        return self.session.hello_done
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.connected_at = time.monotonic()
+        tune_socket(transport.get_extra_info("socket"))
+        peer = transport.get_extra_info("peername")
+        self.log = self.session.log = log.bind(peer=f"{peer[0]}:{peer[1]}" if peer else "?", client=self.client_id)
+        if len(self.daemon.connections) >= self.daemon.config.max_clients:
+            self._reply(None, Status.LIMIT_EXCEEDED, f"too many clients (limit {self.daemon.config.max_clients})")
+            transport.close()
+            self.closed = True
+            return
+        self.daemon.connections.add(self)
+        self.worker = asyncio.get_running_loop().create_task(self._work())
+        self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
+        self.log.info("client connected")
+
+    # ------------------------------------------------------------ framing (moving bytes; protocol.FrameReader cuts frames)
+    def get_buffer(self, sizehint: int):
+        return self.reader.buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.daemon.stats["bytes_in"] += nbytes
+        self.last_activity = time.monotonic()
+        if hoptrace.ON and not self.reader.partial:
+            hoptrace.mark("daemon rx")
+        try:
+            self.reader.received(nbytes)
+        except ProtocolError as exc:
+            self._framing_broken(exc)
+
+    def _framing_broken(self, exc: ProtocolError) -> None:
+        """A prefix past the limits (before authentication: past the pre-auth
+        bound): framing can no longer be trusted. Answer and hang up."""
+        self._reply(None, exc.status, exc.message)
+        self.abort(exc.message)
+
+    def header(self, h: dict | None, error: ProtocolError | None, blob_len: int):
+        """FrameSink: a header is read. Where its blob goes: DISCARD (the
+        request is refused: bad msgpack, rate limit, a SET_TENSOR that fails
+        its checks), its SET_TENSOR destination, or memory (None)."""
+        self._refused = None
+        if error is not None:
+            return P.DISCARD
+        try:
+            self._check_rate()
+            buf = self._direct_destination(h, blob_len)
+        except ProtocolError as exc:
+            self._refused = exc
+            return P.DISCARD
+        if buf is None:
+            return None
+        return buf.view[h["offset"]: h["offset"] + blob_len]
+
+    def hold(self) -> bool:
+        """FrameSink: stop parsing after this frame (the rest is kept)."""
+        return self.transport is None or self.transport.is_closing() or self._over_bounds()
+
+    def _over_bounds(self) -> bool:
+        """Too much queued: stop reading (backpressure) until the worker drains it."""
+        return self.queue.qsize() > MAX_QUEUED or self._inflight > self.limits.max_inflight
+
+    def _check_rate(self) -> None:
+        if self.hello_done and not self.bucket.take():
+            cfg = self.daemon.config
+            raise ProtocolError(Status.LIMIT_EXCEEDED, f"request rate limit exceeded ({cfg.max_requests_per_second:g} "
+                                                       f"requests/s, burst {cfg.request_burst}); slow down")
+
+    def _direct_destination(self, h: dict, blob_len: int) -> SharedBuffer | None:
+        """For a SET_TENSOR that will run next, the buffer to read its data
+        into. Every field is checked first, strictly (cmd 5.0 is not
+        SET_TENSOR): a request that will be refused never lands a byte."""
+        if not self.hello_done or self.worker_busy or not self.queue.empty():
+            return None
+        if type(h.get("cmd")) is not int or h["cmd"] != Command.SET_TENSOR:
+            return None
+        r, _ = P.parse_set_tensor(h, blob_len)
+        buf, _ = self.session.check_range(r)
+        return buf
+
+    def frame(self, header: dict | None, error: ProtocolError | None, blob, direct: bool, header_len: int) -> None:
+        """FrameSink: a frame is complete."""
+        error, self._refused = error or self._refused, None
+        held = header_len + (0 if direct else len(blob))  # what the queued request keeps in memory
+        req_id = header.get("id") if isinstance(header, dict) else None
+        if error is not None:
+            self._reply(req_id, error.status, error.message)
+            if error.fatal or not self.hello_done:  # before HELLO, nothing but a valid HELLO is accepted
+                self.abort(error.message)
+            return
+        cmd = header.get("cmd")
+        if type(cmd) is not int:  # 0.0 or False must not pass for HELLO, 13.0 not for AUTH, 12.0 not for PING
+            if not self.hello_done:
+                self._reply(req_id, Status.INVALID_REQUEST, f"the first command must be HELLO (cmd {cmd!r:.40})")
+                self.abort("first frame without a valid cmd")
+                return
+            cmd = None  # refused by _dispatch, in its turn: replies keep request order
+        auth = self.session.auth
+        if cmd == Command.AUTH and self.session.auth_pending:
+            pass  # the one frame a pending challenge admits
+        elif not self.hello_done and auth is not None and (cmd != Command.HELLO or auth.pending):
+            self._reply(req_id, Status.NOT_AUTHORIZED, "not authenticated: this worker requires HELLO with "
+                                                       "auth_nonce, then AUTH (a shared secret)")
+            self.abort("request before authentication")
+            return
+        elif not self.hello_done and cmd != Command.HELLO:
+            self._reply(req_id, Status.INVALID_REQUEST, "the first command must be HELLO")
+            self.abort("first command was not HELLO")
+            return
+        row = COMMANDS.get(cmd)
+        if row is not None and row.answer_now is not None and row.answer_now(self.session):
+            self._answer_now(req_id, row, header)
+            return
+        if hoptrace.ON:
+            hoptrace.mark("daemon queued")
+        self.queue.put_nowait((header, blob, direct, held))
+        self._inflight += held
+        if self._over_bounds() and self.transport is not None:
+            self.transport.pause_reading()
+
+    # ------------------------------------------------------------ lifecycle
+    def _check_idle(self) -> None:
+        if self.closed:
+            return
+        if self.transport is not None:
+            wbuf = self.transport.get_write_buffer_size()
+            if wbuf < self._wbuf:  # the client took some of its replies
+                self.last_activity = time.monotonic()
+            self._wbuf = wbuf
+        idle = time.monotonic() - self.last_activity
+        limit = self.daemon.config.idle_timeout
+        if not self.hello_done:
+            limit = min(limit, self.daemon.config.hello_timeout)
+            # a trickle of bytes must not hold a slot: HELLO is due within hello_timeout of connecting
+            idle = max(idle, time.monotonic() - self.connected_at)
+        if idle > limit and ((self.queue.empty() and not self.worker_busy) or not self._can_write.is_set()):
+            self.log.info("closing idle client", idle_s=round(idle, 1))
+            if not self._can_write.is_set() and self.transport is not None:
+                self.transport.abort()  # it does not read: flushing its replies would never end
+            self.abort("idle timeout")
+            return
+        self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
+
+    def abort(self, why: str) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.log.info("closing connection", reason=why)
+            self.transport.close()  # flushes the last reply first...
+            # ...but a peer that never reads would keep the connection forever
+            asyncio.get_running_loop().call_later(5.0, self.transport.abort)
+
+    def pause_writing(self) -> None:
+        # the client does not read its replies: produce no more (no unbounded write buffer)
+        self._can_write.clear()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+        self._resume_reading()
+
+    def _resume_reading(self) -> None:
+        """Read again once the queue is short (under 16 requests and half the
+        in-flight bound): first what was received past a full queue."""
+        if self.queue.qsize() >= 16 or self._inflight > self.limits.max_inflight // 2:
+            return
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self._can_write.is_set():
+            return  # the client does not read its replies: resume_writing comes back here
+        if self.reader.held:
+            try:
+                self.reader.resume()
+            except ProtocolError as exc:
+                self._framing_broken(exc)
+            # what it answered may have filled the write buffer (pause_writing) or the queue again
+            if self.reader.held or self.transport.is_closing() or not self._can_write.is_set():
+                return
+        self.transport.resume_reading()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
+        if self.worker is not None:
+            self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends
+        else:
+            self._release()
+        self.log.info("client disconnected", error=str(exc) if exc else None)
+
+    def _release(self) -> None:
+        # drop views into client buffers (a half-read SET_TENSOR blob, queued requests)
+        # so the buffers can be unmapped now
+        self.reader.close()  # also breaks the reader <-> connection cycle: freed at once, not by the gc
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.session.graphs.clear()
+        # its compute process has mapped its memory: it is killed, never handed to anyone else
+        self.daemon.compute.release(self.client_id)
+        self.daemon.buffers.release(self.client_id)  # its buffers and its arena
+        self.daemon.connections.discard(self)
+
+    async def _work(self) -> None:
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is None or self.closed:
+                    return
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+                    if self.closed:
+                        return
+                self._resume_reading()
+                header, blob, direct, held = item
+                self.worker_busy = True
+                try:
+                    await self._dispatch(header, blob, direct)
+                finally:
+                    self.worker_busy = False
+                    self.last_activity = time.monotonic()
+                    item = header = blob = None  # its memory goes now, not at the next request
+                    self._inflight -= held
+                self._resume_reading()
+        finally:
+            item = header = blob = None  # a direct SET_TENSOR's blob is a view into its buffer
+            self._release()
+
+    # ------------------------------------------------------------ replies
+    def _reply(self, req_id, status: Status, message: str = "", blob=b"", quiet: bool = False, **fields) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if status != Status.SUCCESS and status != Status.NOT_FOUND and not quiet and self._warn_budget.take():
+            self.log.warning("request refused", status=Status(status).name, error=message)
+        header = P.reply_header(req_id, status, message, **fields)
+        frame = P.encode_frame(header, len(blob))
+        self.daemon.stats["bytes_out"] += len(frame) + len(blob)
+        if hoptrace.ON:
+            hoptrace.mark("daemon reply")
+        if len(blob):
+            # one vectored write: the frame alone would leave as its own segment and
+            # wake the client once for it and once more for the blob
+            self.transport.writelines([frame, blob])
+        else:
+            self.transport.write(frame)
+
+    async def _dispatch(self, header: dict, blob, direct: bool) -> None:
+        req_id = header.get("id")
+        try:
+            cmd = P.command(header)  # an int: a bool or a float is refused, not taken for a command
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message)
+            return
+        row = COMMANDS.get(cmd)
+        if row is None or row.answer_now is not None:  # AUTH without a pending challenge
+            self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r}")
+            return
+        fault = self.daemon.faults.take(cmd) if self.daemon.faults is not None else None  # tests only
+        if fault is not None and await fault.before(self):
+            return
+        try:
+            result = await row.handler(self.session, header, blob, direct)
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message, **exc.fields)
+            return
+        except Exception as exc:  # a bug of ours must not take the daemon down
+            self.log.exception("handler failed", cmd=cmd)
+            self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        fields, out = result if isinstance(result, tuple) else (result or {}, b"")
+        status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
+        if fault is not None and await fault.reply(self, req_id, status, error, out, fields):  # tests only
+            return
+        self._reply(req_id, status, error, out, **fields)
+
+    def _answer_now(self, req_id, row, header: dict) -> None:
+        """A command answered as soon as it is read (PING, HELLO, AUTH): its refusal closes the connection."""
+        try:
+            fields = row.handler(self.session, header, None, False)
+        except ProtocolError as exc:
+            self._reply(req_id, exc.status, exc.message, **exc.fields)
+            self.abort(exc.message)
+            return
+        status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
+        self._reply(req_id, status, error, quiet=fields.pop("quiet", False), **fields)
+
+    # ------------------------------------------------------------ helpers
+    def _authenticated(self) -> None:
+        """The session authenticated (HELLO, and AUTH with a secret): full frame limits, full-size receive buffer."""
+        self.reader.authenticated = True  # the next prefix, even in this receive, gets the full limits
+        self.reader.resize(RX_SIZE)

@@ -1,0 +1,368 @@
+"""One row per command: its handler, and whether it is answered as soon as it
+is read (PING, HELLO, AUTH while a challenge is pending) or queued behind the
+connection's running request. Handlers see a `Session` (this client's id,
+buffers, graphs, limits, authentication), not the connection.
+
+A handler takes (session, header, blob, direct) and returns reply fields, or
+(fields, blob); `status`, `error` and `quiet` among the fields set the reply's
+status, message and whether a refusal is logged. A refusal is raised as
+ProtocolError. Queued handlers are coroutines; those answered at once are not.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import structlog
+
+from rpc_daemon.compute.pool import ComputeFailed
+from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, round_up
+from rpc_daemon.daemon.config import available_memory
+from rpc_daemon.service import hoptrace
+from rpc_daemon.validation import row_ids
+from rpc_daemon.validation.graph import SUPPORTED_OP_NAMES, GraphSpec, parse_graph
+from rpc_daemon.wire import auth as A
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire.protocol import Command, ProtocolError, Status
+
+if TYPE_CHECKING:
+    from rpc_daemon.daemon.connection import Daemon
+
+log = structlog.get_logger("rpc")
+
+
+class Session:
+    """One client as its handlers see it: its id, its buffers (in the daemon's
+    registry), its cached graphs, the limits, its authentication; and the
+    daemon's shared services (compute pool, tensor cache, stats, config)."""
+
+    def __init__(self, daemon: Daemon, on_authenticated: Callable[[], None]):
+        self.daemon = daemon
+        self.config = daemon.config
+        self.limits = daemon.config.limits
+        self.client_id = daemon.new_client_id()
+        self.graphs: dict[int, GraphSpec] = {}
+        self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
+        self.hello_done = False
+        self.log = log
+        self._on_authenticated = on_authenticated
+
+    def authenticated(self) -> None:
+        """HELLO (and AUTH with a secret) succeeded."""
+        if not self.hello_done:
+            self.hello_done = True
+            self._on_authenticated()
+
+    @property
+    def auth_pending(self) -> bool:
+        return self.auth is not None and self.auth.pending
+
+    def features(self) -> list[str]:
+        return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]
+
+    def buffer(self, key: int) -> SharedBuffer:
+        buf = self.daemon.buffers.get(self.client_id, key)
+        if buf is None:
+            raise ProtocolError(Status.INVALID_REQUEST, f"buffer {key} is not a buffer of this connection")
+        return buf
+
+    def check_range(self, r: P.ByteRange) -> tuple[SharedBuffer, P.ByteRange]:
+        buf = self.buffer(r.buffer)
+        if r.offset + r.size > buf.size:
+            raise ProtocolError(Status.INVALID_REQUEST,
+                                f"range [{r.offset}, {r.offset + r.size}) runs past the end of buffer {r.buffer} "
+                                f"({buf.size} bytes)")
+        return buf, r
+
+    def buffer_size(self, key: int) -> int | None:
+        buf = self.daemon.buffers.get(self.client_id, key)
+        return None if buf is None else buf.size
+
+    def graph_key(self, graph_id: int) -> str:
+        return f"{self.client_id}:{graph_id}"
+
+    def forget_graph(self, graph_id: int) -> None:
+        proc = self.daemon.compute.get(self.client_id)
+        if proc is not None:
+            proc.forget_graph(self.graph_key(graph_id))
+
+
+# ---------------------------------------------------------------- answered at once
+
+def hello_fields(s: Session) -> dict:
+    """What a successful HELLO and AUTH reply both carry."""
+    return {"version": P.PROTOCOL_VERSION, "features": s.features(), "server": "ggml-rpc-server (python)",
+            "max_blob": s.limits.max_blob, "idle_timeout": s.config.idle_timeout}
+
+
+def handle_ping(s: Session, h, blob, direct):
+    return {"time": time.time()}
+
+
+def handle_hello(s: Session, h, blob, direct):
+    try:
+        P.check_hello(h)
+        challenge = s.auth.challenge(h) if s.auth is not None and not s.hello_done else None
+    except ProtocolError as exc:
+        raise ProtocolError(exc.status, exc.message, fatal=True, fields={"version": P.PROTOCOL_VERSION}) from None
+    if challenge is not None:  # authentication pending: the next frame must be AUTH
+        return {"status": Status.NOT_AUTHORIZED, "error": "authentication required: answer the challenge with AUTH",
+                "quiet": True, "version": P.PROTOCOL_VERSION, "auth": challenge}
+    s.authenticated()
+    return hello_fields(s)
+
+
+def handle_auth(s: Session, h, blob, direct):
+    try:
+        server_proof = s.auth.verify(h)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.status, exc.message, fatal=True) from None
+    s.authenticated()
+    s.log.info("client authenticated")
+    return dict(hello_fields(s), proof=server_proof)
+
+
+# ---------------------------------------------------------------- queued
+
+async def handle_device_info(s: Session, h, blob, direct):
+    from ggml_ffi import lib
+
+    reg = s.daemon.buffers
+    features = [name for name in ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "avx512",
+                                  "avx512_vbmi", "avx512_vnni", "avx512_bf16", "neon", "arm_fma", "fp16_va",
+                                  "dotprod", "matmul_int8", "sve")
+                if getattr(lib, f"ggml_cpu_has_{name}", lambda: 0)()]
+    free = min(reg.max_bytes - reg.allocated - reg.compute_bytes(), available_memory())
+    return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": max(0, free),
+            "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": s.config.threads,
+            "cpu_features": features, "tensor_cache": s.daemon.cache is not None,
+            "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+async def handle_alloc_buffer(s: Session, h, blob, direct):
+    size = P.field_int(h, "size", 1)
+    count, held = s.daemon.buffers.held_by(s.client_id)
+    if count >= s.limits.max_buffers:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"buffer count limit {s.limits.max_buffers} reached")
+    cap = s.limits.max_client_bytes
+    if cap and held + round_up(size) > cap:  # buffers are whole pages, and count as such
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes ({round_up(size)} as whole "
+                                                   f"pages): this client holds {held} of its {cap}-byte limit")
+    await s.daemon.compute.allocations_settled()  # a graph's first compute may be taking memory right now
+    buf = s.daemon.buffers.alloc(s.client_id, size)
+    if buf is None:
+        reg = s.daemon.buffers
+        return {"status": Status.ALLOC_FAILED,
+                "error": f"cannot allocate {size} bytes ({max(0, reg.max_bytes - reg.allocated - reg.compute_bytes())} "
+                         f"of {reg.max_bytes} free; {reg.compute_bytes()} held by compute)"}
+    return {"buffer": buf.key, "size": buf.size, "alignment": ALIGNMENT}
+
+
+async def handle_free_buffer(s: Session, h, blob, direct):
+    buf = s.buffer(P.field_int(h, "buffer", 1))
+    proc = s.daemon.compute.get(s.client_id)
+    if proc is not None:
+        proc.forget_buffer(buf.key)
+    s.daemon.buffers.free(buf)  # its pages are released at once (the child's ggml buffer struct goes below)
+    if proc is not None:
+        proc.flush_soon()
+    return {}
+
+
+async def handle_buffer_clear(s: Session, h, blob, direct):
+    buf = s.buffer(P.field_int(h, "buffer", 1))
+    value = P.field_int(h, "value", 0, 255, default=0)
+    fill = np.frombuffer(buf.view, dtype=np.uint8)  # memset, no temporary of the buffer's size
+    fill.fill(value)
+    del fill
+    return {}
+
+
+async def handle_set_tensor(s: Session, h, blob, direct):
+    r, cache = P.parse_set_tensor(h, len(blob))  # the same checks a direct write passed before landing
+    buf, r = s.check_range(r)
+    dest = buf.view[r.offset: r.offset + r.size]
+    if not direct:
+        dest[:] = blob
+    if cache and s.daemon.cache is not None:
+        await asyncio.get_running_loop().run_in_executor(None, s.daemon.cache.store, dest)
+    return {}
+
+
+async def handle_set_tensor_hash(s: Session, h, blob, direct):
+    buf, r = s.check_range(P.parse_range(h))
+    hex_digest = h.get("hash")
+    if not isinstance(hex_digest, str) or len(hex_digest) != 64:
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'hash' must be a sha256 hex digest")
+    if s.daemon.cache is None:
+        return {"status": Status.NOT_FOUND, "error": "this daemon has no tensor cache"}
+    dest = buf.view[r.offset: r.offset + r.size]
+    try:
+        ok = await asyncio.get_running_loop().run_in_executor(None, s.daemon.cache.load_into, hex_digest, dest)
+    except ValueError as exc:
+        raise ProtocolError(Status.INVALID_REQUEST, str(exc)) from None
+    if not ok:
+        return {"status": Status.NOT_FOUND, "error": "content not in the tensor cache"}
+    return {}
+
+
+async def handle_get_tensor(s: Session, h, blob, direct):
+    buf, r = s.check_range(P.parse_range(h))
+    if r.size > s.limits.max_blob:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"GET_TENSOR of {r.size} bytes exceeds max_blob "
+                                                   f"{s.limits.max_blob}; read it in parts")
+    return {}, bytes(buf.view[r.offset: r.offset + r.size])
+
+
+async def handle_copy_tensor(s: Session, h, blob, direct):
+    src, rs = s.check_range(P.parse_range(h, "src_"))
+    dst, rd = s.check_range(P.parse_range(h))
+    dst.view[rd.offset: rd.offset + rd.size] = src.view[rs.offset: rs.offset + rs.size]
+    return {}
+
+
+def _input_blob(s: Session, spec: GraphSpec, h: dict, blob) -> tuple[list, object]:
+    inputs = P.parse_inputs(h, len(blob), len(spec.tensors))
+    given = {i.tensor for i in inputs}
+    for i in inputs:
+        t = spec.tensors[i.tensor]
+        if i.tensor not in spec.inputs:
+            raise ProtocolError(Status.INVALID_REQUEST, f"inputs: tensor {i.tensor} is not an input leaf of the graph")
+        if i.size != t.nbytes:
+            raise ProtocolError(Status.INVALID_REQUEST,
+                                f"inputs: tensor {i.tensor} ({t.name!r}) needs {t.nbytes} bytes, got {i.size}")
+    missing = [i for i in spec.inputs if i not in given]
+    if missing and not s.daemon.config.unsafe_no_validation:
+        t = spec.tensors[missing[0]]
+        raise ProtocolError(Status.INVALID_REQUEST, f"inputs: no data for input tensor {t.index} ({t.name!r})")
+    return [(i.tensor, i.blob_offset, i.size) for i in inputs], blob
+
+
+def _check_run(s: Session, spec: GraphSpec, h: dict, blob) -> tuple[list, list, object, dict]:
+    """Everything a compute of `spec` with this request's inputs and outputs
+    needs checked, before it has any effect: (inputs, outputs, blob, buffers)."""
+    if hoptrace.ON:
+        hoptrace.mark("daemon handler")
+    inputs, blob = _input_blob(s, spec, h, blob)
+    row_ids.check_inputs(spec.row_groups, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
+    outputs = P.parse_outputs(h, len(spec.tensors))
+    unreadable = [i for i in outputs if spec.readable is not None and i not in spec.readable]
+    if unreadable:
+        raise ProtocolError(Status.INVALID_REQUEST, f"outputs: tensor {unreadable[0]} has no memory after "
+                                                    "compute (a leaf no node uses)")
+    bufs = {}
+    for key in spec.buffers:
+        buf = s.buffer(key)
+        bufs[key] = (buf.offset, buf.size)
+    return inputs, outputs, blob, bufs
+
+
+async def _run_graph(s: Session, graph_id, spec: GraphSpec, checked):
+    inputs, outputs, blob, bufs = checked
+    arena = s.daemon.buffers.arena(s.client_id)
+    key = s.graph_key(graph_id)
+    if hoptrace.ON:
+        hoptrace.mark("daemon validated")
+    try:
+        # the client's own compute process: only its arena is mapped there
+        reply, out = await s.daemon.compute.for_client(s.client_id).call(
+            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,
+            out_size=sum(spec.tensors[i].nbytes for i in outputs),
+            client_arena=(arena.size, arena.fd) if arena is not None else None)
+    except ComputeFailed as exc:
+        s.daemon.stats["compute_restarts"] += 1
+        return {"status": Status.FAILED, "error": str(exc)}
+    s.daemon.stats["computes"] += 1
+    s.daemon.stats["compute_us"] += reply.get("compute_us", 0)
+    if reply["status"] != 0:
+        s.daemon.stats["compute_errors"] += 1
+        return {"status": reply["status"], "error": reply.get("error", "compute failed")}
+    return {"outputs": reply["outputs"], "compute_us": reply.get("compute_us", 0)}, out
+
+
+async def handle_graph_compute(s: Session, h, blob, direct):
+    graph_id = P.field_int(h, "graph_id", 0, default=0)
+    if s.daemon.config.unsafe_no_validation:
+        from rpc_daemon.validation.graph import parse_unchecked
+        spec = parse_unchecked(h, s.buffer_size)
+    else:
+        spec = parse_graph(h, s.limits, s.buffer_size)
+    if graph_id and graph_id not in s.graphs and len(s.graphs) >= s.limits.max_graphs:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {s.limits.max_graphs} reached; free one")
+    checked = _check_run(s, spec, h, blob)  # a refused request must not replace the graph cached under its id
+    if graph_id:
+        s.graphs[graph_id] = spec
+    else:
+        graph_id = -1  # one-off graph: cached in the compute process under a throwaway key
+    s.forget_graph(graph_id)
+    return await _run_graph(s, graph_id, spec, checked)
+
+
+async def handle_graph_recompute(s: Session, h, blob, direct):
+    graph_id = P.field_int(h, "graph_id", 1)
+    spec = s.graphs.get(graph_id)
+    if spec is None:
+        return {"status": Status.NOT_FOUND, "error": f"graph {graph_id} is not cached; send it with GRAPH_COMPUTE"}
+    for key in spec.buffers:  # a buffer may have been freed since the graph was sent
+        s.buffer(key)
+    return await _run_graph(s, graph_id, spec, _check_run(s, spec, h, blob))
+
+
+async def handle_graph_free(s: Session, h, blob, direct):
+    graph_id = P.field_int(h, "graph_id", 1)
+    if s.graphs.pop(graph_id, None) is not None:
+        s.forget_graph(graph_id)
+        proc = s.daemon.compute.get(s.client_id)
+        if proc is not None:
+            proc.flush_soon()  # its compute memory is returned (and counted free) now, not at the next compute
+    return {}
+
+
+@dataclass(frozen=True)
+class CommandRow:
+    handler: Callable
+    # None: queued, run in request order on the connection's task. Else a predicate over the
+    # session: when it holds, the command is answered as soon as it is read (a coroutine-free
+    # handler), even while the connection's previous request computes; when it does not, the
+    # command is not one this session may send (UNKNOWN_COMMAND, in its turn).
+    answer_now: Callable[[Session], bool] | None = None
+
+
+def _always(s: Session) -> bool:
+    return True
+
+
+def _challenge_pending(s: Session) -> bool:
+    return s.auth_pending
+
+
+COMMANDS: dict[int, CommandRow] = {
+    Command.HELLO: CommandRow(handle_hello, answer_now=_always),
+    Command.AUTH: CommandRow(handle_auth, answer_now=_challenge_pending),
+    Command.PING: CommandRow(handle_ping, answer_now=_always),
+    Command.DEVICE_INFO: CommandRow(handle_device_info),
+    Command.ALLOC_BUFFER: CommandRow(handle_alloc_buffer),
+    Command.FREE_BUFFER: CommandRow(handle_free_buffer),
+    Command.BUFFER_CLEAR: CommandRow(handle_buffer_clear),
+    Command.SET_TENSOR: CommandRow(handle_set_tensor),
+    Command.GET_TENSOR: CommandRow(handle_get_tensor),
+    Command.COPY_TENSOR: CommandRow(handle_copy_tensor),
+    Command.SET_TENSOR_HASH: CommandRow(handle_set_tensor_hash),
+    Command.GRAPH_COMPUTE: CommandRow(handle_graph_compute),
+    Command.GRAPH_RECOMPUTE: CommandRow(handle_graph_recompute),
+    Command.GRAPH_FREE: CommandRow(handle_graph_free),
+}
