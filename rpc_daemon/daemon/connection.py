@@ -74,7 +74,9 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, daemon: Daemon):
         self.daemon = daemon
         self.limits = daemon.config.limits
-        self.session = Session(daemon, self._authenticated)  # what the handlers see of this client
+        # what the handlers see of this client; it holds no reference back to the connection, so a
+        # closed connection is freed at once by its refcount, not by the gc
+        self.session = Session(daemon)
         self.transport: asyncio.Transport | None = None
         self.log = log
         self.closed = False
@@ -385,6 +387,8 @@ class Connection(asyncio.BufferedProtocol):
             self._reply(req_id, exc.status, exc.message, **exc.fields)
             self.abort(exc.message)
             return
+        if self.session.hello_done and not self.reader.authenticated:
+            self._authenticated()
         status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
         self._reply(req_id, status, error, quiet=fields.pop("quiet", False), **fields)
 

@@ -39,7 +39,7 @@ class Session:
     registry), its cached graphs, the limits, its authentication; and the
     daemon's shared services (compute pool, tensor cache, stats, config)."""
 
-    def __init__(self, daemon: Daemon, on_authenticated: Callable[[], None]):
+    def __init__(self, daemon: Daemon):
         self.daemon = daemon
         self.config = daemon.config
         self.limits = daemon.config.limits
@@ -48,13 +48,10 @@ class Session:
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.hello_done = False
         self.log = log
-        self._on_authenticated = on_authenticated
 
     def authenticated(self) -> None:
-        """HELLO (and AUTH with a secret) succeeded."""
-        if not self.hello_done:
-            self.hello_done = True
-            self._on_authenticated()
+        """HELLO (and AUTH with a secret) succeeded (the connection then lifts its pre-auth frame bound)."""
+        self.hello_done = True
 
     @property
     def auth_pending(self) -> bool:
