@@ -26,6 +26,7 @@ from rpc_daemon.daemon.handlers import COMMANDS, Session
 from rpc_daemon.daemon.ratelimit import TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache
 from rpc_daemon.service import hoptrace
+from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
 from rpc_daemon.wire.sockets import tune_socket
@@ -183,9 +184,7 @@ class Connection(asyncio.BufferedProtocol):
             return None
         if type(h.get("cmd")) is not int or h["cmd"] != Command.SET_TENSOR:
             return None
-        r, _ = P.parse_set_tensor(h, blob_len)
-        buf, _ = self.session.check_range(r)
-        return buf
+        return V.check_set_tensor(h, blob_len, self.session.buffer_of)[0]
 
     def frame(self, header: dict | None, error: ProtocolError | None, blob, direct: bool, header_len: int) -> None:
         """FrameSink: a frame is complete."""
@@ -198,24 +197,14 @@ class Connection(asyncio.BufferedProtocol):
                 self.abort(error.message)
             return
         cmd = header.get("cmd")
-        if type(cmd) is not int:  # 0.0 or False must not pass for HELLO, 13.0 not for AUTH, 12.0 not for PING
-            if not self.hello_done:
-                self._reply(req_id, Status.INVALID_REQUEST, f"the first command must be HELLO (cmd {cmd!r:.40})")
-                self.abort("first frame without a valid cmd")
-                return
+        refused = V.admission(cmd, self.hello_done, self.session.auth is not None, self.session.auth_pending)
+        if refused is not None:
+            exc, why = refused
+            self._reply(req_id, exc.status, exc.message)
+            self.abort(why)
+            return
+        if type(cmd) is not int:
             cmd = None  # refused by _dispatch, in its turn: replies keep request order
-        auth = self.session.auth
-        if cmd == Command.AUTH and self.session.auth_pending:
-            pass  # the one frame a pending challenge admits
-        elif not self.hello_done and auth is not None and (cmd != Command.HELLO or auth.pending):
-            self._reply(req_id, Status.NOT_AUTHORIZED, "not authenticated: this worker requires HELLO with "
-                                                       "auth_nonce, then AUTH (a shared secret)")
-            self.abort("request before authentication")
-            return
-        elif not self.hello_done and cmd != Command.HELLO:
-            self._reply(req_id, Status.INVALID_REQUEST, "the first command must be HELLO")
-            self.abort("first command was not HELLO")
-            return
         row = COMMANDS.get(cmd)
         if row is not None and row.answer_now is not None and row.answer_now(self.session):
             self._answer_now(req_id, row, header)

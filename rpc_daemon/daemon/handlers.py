@@ -22,8 +22,8 @@ from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, round_up
 from rpc_daemon.daemon.config import available_memory
 from rpc_daemon.service import hoptrace
-from rpc_daemon.validation import row_ids
-from rpc_daemon.validation.graph import SUPPORTED_OP_NAMES, GraphSpec, parse_graph
+from rpc_daemon.validation import requests as V
+from rpc_daemon.validation.graph import SUPPORTED_OP_NAMES, GraphSpec
 from rpc_daemon.wire import auth as A
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
@@ -60,23 +60,9 @@ class Session:
     def features(self) -> list[str]:
         return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]
 
-    def buffer(self, key: int) -> SharedBuffer:
-        buf = self.daemon.buffers.get(self.client_id, key)
-        if buf is None:
-            raise ProtocolError(Status.INVALID_REQUEST, f"buffer {key} is not a buffer of this connection")
-        return buf
-
-    def check_range(self, r: P.ByteRange) -> tuple[SharedBuffer, P.ByteRange]:
-        buf = self.buffer(r.buffer)
-        if r.offset + r.size > buf.size:
-            raise ProtocolError(Status.INVALID_REQUEST,
-                                f"range [{r.offset}, {r.offset + r.size}) runs past the end of buffer {r.buffer} "
-                                f"({buf.size} bytes)")
-        return buf, r
-
-    def buffer_size(self, key: int) -> int | None:
-        buf = self.daemon.buffers.get(self.client_id, key)
-        return None if buf is None else buf.size
+    def buffer_of(self, key: int) -> SharedBuffer | None:
+        """This client's buffer `key`, or None (validation.requests refuses it)."""
+        return self.daemon.buffers.get(self.client_id, key)
 
     def graph_key(self, graph_id: int) -> str:
         return f"{self.client_id}:{graph_id}"
@@ -151,14 +137,7 @@ def cpu_model() -> str:
 
 
 async def handle_alloc_buffer(s: Session, h, blob, direct):
-    size = P.field_int(h, "size", 1)
-    count, held = s.daemon.buffers.held_by(s.client_id)
-    if count >= s.limits.max_buffers:
-        raise ProtocolError(Status.LIMIT_EXCEEDED, f"buffer count limit {s.limits.max_buffers} reached")
-    cap = s.limits.max_client_bytes
-    if cap and held + round_up(size) > cap:  # buffers are whole pages, and count as such
-        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes ({round_up(size)} as whole "
-                                                   f"pages): this client holds {held} of its {cap}-byte limit")
+    size = V.check_alloc(h, *s.daemon.buffers.held_by(s.client_id), s.limits, round_up)
     await s.daemon.compute.allocations_settled()  # a graph's first compute may be taking memory right now
     buf = s.daemon.buffers.alloc(s.client_id, size)
     if buf is None:
@@ -170,7 +149,7 @@ async def handle_alloc_buffer(s: Session, h, blob, direct):
 
 
 async def handle_free_buffer(s: Session, h, blob, direct):
-    buf = s.buffer(P.field_int(h, "buffer", 1))
+    buf = V.owned(P.field_int(h, "buffer", 1), s.buffer_of)
     proc = s.daemon.compute.get(s.client_id)
     if proc is not None:
         proc.forget_buffer(buf.key)
@@ -181,8 +160,7 @@ async def handle_free_buffer(s: Session, h, blob, direct):
 
 
 async def handle_buffer_clear(s: Session, h, blob, direct):
-    buf = s.buffer(P.field_int(h, "buffer", 1))
-    value = P.field_int(h, "value", 0, 255, default=0)
+    buf, value = V.check_buffer_clear(h, s.buffer_of)
     fill = np.frombuffer(buf.view, dtype=np.uint8)  # memset, no temporary of the buffer's size
     fill.fill(value)
     del fill
@@ -190,8 +168,7 @@ async def handle_buffer_clear(s: Session, h, blob, direct):
 
 
 async def handle_set_tensor(s: Session, h, blob, direct):
-    r, cache = P.parse_set_tensor(h, len(blob))  # the same checks a direct write passed before landing
-    buf, r = s.check_range(r)
+    buf, r, cache = V.check_set_tensor(h, len(blob), s.buffer_of)  # the checks a direct write passed before landing
     dest = buf.view[r.offset: r.offset + r.size]
     if not direct:
         dest[:] = blob
@@ -201,10 +178,7 @@ async def handle_set_tensor(s: Session, h, blob, direct):
 
 
 async def handle_set_tensor_hash(s: Session, h, blob, direct):
-    buf, r = s.check_range(P.parse_range(h))
-    hex_digest = h.get("hash")
-    if not isinstance(hex_digest, str) or len(hex_digest) != 64:
-        raise ProtocolError(Status.INVALID_REQUEST, "field 'hash' must be a sha256 hex digest")
+    buf, r, hex_digest = V.check_set_tensor_hash(h, s.buffer_of)
     if s.daemon.cache is None:
         return {"status": Status.NOT_FOUND, "error": "this daemon has no tensor cache"}
     dest = buf.view[r.offset: r.offset + r.size]
@@ -218,67 +192,25 @@ async def handle_set_tensor_hash(s: Session, h, blob, direct):
 
 
 async def handle_get_tensor(s: Session, h, blob, direct):
-    buf, r = s.check_range(P.parse_range(h))
-    if r.size > s.limits.max_blob:
-        raise ProtocolError(Status.LIMIT_EXCEEDED, f"GET_TENSOR of {r.size} bytes exceeds max_blob "
-                                                   f"{s.limits.max_blob}; read it in parts")
+    buf, r = V.check_get_tensor(h, s.buffer_of, s.limits)
     return {}, bytes(buf.view[r.offset: r.offset + r.size])
 
 
 async def handle_copy_tensor(s: Session, h, blob, direct):
-    src, rs = s.check_range(P.parse_range(h, "src_"))
-    dst, rd = s.check_range(P.parse_range(h))
+    src, rs, dst, rd = V.check_copy_tensor(h, s.buffer_of)
     dst.view[rd.offset: rd.offset + rd.size] = src.view[rs.offset: rs.offset + rs.size]
     return {}
 
 
-def _input_blob(s: Session, spec: GraphSpec, h: dict, blob) -> tuple[list, object]:
-    inputs = P.parse_inputs(h, len(blob), len(spec.tensors))
-    given = {i.tensor for i in inputs}
-    for i in inputs:
-        t = spec.tensors[i.tensor]
-        if i.tensor not in spec.inputs:
-            raise ProtocolError(Status.INVALID_REQUEST, f"inputs: tensor {i.tensor} is not an input leaf of the graph")
-        if i.size != t.nbytes:
-            raise ProtocolError(Status.INVALID_REQUEST,
-                                f"inputs: tensor {i.tensor} ({t.name!r}) needs {t.nbytes} bytes, got {i.size}")
-    missing = [i for i in spec.inputs if i not in given]
-    if missing and not s.daemon.config.unsafe_no_validation:
-        t = spec.tensors[missing[0]]
-        raise ProtocolError(Status.INVALID_REQUEST, f"inputs: no data for input tensor {t.index} ({t.name!r})")
-    return [(i.tensor, i.blob_offset, i.size) for i in inputs], blob
-
-
-def _check_run(s: Session, spec: GraphSpec, h: dict, blob) -> tuple[list, list, object, dict]:
-    """Everything a compute of `spec` with this request's inputs and outputs
-    needs checked, before it has any effect: (inputs, outputs, blob, buffers)."""
-    if hoptrace.ON:
-        hoptrace.mark("daemon handler")
-    inputs, blob = _input_blob(s, spec, h, blob)
-    row_ids.check_inputs(spec.row_groups, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
-    outputs = P.parse_outputs(h, len(spec.tensors))
-    unreadable = [i for i in outputs if spec.readable is not None and i not in spec.readable]
-    if unreadable:
-        raise ProtocolError(Status.INVALID_REQUEST, f"outputs: tensor {unreadable[0]} has no memory after "
-                                                    "compute (a leaf no node uses)")
-    bufs = {}
-    for key in spec.buffers:
-        buf = s.buffer(key)
-        bufs[key] = (buf.offset, buf.size)
-    return inputs, outputs, blob, bufs
-
-
-async def _run_graph(s: Session, graph_id, spec: GraphSpec, checked):
-    inputs, outputs, blob, bufs = checked
+async def _run(s: Session, run: V.Run):
     arena = s.daemon.buffers.arena(s.client_id)
-    key = s.graph_key(graph_id)
     if hoptrace.ON:
         hoptrace.mark("daemon validated")
     try:
         # the client's own compute process: only its arena is mapped there
         reply, out = await s.daemon.compute.for_client(s.client_id).call(
-            {"kind": "compute", "graph_key": key, "inputs": inputs, "outputs": outputs}, blob, bufs, spec,
-            out_size=sum(spec.tensors[i].nbytes for i in outputs),
+            {"kind": "compute", "graph_key": s.graph_key(run.graph_id or -1), "inputs": run.inputs,
+             "outputs": run.outputs}, run.blob, run.buffers, run.spec, out_size=run.out_size,
             client_arena=(arena.size, arena.fd) if arena is not None else None)
     except ComputeFailed as exc:
         s.daemon.stats["compute_restarts"] += 1
@@ -292,35 +224,26 @@ async def _run_graph(s: Session, graph_id, spec: GraphSpec, checked):
 
 
 async def handle_graph_compute(s: Session, h, blob, direct):
-    graph_id = P.field_int(h, "graph_id", 0, default=0)
-    if s.daemon.config.unsafe_no_validation:
-        from rpc_daemon.validation.graph import parse_unchecked
-        spec = parse_unchecked(h, s.buffer_size)
-    else:
-        spec = parse_graph(h, s.limits, s.buffer_size)
-    if graph_id and graph_id not in s.graphs and len(s.graphs) >= s.limits.max_graphs:
-        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {s.limits.max_graphs} reached; free one")
-    checked = _check_run(s, spec, h, blob)  # a refused request must not replace the graph cached under its id
-    if graph_id:
-        s.graphs[graph_id] = spec
-    else:
-        graph_id = -1  # one-off graph: cached in the compute process under a throwaway key
-    s.forget_graph(graph_id)
-    return await _run_graph(s, graph_id, spec, checked)
+    if hoptrace.ON:
+        hoptrace.mark("daemon handler")
+    run = V.check_graph_compute(h, blob, s.limits, s.buffer_of, s.graphs, s.config.unsafe_no_validation)
+    if run.graph_id:  # only now: a refused request must not replace the graph cached under its id
+        s.graphs[run.graph_id] = run.spec
+    s.forget_graph(run.graph_id or -1)  # a one-off graph: cached in the compute process under a throwaway key
+    return await _run(s, run)
 
 
 async def handle_graph_recompute(s: Session, h, blob, direct):
-    graph_id = P.field_int(h, "graph_id", 1)
-    spec = s.graphs.get(graph_id)
+    if hoptrace.ON:
+        hoptrace.mark("daemon handler")
+    graph_id, spec = V.cached_graph(h, s.graphs)
     if spec is None:
         return {"status": Status.NOT_FOUND, "error": f"graph {graph_id} is not cached; send it with GRAPH_COMPUTE"}
-    for key in spec.buffers:  # a buffer may have been freed since the graph was sent
-        s.buffer(key)
-    return await _run_graph(s, graph_id, spec, _check_run(s, spec, h, blob))
+    return await _run(s, V.check_graph_recompute(graph_id, spec, h, blob, s.buffer_of, s.config.unsafe_no_validation))
 
 
 async def handle_graph_free(s: Session, h, blob, direct):
-    graph_id = P.field_int(h, "graph_id", 1)
+    graph_id, _ = V.cached_graph(h, s.graphs)
     if s.graphs.pop(graph_id, None) is not None:
         s.forget_graph(graph_id)
         proc = s.daemon.compute.get(s.client_id)

@@ -1,0 +1,189 @@
+"""Every check a request must pass before it has any effect, as pure functions
+over (header, blob, the session's state): which commands a connection may send
+yet, buffer ownership and ranges, and a whole compute (graph, inputs, row ids,
+outputs, buffers) in one call. The handlers only act on what these return.
+
+`buffer_of(key)` is the session's lookup: the client's buffer `key` (with
+`.offset` and `.size` in its arena), or None if it holds no such buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rpc_daemon.validation import row_ids
+from rpc_daemon.validation.graph import GraphSpec, parse_graph, parse_unchecked
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire.protocol import Command, ProtocolError, Status
+
+BufferOf = Callable[[int], object]
+
+
+# ---------------------------------------------------------------- the handshake
+
+def admission(cmd, hello_done: bool, auth_required: bool, auth_pending: bool) -> tuple[ProtocolError, str] | None:
+    """Whether a connection may send `cmd` (as read, any type) now: None, or the
+    refusal and the reason the connection is closed for it. Before HELLO
+    nothing but a valid HELLO passes; with a secret, nothing but HELLO and then
+    the one AUTH its challenge admits. A `cmd` that is not an int passes once
+    authenticated (refused in its turn, so replies keep request order)."""
+    if type(cmd) is not int:  # 0.0 or False must not pass for HELLO, 13.0 not for AUTH, 12.0 not for PING
+        if hello_done:
+            return None
+        return ProtocolError(Status.INVALID_REQUEST, f"the first command must be HELLO (cmd {cmd!r:.40})"), \
+            "first frame without a valid cmd"
+    if cmd == Command.AUTH and auth_pending:
+        return None
+    if not hello_done and auth_required and (cmd != Command.HELLO or auth_pending):
+        return ProtocolError(Status.NOT_AUTHORIZED, "not authenticated: this worker requires HELLO with "
+                                                    "auth_nonce, then AUTH (a shared secret)"), \
+            "request before authentication"
+    if not hello_done and cmd != Command.HELLO:
+        return ProtocolError(Status.INVALID_REQUEST, "the first command must be HELLO"), "first command was not HELLO"
+    return None
+
+
+# ---------------------------------------------------------------- buffers
+
+def owned(key: int, buffer_of: BufferOf):
+    buf = buffer_of(key)
+    if buf is None:
+        raise ProtocolError(Status.INVALID_REQUEST, f"buffer {key} is not a buffer of this connection")
+    return buf
+
+
+def check_range(r: P.ByteRange, buffer_of: BufferOf):
+    """The buffer `r` is in, once `r` is known to lie inside it: (buffer, r)."""
+    buf = owned(r.buffer, buffer_of)
+    if r.offset + r.size > buf.size:
+        raise ProtocolError(Status.INVALID_REQUEST,
+                            f"range [{r.offset}, {r.offset + r.size}) runs past the end of buffer {r.buffer} "
+                            f"({buf.size} bytes)")
+    return buf, r
+
+
+def check_set_tensor(h: dict, blob_len: int, buffer_of: BufferOf):
+    """(buffer, range, cache): checked before a byte of the blob lands (also for a direct write)."""
+    r, cache = P.parse_set_tensor(h, blob_len)
+    buf, r = check_range(r, buffer_of)
+    return buf, r, cache
+
+
+def check_set_tensor_hash(h: dict, buffer_of: BufferOf):
+    """(buffer, range, hex digest)."""
+    buf, r = check_range(P.parse_range(h), buffer_of)
+    hex_digest = h.get("hash")
+    if not isinstance(hex_digest, str) or len(hex_digest) != 64:
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'hash' must be a sha256 hex digest")
+    return buf, r, hex_digest
+
+
+def check_get_tensor(h: dict, buffer_of: BufferOf, limits: P.Limits):
+    buf, r = check_range(P.parse_range(h), buffer_of)
+    if r.size > limits.max_blob:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"GET_TENSOR of {r.size} bytes exceeds max_blob "
+                                                   f"{limits.max_blob}; read it in parts")
+    return buf, r
+
+
+def check_copy_tensor(h: dict, buffer_of: BufferOf):
+    """(source buffer, source range, destination buffer, destination range)."""
+    src, rs = check_range(P.parse_range(h, "src_"), buffer_of)
+    dst, rd = check_range(P.parse_range(h), buffer_of)
+    return src, rs, dst, rd
+
+
+def check_alloc(h: dict, count: int, held: int, limits: P.Limits, round_up: Callable[[int], int]) -> int:
+    """The size to allocate, within the client's buffer count and byte cap
+    (`count` buffers of `held` bytes now; buffers count as whole pages)."""
+    size = P.field_int(h, "size", 1)
+    if count >= limits.max_buffers:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"buffer count limit {limits.max_buffers} reached")
+    cap = limits.max_client_bytes
+    if cap and held + round_up(size) > cap:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cannot allocate {size} bytes ({round_up(size)} as whole "
+                                                   f"pages): this client holds {held} of its {cap}-byte limit")
+    return size
+
+
+def check_buffer_clear(h: dict, buffer_of: BufferOf):
+    """(buffer, fill value)."""
+    return owned(P.field_int(h, "buffer", 1), buffer_of), P.field_int(h, "value", 0, 255, default=0)
+
+
+# ---------------------------------------------------------------- computes
+
+@dataclass(frozen=True)
+class Run:
+    """A compute, checked: what the client's compute process is sent."""
+    graph_id: int  # 0: a one-off graph
+    spec: GraphSpec
+    inputs: list  # (tensor, blob offset, size)
+    outputs: list  # tensor indices
+    buffers: dict  # buffer key -> (offset in the arena, size), every buffer the graph uses
+    blob: object
+
+    @property
+    def out_size(self) -> int:
+        return sum(self.spec.tensors[i].nbytes for i in self.outputs)
+
+
+def check_run(graph_id: int, spec: GraphSpec, h: dict, blob, buffer_of: BufferOf, unsafe: bool = False) -> Run:
+    """Everything a compute of `spec` with this request's inputs and outputs
+    needs checked, before it has any effect."""
+    inputs = P.parse_inputs(h, len(blob), len(spec.tensors))
+    given = {i.tensor for i in inputs}
+    for i in inputs:
+        t = spec.tensors[i.tensor]
+        if i.tensor not in spec.inputs:
+            raise ProtocolError(Status.INVALID_REQUEST, f"inputs: tensor {i.tensor} is not an input leaf of the graph")
+        if i.size != t.nbytes:
+            raise ProtocolError(Status.INVALID_REQUEST,
+                                f"inputs: tensor {i.tensor} ({t.name!r}) needs {t.nbytes} bytes, got {i.size}")
+    missing = [i for i in spec.inputs if i not in given]
+    if missing and not unsafe:
+        t = spec.tensors[missing[0]]
+        raise ProtocolError(Status.INVALID_REQUEST, f"inputs: no data for input tensor {t.index} ({t.name!r})")
+    inputs = [(i.tensor, i.blob_offset, i.size) for i in inputs]
+    row_ids.check_inputs(spec.row_groups, spec.tensors, inputs, blob)  # GET_ROWS/SET_ROWS ids in range
+    outputs = P.parse_outputs(h, len(spec.tensors))
+    unreadable = [i for i in outputs if spec.readable is not None and i not in spec.readable]
+    if unreadable:
+        raise ProtocolError(Status.INVALID_REQUEST, f"outputs: tensor {unreadable[0]} has no memory after "
+                                                    "compute (a leaf no node uses)")
+    bufs = {}
+    for key in spec.buffers:
+        buf = owned(key, buffer_of)
+        bufs[key] = (buf.offset, buf.size)
+    return Run(graph_id, spec, inputs, outputs, bufs, blob)
+
+
+def check_graph_compute(h: dict, blob, limits: P.Limits, buffer_of: BufferOf, graphs: dict,
+                        unsafe: bool = False) -> Run:
+    """A GRAPH_COMPUTE, validated whole: the graph (schema, ops, placement in
+    the client's buffers), the cached-graph bound, and the run."""
+    graph_id = P.field_int(h, "graph_id", 0, default=0)
+
+    def buffer_size(key):
+        buf = buffer_of(key)
+        return None if buf is None else buf.size
+
+    spec = parse_unchecked(h, buffer_size) if unsafe else parse_graph(h, limits, buffer_size)
+    if graph_id and graph_id not in graphs and len(graphs) >= limits.max_graphs:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {limits.max_graphs} reached; free one")
+    return check_run(graph_id, spec, h, blob, buffer_of, unsafe)
+
+
+def cached_graph(h: dict, graphs: dict) -> tuple[int, GraphSpec | None]:
+    """A GRAPH_RECOMPUTE's or GRAPH_FREE's graph: (id, the cached spec or None)."""
+    graph_id = P.field_int(h, "graph_id", 1)
+    return graph_id, graphs.get(graph_id)
+
+
+def check_graph_recompute(graph_id: int, spec: GraphSpec, h: dict, blob, buffer_of: BufferOf,
+                          unsafe: bool = False) -> Run:
+    """A recompute of cached `spec`: its buffers still held (one may have been
+    freed since the graph was sent), and the run."""
+    for key in spec.buffers:
+        owned(key, buffer_of)
+    return check_run(graph_id, spec, h, blob, buffer_of, unsafe)
