@@ -14,25 +14,9 @@ import threading
 from concurrent.futures import CancelledError, Future
 from typing import AsyncIterator, Iterator
 
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (it is a dependency): its socket path is several
-    times cheaper per decode step than the selector loop."""
-    try:
-        import uvloop
-        return uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover
-        return asyncio.new_event_loop()
-
-
-def run_async(main):
-    """Run coroutine `main` to completion on a new loop of the same kind (the
-    HTTP server's)."""
-    try:
-        import uvloop
-        return uvloop.run(main)
-    except ImportError:  # pragma: no cover
-        return asyncio.run(main)
+# the loop kind (uvloop) is chosen in one place for the daemon and the coordinator;
+# run_async runs the HTTP server on a loop of the same kind
+from rpc_daemon.service.loop import new_event_loop, run as run_async  # noqa: F401
 
 
 class LoopThread:

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from coordinator.results import DecodeResult
 from coordinator.serving.batching import Scheduler, ShuttingDown
 from coordinator.sampling import Sampler
-from rpc_daemon.service.lifecycle import until_signalled
+from rpc_daemon.service.lifecycle import serve_until_signalled
 
 log = structlog.get_logger("http")
 
@@ -383,14 +383,11 @@ async def serve_http(coord, host: str, port: int, n_slots: int, n_ctx_slot: int,
     site = web.TCPSite(runner, host, port)
     await site.start()
     log.info("serving", host=host, port=port, slots=n_slots, ctx_per_slot=n_ctx_slot, model=model_name)
+
+    async def shutdown() -> None:
+        # requests in flight end with an error event (and [DONE]) or a 503, not a cut connection
+        await server.scheduler.drain("the server is shutting down")
+        await runner.cleanup()
+
     # the watchdog is petted only while the decode loop runs and is not stuck
-    async with until_signalled(healthy=server.decode_loop_healthy) as stop:
-        if ready is not None:
-            ready.set()
-        try:
-            await stop.wait()
-        finally:
-            log.info("shutting down")
-            # requests in flight end with an error event (and [DONE]) or a 503, not a cut connection
-            await server.scheduler.drain("the server is shutting down")
-            await runner.cleanup()
+    await serve_until_signalled(shutdown, log, ready, healthy=server.decode_loop_healthy)

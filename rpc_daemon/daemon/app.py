@@ -8,7 +8,7 @@ import structlog
 
 from rpc_daemon.daemon.config import DaemonConfig
 from rpc_daemon.daemon.connection import Connection, Daemon
-from rpc_daemon.service.lifecycle import until_signalled
+from rpc_daemon.service.lifecycle import serve_until_signalled
 
 log = structlog.get_logger("rpc")
 
@@ -49,17 +49,14 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
              auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,
              unsafe_no_validation=config.unsafe_no_validation or None)
     daemon.compute.warm()  # the first client's first compute need not wait for the process to start
+
+    async def shutdown() -> None:
+        server.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        daemon.close()
+        await server.wait_closed()
+
     # systemd: ready once listening; the watchdog is petted from this event loop
-    async with until_signalled() as stop:
-        if ready is not None:
-            ready.set()
-        try:
-            await stop.wait()
-        finally:
-            log.info("shutting down")
-            server.close()
-            if metrics_server is not None:
-                metrics_server.shutdown()
-            daemon.close()
-            await server.wait_closed()
+    await serve_until_signalled(shutdown, log, ready)
     log.info("stopped")

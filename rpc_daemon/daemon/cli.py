@@ -5,7 +5,6 @@ Flags follow llama.cpp's rpc-server (-H, -p, -t, -m in MiB, -c) with long forms.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import pathlib
 import sys
@@ -13,25 +12,29 @@ import sys
 from rpc_daemon.daemon import security_cli
 from rpc_daemon.daemon.config import DaemonConfig
 
+_C = DaemonConfig()  # every default below is DaemonConfig's (security_cli: Limits' too)
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
 
 
 def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="ggml-rpc-server", description="ggml RPC worker daemon")
-    p.add_argument("-H", "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("-p", "--port", type=int, default=50052, help="port (default 50052; 0 picks a free one)")
+    p.add_argument("-H", "--host", default=_C.host, help=f"address to bind (default {_C.host})")
+    p.add_argument("-p", "--port", type=int, default=_C.port, help=f"port (default {_C.port}; 0 picks a free one)")
+    # not DaemonConfig's 1: on the command line, half the cores (the other half for the event loop and peers)
     p.add_argument("-t", "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="compute threads")
-    p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
+    p.add_argument("-m", "--mem", type=int, default=_C.mem >> 20, metavar="MiB",
                    help="cap on bytes allocated for clients, in MiB (default: physical memory)")
     p.add_argument("-c", "--cache", nargs="?", const=str(DEFAULT_CACHE), default=None, metavar="DIR",
                    help=f"enable the tensor cache (default dir {DEFAULT_CACHE})")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle client is dropped")
-    p.add_argument("--compute-timeout", type=float, default=600.0, help="seconds one graph compute may take")
-    p.add_argument("--max-clients", type=int, default=64)
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--idle-timeout", type=float, default=_C.idle_timeout,
+                   help=f"seconds before an idle client is dropped (default {_C.idle_timeout:g})")
+    p.add_argument("--compute-timeout", type=float, default=_C.compute_timeout,
+                   help=f"seconds one graph compute may take (default {_C.compute_timeout:g})")
+    p.add_argument("--max-clients", type=int, default=_C.max_clients)
+    p.add_argument("--metrics-port", type=int, default=_C.metrics_port,
                    help="serve Prometheus metrics over HTTP on this port (same --host)")
     p.add_argument("--unsafe-no-validation", action="store_true", help=argparse.SUPPRESS)
     # tests only: misbehave on purpose at a chosen point (see rpc_daemon/testing/faults.py)
@@ -64,13 +67,9 @@ def main(argv=None) -> int:
     from rpc_daemon.service import logs
     logs.configure(args.log_format, args.log_level)
     from rpc_daemon.daemon.app import serve
+    from rpc_daemon.service.loop import run
     try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    try:
-        runner(serve(config))
+        run(serve(config))
     except OSError as exc:
         print(f"ggml-rpc-server: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1

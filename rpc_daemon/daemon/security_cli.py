@@ -42,7 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"largest msgpack part of one frame (default {_L.max_header // MiB})")
     g.add_argument("--max-buffers", type=int, default=_L.max_buffers,
                    help=f"buffers one client may hold (default {_L.max_buffers})")
-    g.add_argument("--max-client-mem", type=int, default=0, metavar="MiB",
+    g.add_argument("--max-client-mem", type=int, default=_L.max_client_bytes // MiB, metavar="MiB",
                    help="bytes of buffers one client may hold (default 0: up to the daemon-wide --mem)")
     g.add_argument("--max-graph-tensors", type=int, default=_L.max_graph_tensors,
                    help=f"tensors in one graph (default {_L.max_graph_tensors})")

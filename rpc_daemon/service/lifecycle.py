@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from typing import Callable
+from typing import Awaitable, Callable
 
 from rpc_daemon.service import systemd
 
@@ -27,3 +27,18 @@ async def until_signalled(healthy: Callable[[], bool] = lambda: True):
             watchdog.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+async def serve_until_signalled(shutdown: Callable[[], Awaitable[None]], log, ready: asyncio.Event | None = None,
+                                healthy: Callable[[], bool] = lambda: True) -> None:
+    """The skeleton of a service that is already listening: ready (systemd's
+    READY=1, and `ready` set) until SIGTERM/SIGINT, then "shutting down" and
+    `shutdown()`, even if waiting was cancelled."""
+    async with until_signalled(healthy=healthy) as stop:
+        if ready is not None:
+            ready.set()
+        try:
+            await stop.wait()
+        finally:
+            log.info("shutting down")
+            await shutdown()
