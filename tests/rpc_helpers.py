@@ -19,6 +19,11 @@ RECV_TIMEOUT = 10.0
 
 # ---------------------------------------------------------------- raw frames
 
+def encode_prefix(header_len: int, blob_len: int) -> bytes:
+    """A frame prefix alone, lengths as given (true or not)."""
+    return P.PREFIX.pack(header_len, blob_len)
+
+
 class RawConn:
     """A blocking socket that speaks frames; every receive has a timeout."""
 

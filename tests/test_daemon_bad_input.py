@@ -17,7 +17,7 @@ from ggml_ffi import lib
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, assert_served, check_compute, expect_error, normal_session, small_graph
+from rpc_helpers import RawConn, assert_served, encode_prefix, check_compute, expect_error, normal_session, small_graph
 
 MiB = 1 << 20
 
@@ -59,7 +59,7 @@ def test_random_bytes(d):
 ])
 def test_bad_length_prefix(d, header_len, blob_len, fragment):
     with RawConn(d.port) as conn:
-        conn.send_raw(P.encode_prefix(header_len, blob_len))
+        conn.send_raw(encode_prefix(header_len, blob_len))
         frames = conn.wait_closed()
     assert len(frames) == 1, frames
     assert frames[0]["status"] == Status.LIMIT_EXCEEDED and fragment in frames[0]["error"], frames
@@ -67,7 +67,7 @@ def test_bad_length_prefix(d, header_len, blob_len, fragment):
 
 def test_bad_length_prefix_after_hello(d):
     with raw_session(d) as conn:
-        conn.send_raw(P.encode_prefix(10, 2**64 - 1))
+        conn.send_raw(encode_prefix(10, 2**64 - 1))
         frames = conn.wait_closed()
     assert [f["status"] for f in frames] == [Status.LIMIT_EXCEEDED]
 
@@ -91,11 +91,11 @@ def test_first_command_not_hello(d, first):
 def test_bad_msgpack_header_is_not_fatal(d):
     with raw_session(d) as conn:
         body = b"\xc1\xc1\xc1"
-        conn.send_raw(P.encode_prefix(len(body), 5) + body + b"12345")  # the blob is skipped
+        conn.send_raw(encode_prefix(len(body), 5) + body + b"12345")  # the blob is skipped
         h, _ = conn.recv_frame()
         assert h["id"] is None and h["status"] == Status.INVALID_REQUEST and "msgpack" in h["error"]
         body = msgpack.packb([1, 2])
-        conn.send_raw(P.encode_prefix(len(body), 0) + body)
+        conn.send_raw(encode_prefix(len(body), 0) + body)
         h, _ = conn.recv_frame()
         assert h["status"] == Status.INVALID_REQUEST and "must be a msgpack map" in h["error"]
         h, _ = conn.call(Command.DEVICE_INFO)
@@ -115,7 +115,7 @@ def test_truncated_frame_then_close(d, cut):
 
 
 def test_truncated_frames_without_hello(d):
-    for part in (b"\x01", P.encode_prefix(100, 0) + b"\x80" * 10, P.encode_prefix(5, 2**20) + b"\x81\xa1a\x01\x01"):
+    for part in (b"\x01", encode_prefix(100, 0) + b"\x80" * 10, encode_prefix(5, 2**20) + b"\x81\xa1a\x01\x01"):
         conn = RawConn(d.port)
         conn.send_raw(part)
         conn.close()

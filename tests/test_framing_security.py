@@ -27,7 +27,7 @@ from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.tls import client_context
-from rpc_helpers import RawConn, assert_served, normal_session, small_graph
+from rpc_helpers import RawConn, assert_served, encode_prefix, normal_session, small_graph
 from tls_certs import make_tls_files
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -96,9 +96,9 @@ LIES = {
     # a HELLO whose prefix promises a blob of 1 GiB - 1: the daemon used to zero-fill 1 GiB for it
     "hello_with_huge_blob": P.encode_frame({"cmd": 0, "id": 1, "version": 1}, GiB - 1),
     # a prefix promising a 16 MiB header: the daemon used to allocate it at once
-    "huge_header": P.encode_prefix(16 * MiB, 0),
+    "huge_header": encode_prefix(16 * MiB, 0),
     # a header just past the pre-auth bound, blob 0
-    "header_past_preauth_bound": P.encode_prefix(PREAUTH_MAX_HEADER + 1, 0),
+    "header_past_preauth_bound": encode_prefix(PREAUTH_MAX_HEADER + 1, 0),
 }
 
 
@@ -166,7 +166,7 @@ def test_thousand_lying_connections_do_not_raise_rss(start_daemon, secret_file, 
     before = rss(d.proc.pid)
     peak = before
     lies = [LIES["hello_with_huge_blob"], LIES["huge_header"],
-            P.encode_prefix(PREAUTH_MAX_HEADER, 0) + b"\x8f"]  # a header that never completes
+            encode_prefix(PREAUTH_MAX_HEADER, 0) + b"\x8f"]  # a header that never completes
     served, failed, stop = [], [], threading.Event()
 
     def normal_clients():
@@ -232,7 +232,7 @@ def test_authenticated_lying_prefix_commits_only_what_arrives(start_daemon, lie)
                 conn.send_raw(P.encode_frame({"cmd": int(Command.GRAPH_RECOMPUTE), "id": 5, "graph_id": 1},
                                              GiB - 1) + b"\0" * (64 * KiB))
             else:
-                conn.send_raw(P.encode_prefix(16 * MiB, 0) + b"\x8f" + b"\0" * (64 * KiB))
+                conn.send_raw(encode_prefix(16 * MiB, 0) + b"\x8f" + b"\0" * (64 * KiB))
             time.sleep(0.05)
             grown = rss(d.proc.pid) - before
             assert grown < 16 * MiB, f"RSS +{grown / MiB:.0f} MiB after {i + 1} lying connections"
@@ -579,7 +579,7 @@ def _feed_reader(reader: P.FrameReader, data: bytes, step: int) -> list:
 def test_reader_preauth_bound():
     """Before authentication a prefix must promise at most max_preauth_header
     bytes of header and no blob; the flag applies from the next prefix on."""
-    for prefix in (P.encode_prefix(PREAUTH_MAX_HEADER + 1, 0), P.encode_prefix(10, 1), P.encode_prefix(0, 0)):
+    for prefix in (encode_prefix(PREAUTH_MAX_HEADER + 1, 0), encode_prefix(10, 1), encode_prefix(0, 0)):
         reader = P.FrameReader(P.Limits(), authenticated=False)
         with pytest.raises(P.ProtocolError) as exc:
             _feed_reader(reader, prefix, 1 << 20)
@@ -598,7 +598,7 @@ def test_reader_commits_memory_as_bytes_arrive(lie):
     100 KiB of it makes the daemon's reader allocate a few hundred KiB at most."""
     import tracemalloc
     reader = P.FrameReader(P.Limits(), 1 << 16, sink=P.FrameSink(), eager_blobs=False)
-    start = P.encode_frame({"cmd": 9, "id": 1}, GiB - 1) if lie == "blob" else P.encode_prefix(16 * MiB, 0) + b"\x8f"
+    start = P.encode_frame({"cmd": 9, "id": 1}, GiB - 1) if lie == "blob" else encode_prefix(16 * MiB, 0) + b"\x8f"
     tracemalloc.start()
     try:
         _feed_reader(reader, start + b"\0" * (100 * KiB), 4096)

@@ -12,6 +12,7 @@ from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation.graph import MAX_ELEMENTS, MAX_NE, parse_graph
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import ProtocolError, Status
+from rpc_helpers import encode_prefix
 
 LIMITS = P.Limits()
 BUF, BUF_SIZE = 7, 4096
@@ -49,39 +50,39 @@ def test_prefix_roundtrip():
 
 
 def test_prefix_accepts_limits_exactly():
-    assert P.parse_prefix(P.encode_prefix(LIMITS.max_header, LIMITS.max_blob), LIMITS) == (
+    assert P.parse_prefix(encode_prefix(LIMITS.max_header, LIMITS.max_blob), LIMITS) == (
         LIMITS.max_header, LIMITS.max_blob)
-    assert P.parse_prefix(P.encode_prefix(1, 0), LIMITS) == (1, 0)
+    assert P.parse_prefix(encode_prefix(1, 0), LIMITS) == (1, 0)
 
 
 def test_prefix_header_len_zero():
     with raises(Status.LIMIT_EXCEEDED, "header_len 0", fatal=True):
-        P.parse_prefix(P.encode_prefix(0, 0), LIMITS)
+        P.parse_prefix(encode_prefix(0, 0), LIMITS)
 
 
 @pytest.mark.parametrize("header_len", [LIMITS.max_header + 1, 2**32 - 1])
 def test_prefix_header_len_too_big(header_len):
     with raises(Status.LIMIT_EXCEEDED, f"header_len {header_len}", fatal=True):
-        P.parse_prefix(P.encode_prefix(header_len, 0), LIMITS)
+        P.parse_prefix(encode_prefix(header_len, 0), LIMITS)
 
 
 @pytest.mark.parametrize("blob_len", [LIMITS.max_blob + 1, 2**64 - 1])
 def test_prefix_blob_len_too_big(blob_len):
     with raises(Status.LIMIT_EXCEEDED, f"blob_len {blob_len}", fatal=True):
-        P.parse_prefix(P.encode_prefix(10, blob_len), LIMITS)
+        P.parse_prefix(encode_prefix(10, blob_len), LIMITS)
 
 
 def test_prefix_truncated():
     with raises(Status.INVALID_REQUEST, "truncated", fatal=True):
-        P.parse_prefix(P.encode_prefix(10, 0)[:11], LIMITS)
+        P.parse_prefix(encode_prefix(10, 0)[:11], LIMITS)
 
 
 def test_custom_limits_apply():
     small = P.Limits(max_header=100, max_blob=1000)
     with raises(Status.LIMIT_EXCEEDED, "header_len 101"):
-        P.parse_prefix(P.encode_prefix(101, 0), small)
+        P.parse_prefix(encode_prefix(101, 0), small)
     with raises(Status.LIMIT_EXCEEDED, "blob_len 1001"):
-        P.parse_prefix(P.encode_prefix(100, 1001), small)
+        P.parse_prefix(encode_prefix(100, 1001), small)
 
 
 @pytest.mark.parametrize("data", [
@@ -148,9 +149,9 @@ def test_frame_reader_partial_and_errors():
     assert _feed(reader, data[:-2], []) == [] and reader.partial
     assert _feed(reader, data[-2:], []) == [({"id": 9}, b"12345")] and not reader.partial
     with raises(Status.LIMIT_EXCEEDED, "header_len 0"):
-        _feed(P.FrameReader(LIMITS), P.encode_prefix(0, 0), [])
+        _feed(P.FrameReader(LIMITS), encode_prefix(0, 0), [])
     with raises(Status.INVALID_REQUEST, "msgpack map"):
-        _feed(P.FrameReader(LIMITS), P.encode_prefix(1, 0) + msgpack.packb(5), [])
+        _feed(P.FrameReader(LIMITS), encode_prefix(1, 0) + msgpack.packb(5), [])
 
 
 def test_reply_header():

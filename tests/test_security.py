@@ -438,11 +438,12 @@ def test_row_checks_plan_and_check_pure():
     from rpc_daemon.validation.graph import parse_graph
     fields, i_full, i_z, n = get_rows_graph(5, view=True)
     spec = parse_graph(fields, P.Limits(), lambda b: 4096 if b == 5 else None)
-    (chk,) = spec.row_checks
+    row_checks = row_ids.plan(spec.tensors, spec.inputs)  # what parse_graph groups into spec.row_groups
+    (chk,) = row_checks
     assert chk.root == i_full and chk.offs == 12 and chk.rows == ROWS and chk.op == "GET_ROWS"
-    row_ids.check_inputs(spec.row_checks, spec.tensors, fields["inputs"], np.array([99, 99, 99, 0, 1, 9], "<i4"))
+    row_ids.check_inputs(row_checks, spec.tensors, fields["inputs"], np.array([99, 99, 99, 0, 1, 9], "<i4"))
     with pytest.raises(P.ProtocolError, match=r"row id 10 at \[2, 0, 0, 0\]"):
-        row_ids.check_inputs(spec.row_checks, spec.tensors, fields["inputs"], np.array([0, 0, 0, 0, 1, 10], "<i4"))
+        row_ids.check_inputs(row_checks, spec.tensors, fields["inputs"], np.array([0, 0, 0, 0, 1, 10], "<i4"))
     wide = row_ids.RowCheck(0, "GET_ROWS", 1, 1, 0, np.dtype("<i4"), (1 << 40, 1, 1, 1), (0, 4, 4, 4), ROWS, 0)
     assert row_ids.ids_array(wide, memoryview(bytes(4))).shape == (1, 1, 1, 1)  # stride 0: one value
     overlap = row_ids.RowCheck(0, "GET_ROWS", 1, 1, 0, np.dtype("<i4"), (1 << 20, 1 << 20, 1, 1), (4, 4, 4, 4),

@@ -64,30 +64,27 @@ class TensorSpec:
         tr = type_traits(self.type)
         return tr.type_size * self.ne[0] // tr.blck_size
 
-    def is_contiguous(self) -> bool:
-        """ggml_is_contiguous: canonical strides in every dim of more than one element."""
+    def _elements_packed(self) -> bool:
+        """Dim 0's elements are adjacent (or it is one block)."""
         tr = type_traits(self.type)
-        if self.ne[0] != tr.blck_size and self.nb[0] != tr.type_size:
-            return False
-        expect = self.row_bytes()
-        for i in range(1, 4):
+        return self.ne[0] == tr.blck_size or self.nb[0] == tr.type_size
+
+    def _packed_from(self, dim: int, expect: int) -> bool:
+        """Dims `dim`..3 of more than one element each start where the one below ends (`expect` bytes on)."""
+        for i in range(dim, 4):
             if self.ne[i] != 1 and self.nb[i] != expect:
                 return False
             expect *= self.ne[i]
         return True
 
+    def is_contiguous(self) -> bool:
+        """ggml_is_contiguous: canonical strides in every dim of more than one element."""
+        return self._elements_packed() and self._packed_from(1, self.row_bytes())
+
     def is_contiguous_1(self) -> bool:
         """ggml_is_contiguous_1: rows contiguous, dims 2 and 3 packed after dim 1
         (so the kernels that walk rows as one flat index stay inside)."""
-        tr = type_traits(self.type)
-        if self.ne[0] != tr.blck_size and self.nb[0] != tr.type_size:
-            return False
-        expect = self.ne[1] * self.nb[1]
-        for i in range(2, 4):
-            if self.ne[i] != 1 and self.nb[i] != expect:
-                return False
-            expect *= self.ne[i]
-        return True
+        return self._elements_packed() and self._packed_from(2, self.ne[1] * self.nb[1])
 
     def is_canonical(self) -> bool:
         """Exactly the strides ggml_new_tensor gives, in every dim (ne == 1 included)."""
@@ -112,8 +109,8 @@ class GraphSpec:
     nodes: list[int]
     inputs: list[int]  # tensors whose data comes inline with every compute
     buffers: set[int] = field(default_factory=set)
-    row_checks: list = field(default_factory=list)  # row_ids.RowCheck: inline GET_ROWS/SET_ROWS ids to check
-    row_groups: list = field(default_factory=list)  # the same checks grouped by the ids they read
+    row_groups: list = field(default_factory=list)  # row_ids.RowGroup: inline GET_ROWS/SET_ROWS ids to check,
+    # grouped by the ids they read
     readable: set[int] | None = None  # tensors with memory after compute (None: any, unsafe mode)
 
 
@@ -222,9 +219,8 @@ def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> Gr
         if i not in used:
             raise _bad(i, "input leaf is not used by any node")
     readable = set(nodes) | used | {t.index for t in tensors if t.buffer}
-    checks = row_ids.plan(tensors, inputs)
     return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer},
-                     checks, row_ids.group(checks), readable)
+                     row_ids.group(row_ids.plan(tensors, inputs)), readable)
 
 
 def parse_unchecked(h: dict, buffer_size) -> GraphSpec:

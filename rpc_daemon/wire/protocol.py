@@ -84,10 +84,6 @@ class Limits:
 
 # ---------------------------------------------------------------- framing
 
-def encode_prefix(header_len: int, blob_len: int) -> bytes:
-    return PREFIX.pack(header_len, blob_len)
-
-
 def encode_frame(header: dict, blob_len: int = 0) -> bytes:
     """Prefix plus header; the caller sends `blob_len` bytes of blob after it."""
     body = msgpack.packb(header, use_bin_type=True)
