@@ -30,6 +30,7 @@ import ssl
 import time
 
 from rpc_daemon.service import hoptrace
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.auth import AuthFailed, ClientAuth
 from rpc_daemon.wire.protocol import Command, Status
@@ -71,7 +72,7 @@ KEEPALIVE_MAX = 5.0  # seconds between pings on an idle connection, at most
 
 class RpcClient(asyncio.BufferedProtocol):
     """One connection. It is the transport's protocol: replies are cut out of
-    the receive buffer in the callback that filled it (P.FrameReader) and
+    the receive buffer in the callback that filled it (F.FrameReader) and
     handed to the waiting request directly, with no reader task in between;
     a large reply lands in its own buffer without further copies."""
 
@@ -84,7 +85,7 @@ class RpcClient(asyncio.BufferedProtocol):
         self.liveness_timeout = liveness_timeout
         self.ping_interval = (ping_interval or liveness_timeout / 4) if liveness_timeout is not None else None
         self.limits = limits
-        self._frames = P.FrameReader(limits)
+        self._frames = F.FrameReader(limits)
         self._loop = asyncio.get_running_loop()
         self._can_write = asyncio.Event()  # cleared while the transport's write buffer is over its limit
         self._can_write.set()
@@ -361,7 +362,7 @@ class RpcClient(asyncio.BufferedProtocol):
         self._pings.add(req_id)
         if len(self._pings) > 64:  # pongs that never came back while other bytes did: forget old ids
             self._pings = set(sorted(self._pings)[-32:])
-        self._write(P.encode_frame({"cmd": int(Command.PING), "id": req_id}, 0), b"")
+        self._write(F.encode_frame({"cmd": int(Command.PING), "id": req_id}, 0), b"")
         self._last_ping = now
         self.pings_sent += 1
         return req_id
@@ -385,7 +386,7 @@ class RpcClient(asyncio.BufferedProtocol):
             self.last_rx = max(self.last_rx, time.monotonic())
         self._pending[req_id] = fut
         header = dict(fields, cmd=int(cmd), id=req_id)
-        self._write(P.encode_frame(header, len(blob)), blob)
+        self._write(F.encode_frame(header, len(blob)), blob)
         return req_id, fut
 
     async def request(self, cmd: int, fields: dict | None = None, blob=b"",

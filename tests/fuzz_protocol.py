@@ -49,6 +49,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ggml_ffi import Context, NULL, lib
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation.graph import SUPPORTED_OPS
 from rpc_daemon.wire.graph_codec import encode_graph
@@ -460,14 +461,14 @@ def lying_prefixes(draw):
     blob_len = draw(st.one_of(st.sampled_from([0, 1, 1 << 20, (1 << 30) - 1, 1 << 30, 2**64 - 1]),
                               st.integers(0, 2**64 - 1)))
     if after_hello:
-        body = P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 1, "buffer": 1, "offset": 0, "size": 4},
-                              blob_len)[P.PREFIX.size:]
+        body = F.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 1, "buffer": 1, "offset": 0, "size": 4},
+                              blob_len)[F.PREFIX.size:]
     else:
-        body = P.encode_frame({"cmd": int(Command.HELLO), "id": 1, "version": P.PROTOCOL_VERSION},
-                              blob_len)[P.PREFIX.size:]
+        body = F.encode_frame({"cmd": int(Command.HELLO), "id": 1, "version": P.PROTOCOL_VERSION},
+                              blob_len)[F.PREFIX.size:]
     if draw(st.booleans()):
         header_len = len(body)  # an honest header, a lying blob
-    data = P.PREFIX.pack(header_len, blob_len) + body[: draw(st.integers(0, len(body)))]
+    data = F.PREFIX.pack(header_len, blob_len) + body[: draw(st.integers(0, len(body)))]
     data += draw(st.binary(max_size=64))
     return Message({}, b"", "lie", lie=(data, after_hello))
 
@@ -655,7 +656,7 @@ class FuzzClient:
         frames = []
         for _ in range(msg.burst):
             self._id += 1
-            frames.append(P.encode_frame({"cmd": int(Command.ALLOC_BUFFER), "id": self._id, "size": size}))
+            frames.append(F.encode_frame({"cmd": int(Command.ALLOC_BUFFER), "id": self._id, "size": size}))
         self.conn.send_raw(b"".join(frames))
         for _ in range(msg.burst):
             reply, _ = self.conn.recv_frame()
@@ -690,7 +691,7 @@ class FuzzClient:
         self._id += 1
         header = self._substitute(dict(msg.header, id=self._id))
         try:
-            frame = P.encode_frame(header, len(msg.blob)) + bytes(msg.blob)
+            frame = F.encode_frame(header, len(msg.blob)) + bytes(msg.blob)
         except (OverflowError, ValueError, TypeError):
             self.unencodable += 1
             return None  # msgpack cannot say it (e.g. an int beyond 64 bits): not a wire message

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from ggml_ffi import Context, lib
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient, RpcError
 from rpc_daemon.wire.graph_codec import encode_graph
@@ -21,7 +22,7 @@ RECV_TIMEOUT = 10.0
 
 def encode_prefix(header_len: int, blob_len: int) -> bytes:
     """A frame prefix alone, lengths as given (true or not)."""
-    return P.PREFIX.pack(header_len, blob_len)
+    return F.PREFIX.pack(header_len, blob_len)
 
 
 class RawConn:
@@ -36,7 +37,7 @@ class RawConn:
         self.sock.sendall(data)
 
     def send(self, header: dict, blob: bytes = b"") -> None:
-        self.sock.sendall(P.encode_frame(header, len(blob)) + bytes(blob))
+        self.sock.sendall(F.encode_frame(header, len(blob)) + bytes(blob))
 
     def request(self, cmd: int, fields: dict | None = None, blob: bytes = b"") -> int:
         """Send one request; returns its id."""
@@ -56,8 +57,8 @@ class RawConn:
     def recv_frame(self) -> tuple[dict, bytes]:
         """One reply frame. Raises EOFError if the daemon closed, socket.timeout
         if nothing arrived in time."""
-        header_len, blob_len = P.parse_prefix(self._recv_exactly(P.PREFIX.size), P.Limits())
-        header = P.decode_header(self._recv_exactly(header_len), P.Limits())
+        header_len, blob_len = F.parse_prefix(self._recv_exactly(F.PREFIX.size), P.Limits())
+        header = F.decode_header(self._recv_exactly(header_len), P.Limits())
         blob = self._recv_exactly(blob_len) if blob_len else b""
         return header, blob
 

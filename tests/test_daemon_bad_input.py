@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ggml_ffi import lib
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command, Status
@@ -39,7 +40,7 @@ def raw_session(d) -> RawConn:
 def test_random_bytes(d):
     rng = np.random.default_rng(1234)
     junk = rng.integers(0, 256, MiB, dtype=np.uint8).tobytes()
-    header_len, blob_len = P.PREFIX.unpack(junk[:12])
+    header_len, blob_len = F.PREFIX.unpack(junk[:12])
     assert header_len > P.Limits().max_header or blob_len > P.Limits().max_blob  # the seed makes it so
     with RawConn(d.port) as conn:
         try:
@@ -106,7 +107,7 @@ def test_bad_msgpack_header_is_not_fatal(d):
 def test_truncated_frame_then_close(d, cut):
     conn = raw_session(d)
     h, _ = conn.call(Command.ALLOC_BUFFER, {"size": MiB})
-    frame = P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 9, "buffer": h["buffer"], "offset": 0,
+    frame = F.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 9, "buffer": h["buffer"], "offset": 0,
                             "size": MiB}, MiB)
     part = {"prefix": frame[:5], "header": frame[:len(frame) - 3], "blob": frame + b"\1" * 1000}[cut]
     conn.send_raw(part)
@@ -577,7 +578,7 @@ def _disconnect_after_set_tensor(port):
 def _disconnect_mid_set_tensor(port):
     conn = raw_session_port(port)
     h, _ = conn.call(Command.ALLOC_BUFFER, {"size": MiB})
-    conn.send_raw(P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 50, "buffer": h["buffer"], "offset": 0,
+    conn.send_raw(F.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 50, "buffer": h["buffer"], "offset": 0,
                                   "size": MiB}, MiB) + b"\x22" * 5000)
     time.sleep(0.05)
     conn.close()
@@ -672,8 +673,8 @@ def test_pipelined_flood_in_one_write_answered_in_order(d):
     try:
         conn.hello()
         ids = list(range(100, 3100))
-        conn.send_raw(b"".join(P.encode_frame({"cmd": int(Command.PING), "id": i}) if i % 3 == 0 else
-                               P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in ids))
+        conn.send_raw(b"".join(F.encode_frame({"cmd": int(Command.PING), "id": i}) if i % 3 == 0 else
+                               F.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in ids))
         got = [conn.recv_frame()[0] for _ in ids]
         # PINGs are answered at once when parsed, queued commands in queue order: ids stay in order per kind
         assert [h["id"] for h in got if h["id"] % 3] == [i for i in ids if i % 3]
@@ -736,8 +737,8 @@ def test_queue_bound_holds_within_one_receive():
         transport = PlainTransport(conn)
         conn.connection_made(transport)
         try:
-            data = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION}) + \
-                b"".join(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 5000))
+            data = F.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION}) + \
+                b"".join(F.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 5000))
             buf = conn.get_buffer(-1)
             n = len(buf)
             buf[:n] = data[:n]
@@ -748,14 +749,14 @@ def test_queue_bound_holds_within_one_receive():
                     break
                 await asyncio.sleep(0)
             assert conn.queue.qsize() <= MAX_QUEUED + 1
-            frames, replies, pos = P.FrameReader(P.Limits()), [], 0
+            frames, replies, pos = F.FrameReader(P.Limits()), [], 0
             while pos < len(transport.out):
                 room = frames.buffer()
                 k = min(len(room), len(transport.out) - pos)
                 room[:k] = transport.out[pos: pos + k]
                 pos += k
                 replies += frames.received(k)
-            complete = n // len(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 4999}))
+            complete = n // len(F.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 4999}))
             assert [h["id"] for h, _ in replies][: complete] == list(range(complete))
         finally:
             conn.connection_lost(None)
@@ -821,12 +822,12 @@ def test_kept_bytes_do_not_resume_reading_for_a_client_that_reads_nothing():
         transport = PlainTransport(conn, high_water=64 << 10)
         conn.connection_made(transport)
         try:
-            hello = P.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION})
+            hello = F.encode_frame({"cmd": int(Command.HELLO), "id": 0, "version": P.PROTOCOL_VERSION})
             buf = conn.get_buffer(-1)  # before HELLO the receive buffer is small (a frame is at most ~4 KiB)
             buf[: len(hello)] = hello
             conn.buffer_updated(len(hello))
-            data = b"".join(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 66))
-            ping = P.encode_frame({"cmd": int(Command.PING), "id": 7})
+            data = b"".join(F.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": i}) for i in range(1, 66))
+            ping = F.encode_frame({"cmd": int(Command.PING), "id": 7})
             buf = conn.get_buffer(-1)
             data += ping * ((len(buf) - len(data)) // len(ping))
             buf[: len(data)] = data

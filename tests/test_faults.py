@@ -39,6 +39,7 @@ import pytest
 
 from conftest import DaemonProcess
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import PeerFailed, RpcClient
 from rpc_daemon.wire.protocol import Command, Status
@@ -468,15 +469,15 @@ class FakeServer:
                 await writer.drain()
                 await asyncio.sleep(30)
                 return
-            prefix = await reader.readexactly(P.PREFIX.size)
-            header_len, blob_len = P.PREFIX.unpack(prefix)
+            prefix = await reader.readexactly(F.PREFIX.size)
+            header_len, blob_len = F.PREFIX.unpack(prefix)
             header = msgpack.unpackb(await reader.readexactly(header_len))
             await reader.readexactly(blob_len)
             if self.mode == "version":
                 reply = P.reply_header(header["id"], Status.VERSION_MISMATCH,
                                        f"protocol version {header['version']} not supported; this daemon speaks 99",
                                        version=99)
-                writer.write(P.encode_frame(reply))
+                writer.write(F.encode_frame(reply))
                 await writer.drain()
                 writer.close()
             elif self.mode == "silent":
@@ -677,7 +678,7 @@ def _scripted_worker(after_hello):
 
     def serve():
         s, _ = lsock.accept()
-        reader = P.FrameReader(P.Limits())
+        reader = F.FrameReader(P.Limits())
 
         def next_header():
             deadline = time.monotonic() + 10
@@ -692,7 +693,7 @@ def _scripted_worker(after_hello):
             return None
 
         h = next_header()
-        s.sendall(P.encode_frame({"id": h["id"], "status": 0, "version": P.PROTOCOL_VERSION}))
+        s.sendall(F.encode_frame({"id": h["id"], "status": 0, "version": P.PROTOCOL_VERSION}))
         try:
             after_hello(s, next_header)
             done.wait(10)
@@ -726,7 +727,7 @@ def test_reply_with_a_bad_id_fails_the_request(liveness):
     without liveness pings; it used to escape into connection_lost and leave the request waiting forever."""
     def bad_id(s, next_header):
         h = next_header()
-        s.sendall(P.encode_frame({"id": [h["id"]], "status": 0}))
+        s.sendall(F.encode_frame({"id": [h["id"]], "status": 0}))
 
     exc, took = _first_failure(*_scripted_worker(bad_id), liveness, Command.DEVICE_INFO)
     assert exc.kind == "protocol" and "id [" in exc.message, exc.message
@@ -738,7 +739,7 @@ def test_older_daemon_is_refused_at_connect(model):
     when the coordinator connects, naming the ops and the fix, not at the first greedy step."""
     def old_device_info(s, next_header):
         h = next_header()
-        s.sendall(P.encode_frame({"id": h["id"], "status": 0, "name": "CPU", "free_memory": 1 << 30}))
+        s.sendall(F.encode_frame({"id": h["id"], "status": 0, "name": "CPU", "free_memory": 1 << 30}))
 
     endpoint, done = _scripted_worker(old_device_info)
     try:
@@ -930,7 +931,7 @@ def test_a_worker_that_names_no_idle_timeout_gets_no_keepalive_and_no_errors():
             h = next_header()
             if h is None:
                 return
-            s.sendall(P.encode_frame({"id": h["id"], "status": 0}))
+            s.sendall(F.encode_frame({"id": h["id"], "status": 0}))
 
     endpoint, done = _scripted_worker(answer_pings)
 

@@ -22,6 +22,7 @@ import pytest
 
 from conftest import DaemonProcess
 from ggml_ffi import Context, lib
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
@@ -84,7 +85,7 @@ def _frames_until_close(sock: socket.socket, timeout: float = 5.0) -> list[dict]
         return None
     frames = []
     while len(data) >= 12:
-        hl, bl = P.PREFIX.unpack(data[:12])
+        hl, bl = F.PREFIX.unpack(data[:12])
         frames.append(msgpack.unpackb(data[12:12 + hl]))
         data = data[12 + hl + bl:]
     return frames
@@ -94,7 +95,7 @@ def _frames_until_close(sock: socket.socket, timeout: float = 5.0) -> list[dict]
 
 LIES = {
     # a HELLO whose prefix promises a blob of 1 GiB - 1: the daemon used to zero-fill 1 GiB for it
-    "hello_with_huge_blob": P.encode_frame({"cmd": 0, "id": 1, "version": 1}, GiB - 1),
+    "hello_with_huge_blob": F.encode_frame({"cmd": 0, "id": 1, "version": 1}, GiB - 1),
     # a prefix promising a 16 MiB header: the daemon used to allocate it at once
     "huge_header": encode_prefix(16 * MiB, 0),
     # a header just past the pre-auth bound, blob 0
@@ -148,7 +149,7 @@ def test_real_client_hello_and_auth_fit_the_preauth_bound():
              "cmd": 0, "id": 2**63 - 1}
     auth = {"proof": b"\xff" * 32, "cmd": int(Command.AUTH), "id": 2**63 - 1}
     for h in (hello, auth):
-        assert len(P.encode_frame(h)) - P.PREFIX.size < PREAUTH_MAX_HEADER // 8
+        assert len(F.encode_frame(h)) - F.PREFIX.size < PREAUTH_MAX_HEADER // 8
 
 
 @pytest.mark.parametrize("with_secret", [False, True])
@@ -229,7 +230,7 @@ def test_authenticated_lying_prefix_commits_only_what_arrives(start_daemon, lie)
             conn.hello()
             conns.append(conn)
             if lie == "blob":  # not a SET_TENSOR: its blob is received into memory, not into a buffer
-                conn.send_raw(P.encode_frame({"cmd": int(Command.GRAPH_RECOMPUTE), "id": 5, "graph_id": 1},
+                conn.send_raw(F.encode_frame({"cmd": int(Command.GRAPH_RECOMPUTE), "id": 5, "graph_id": 1},
                                              GiB - 1) + b"\0" * (64 * KiB))
             else:
                 conn.send_raw(encode_prefix(16 * MiB, 0) + b"\x8f" + b"\0" * (64 * KiB))
@@ -252,8 +253,8 @@ def test_large_queued_blob_arrives_intact(d):
         buf = h["buffer"]
         data = np.random.default_rng(7).integers(0, 256, 9 * MiB - 3, dtype=np.uint8).tobytes()
         # one write: the SET_TENSOR's header is read while DEVICE_INFO is queued, so no direct landing
-        conn.send_raw(P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 100})
-                      + P.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 101, "buffer": buf, "offset": 3,
+        conn.send_raw(F.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 100})
+                      + F.encode_frame({"cmd": int(Command.SET_TENSOR), "id": 101, "buffer": buf, "offset": 3,
                                         "size": len(data)}, len(data)) + data)
         assert conn.recv_frame()[0]["status"] == Status.SUCCESS
         h, _ = conn.recv_frame()
@@ -302,7 +303,7 @@ def test_queued_bytes_are_bounded_by_backpressure(start_daemon):
     conn.hello()
     blob = b"\x11" * (8 * MiB)
     conn.request(Command.DEVICE_INFO)  # holds the worker for 3 s
-    frames = b"".join(P.encode_frame({"cmd": 99, "id": 1000 + i}, len(blob)) + blob for i in range(30))
+    frames = b"".join(F.encode_frame({"cmd": 99, "id": 1000 + i}, len(blob)) + blob for i in range(30))
     sender = threading.Thread(target=conn.send_raw, args=(frames,))
     sender.start()
     time.sleep(2.0)
@@ -443,9 +444,9 @@ def test_refused_request_changes_nothing(d, queued):
         other, x2, node2 = cpy_graph(a, offset=128)
         assert (x2, node2) == (x, node)
         for name, header, blob, status in refused_requests(a, b, graph, x, node, other):
-            frame = P.encode_frame(dict(header, id=77), len(blob)) + blob
+            frame = F.encode_frame(dict(header, id=77), len(blob)) + blob
             if queued:
-                frame = P.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 76}) + frame
+                frame = F.encode_frame({"cmd": int(Command.DEVICE_INFO), "id": 76}) + frame
             conn.send_raw(frame)
             if queued:
                 assert conn.recv_frame()[0]["id"] == 76
@@ -565,7 +566,7 @@ def test_hello_cmd_is_strict(d, cmd):
 
 # ================================================================ the shared frame reader, sans I/O
 
-def _feed_reader(reader: P.FrameReader, data: bytes, step: int) -> list:
+def _feed_reader(reader: F.FrameReader, data: bytes, step: int) -> list:
     got, pos = [], 0
     while pos < len(data):
         buf = reader.buffer()
@@ -580,16 +581,16 @@ def test_reader_preauth_bound():
     """Before authentication a prefix must promise at most max_preauth_header
     bytes of header and no blob; the flag applies from the next prefix on."""
     for prefix in (encode_prefix(PREAUTH_MAX_HEADER + 1, 0), encode_prefix(10, 1), encode_prefix(0, 0)):
-        reader = P.FrameReader(P.Limits(), authenticated=False)
+        reader = F.FrameReader(P.Limits(), authenticated=False)
         with pytest.raises(P.ProtocolError) as exc:
             _feed_reader(reader, prefix, 1 << 20)
         assert exc.value.status == Status.LIMIT_EXCEEDED and exc.value.fatal
-    reader = P.FrameReader(P.Limits(), authenticated=False)
-    hello = P.encode_frame({"cmd": 0, "pad": "x" * (PREAUTH_MAX_HEADER - 20)})
+    reader = F.FrameReader(P.Limits(), authenticated=False)
+    hello = F.encode_frame({"cmd": 0, "pad": "x" * (PREAUTH_MAX_HEADER - 20)})
     assert len(hello) - 12 <= PREAUTH_MAX_HEADER
     assert len(_feed_reader(reader, hello, 1 << 20)) == 1
     reader.authenticated = True
-    assert _feed_reader(reader, P.encode_frame({"id": 1}, 5) + b"12345", 7) == [({"id": 1}, b"12345")]
+    assert _feed_reader(reader, F.encode_frame({"id": 1}, 5) + b"12345", 7) == [({"id": 1}, b"12345")]
 
 
 @pytest.mark.parametrize("lie", ["blob", "header"])
@@ -597,8 +598,8 @@ def test_reader_commits_memory_as_bytes_arrive(lie):
     """A frame that promises 1 GiB of blob (or 16 MiB of header) and sends
     100 KiB of it makes the daemon's reader allocate a few hundred KiB at most."""
     import tracemalloc
-    reader = P.FrameReader(P.Limits(), 1 << 16, sink=P.FrameSink(), eager_blobs=False)
-    start = P.encode_frame({"cmd": 9, "id": 1}, GiB - 1) if lie == "blob" else encode_prefix(16 * MiB, 0) + b"\x8f"
+    reader = F.FrameReader(P.Limits(), 1 << 16, sink=F.FrameSink(), eager_blobs=False)
+    start = F.encode_frame({"cmd": 9, "id": 1}, GiB - 1) if lie == "blob" else encode_prefix(16 * MiB, 0) + b"\x8f"
     tracemalloc.start()
     try:
         _feed_reader(reader, start + b"\0" * (100 * KiB), 4096)
@@ -609,7 +610,7 @@ def test_reader_commits_memory_as_bytes_arrive(lie):
     assert reader.partial and peak < 512 * KiB, f"{peak} bytes allocated for 100 KiB received"
 
 
-class RoutingSink(P.FrameSink):
+class RoutingSink(F.FrameSink):
     """Odd ids land in `dest` (at offset id * 8), ids divisible by 4 are discarded,
     the rest go to memory; holds after every `hold_every`-th frame."""
 
@@ -619,7 +620,7 @@ class RoutingSink(P.FrameSink):
 
     def header(self, header, error, blob_len):
         if error is not None or header["id"] % 4 == 0:
-            return P.DISCARD
+            return F.DISCARD
         if header["id"] % 2:
             return memoryview(self.dest)[header["id"] * 8: header["id"] * 8 + blob_len]
         return None
@@ -637,9 +638,9 @@ def test_reader_sink_routes_blobs_at_any_split(step):
     says (its destination, with no copy in memory; memory; or nowhere), the
     same however the stream is cut, and a hold keeps the rest for resume()."""
     frames = [({"id": i}, bytes([i]) * 8) for i in range(1, 41)] + [({"id": 41}, b"")]
-    data = b"".join(P.encode_frame(h, len(b)) + b for h, b in frames)
+    data = b"".join(F.encode_frame(h, len(b)) + b for h, b in frames)
     sink = RoutingSink(hold_every=7)
-    reader = P.FrameReader(P.Limits(), 256, sink=sink, eager_blobs=False)
+    reader = F.FrameReader(P.Limits(), 256, sink=sink, eager_blobs=False)
     pos = 0
     while pos < len(data) or reader.held:
         if reader.held:

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from ggml_ffi import Context, lib, tensor_name
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation.graph import MAX_ELEMENTS, MAX_NE, parse_graph
 from rpc_daemon.wire.graph_codec import encode_graph
@@ -43,46 +44,46 @@ def raises(status: Status, *fragments: str, fatal: bool | None = None):
 # ---------------------------------------------------------------- framing
 
 def test_prefix_roundtrip():
-    frame = P.encode_frame({"cmd": 1, "id": 5}, blob_len=100)
-    header_len, blob_len = P.parse_prefix(frame[:12], LIMITS)
+    frame = F.encode_frame({"cmd": 1, "id": 5}, blob_len=100)
+    header_len, blob_len = F.parse_prefix(frame[:12], LIMITS)
     assert blob_len == 100 and header_len == len(frame) - 12
-    assert P.decode_header(frame[12:], LIMITS) == {"cmd": 1, "id": 5}
+    assert F.decode_header(frame[12:], LIMITS) == {"cmd": 1, "id": 5}
 
 
 def test_prefix_accepts_limits_exactly():
-    assert P.parse_prefix(encode_prefix(LIMITS.max_header, LIMITS.max_blob), LIMITS) == (
+    assert F.parse_prefix(encode_prefix(LIMITS.max_header, LIMITS.max_blob), LIMITS) == (
         LIMITS.max_header, LIMITS.max_blob)
-    assert P.parse_prefix(encode_prefix(1, 0), LIMITS) == (1, 0)
+    assert F.parse_prefix(encode_prefix(1, 0), LIMITS) == (1, 0)
 
 
 def test_prefix_header_len_zero():
     with raises(Status.LIMIT_EXCEEDED, "header_len 0", fatal=True):
-        P.parse_prefix(encode_prefix(0, 0), LIMITS)
+        F.parse_prefix(encode_prefix(0, 0), LIMITS)
 
 
 @pytest.mark.parametrize("header_len", [LIMITS.max_header + 1, 2**32 - 1])
 def test_prefix_header_len_too_big(header_len):
     with raises(Status.LIMIT_EXCEEDED, f"header_len {header_len}", fatal=True):
-        P.parse_prefix(encode_prefix(header_len, 0), LIMITS)
+        F.parse_prefix(encode_prefix(header_len, 0), LIMITS)
 
 
 @pytest.mark.parametrize("blob_len", [LIMITS.max_blob + 1, 2**64 - 1])
 def test_prefix_blob_len_too_big(blob_len):
     with raises(Status.LIMIT_EXCEEDED, f"blob_len {blob_len}", fatal=True):
-        P.parse_prefix(encode_prefix(10, blob_len), LIMITS)
+        F.parse_prefix(encode_prefix(10, blob_len), LIMITS)
 
 
 def test_prefix_truncated():
     with raises(Status.INVALID_REQUEST, "truncated", fatal=True):
-        P.parse_prefix(encode_prefix(10, 0)[:11], LIMITS)
+        F.parse_prefix(encode_prefix(10, 0)[:11], LIMITS)
 
 
 def test_custom_limits_apply():
     small = P.Limits(max_header=100, max_blob=1000)
     with raises(Status.LIMIT_EXCEEDED, "header_len 101"):
-        P.parse_prefix(encode_prefix(101, 0), small)
+        F.parse_prefix(encode_prefix(101, 0), small)
     with raises(Status.LIMIT_EXCEEDED, "blob_len 1001"):
-        P.parse_prefix(encode_prefix(100, 1001), small)
+        F.parse_prefix(encode_prefix(100, 1001), small)
 
 
 @pytest.mark.parametrize("data", [
@@ -93,20 +94,20 @@ def test_custom_limits_apply():
 ])
 def test_bad_msgpack(data):
     with raises(Status.INVALID_REQUEST, "not valid msgpack", fatal=False):
-        P.decode_header(data, LIMITS)
+        F.decode_header(data, LIMITS)
 
 
 @pytest.mark.parametrize("value", [[1, 2], 5, "cmd", None, b"\x01"])
 def test_header_not_a_map(value):
     with raises(Status.INVALID_REQUEST, "must be a msgpack map", fatal=False):
-        P.decode_header(msgpack.packb(value, use_bin_type=True), LIMITS)
+        F.decode_header(msgpack.packb(value, use_bin_type=True), LIMITS)
 
 
 def _stream(frames) -> bytes:
-    return b"".join(P.encode_frame(h, len(b)) + b for h, b in frames)
+    return b"".join(F.encode_frame(h, len(b)) + b for h, b in frames)
 
 
-def _feed(reader: P.FrameReader, data: bytes, cuts) -> list:
+def _feed(reader: F.FrameReader, data: bytes, cuts) -> list:
     """Deliver `data` to `reader` the way a transport does, in pieces ending at `cuts`."""
     got, pos = [], 0
     for end in [*cuts, len(data)]:
@@ -129,7 +130,7 @@ def test_frame_reader_any_split(step):
     """Frames come out whole and in order however the stream is cut: byte by byte, across prefixes and
     headers, several frames per read, and blobs larger than the receive buffer (their own bytearray)."""
     data = _stream(FRAMES)
-    reader = P.FrameReader(LIMITS, size=4096)
+    reader = F.FrameReader(LIMITS, size=4096)
     got = _feed(reader, data, range(step, len(data), step))
     assert [(h, bytes(b)) for h, b in got] == FRAMES
     assert not reader.partial
@@ -137,21 +138,21 @@ def test_frame_reader_any_split(step):
 
 def test_frame_reader_header_larger_than_buffer():
     frames = [({"id": 1, "big": "q" * 20_000}, b"tail"), ({"id": 2}, b"")]
-    reader = P.FrameReader(LIMITS, size=1024)
+    reader = F.FrameReader(LIMITS, size=1024)
     data = _stream(frames)
     got = _feed(reader, data, range(500, len(data), 500))
     assert [(h, bytes(b)) for h, b in got] == frames
 
 
 def test_frame_reader_partial_and_errors():
-    reader = P.FrameReader(LIMITS)
+    reader = F.FrameReader(LIMITS)
     data = _stream([({"id": 9}, b"12345")])
     assert _feed(reader, data[:-2], []) == [] and reader.partial
     assert _feed(reader, data[-2:], []) == [({"id": 9}, b"12345")] and not reader.partial
     with raises(Status.LIMIT_EXCEEDED, "header_len 0"):
-        _feed(P.FrameReader(LIMITS), encode_prefix(0, 0), [])
+        _feed(F.FrameReader(LIMITS), encode_prefix(0, 0), [])
     with raises(Status.INVALID_REQUEST, "msgpack map"):
-        _feed(P.FrameReader(LIMITS), encode_prefix(1, 0) + msgpack.packb(5), [])
+        _feed(F.FrameReader(LIMITS), encode_prefix(1, 0) + msgpack.packb(5), [])
 
 
 def test_reply_header():

@@ -24,6 +24,7 @@ import pytest
 from conftest import DaemonProcess
 from ggml_ffi import Context, lib
 from rpc_daemon.wire import auth as A
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation import row_ids
 from rpc_daemon.client import PeerFailed, RpcClient
@@ -549,12 +550,12 @@ async def raw_auth(port: int, secret: bytes) -> tuple[RawConn, list[bytes]]:
     frames it sent (for replaying)."""
     conn = RawConn(port)
     state = A.ClientAuth(secret)
-    hello = P.encode_frame({"cmd": int(Command.HELLO), "id": 1, "version": P.PROTOCOL_VERSION,
+    hello = F.encode_frame({"cmd": int(Command.HELLO), "id": 1, "version": P.PROTOCOL_VERSION,
                             **state.hello_fields()})
     conn.send_raw(hello)
     h, _ = conn.recv_frame()
     assert h["status"] == Status.NOT_AUTHORIZED and "auth" in h, h
-    auth = P.encode_frame({"cmd": int(Command.AUTH), "id": 2, **state.answer(h)})
+    auth = F.encode_frame({"cmd": int(Command.AUTH), "id": 2, **state.answer(h)})
     conn.send_raw(auth)
     h, _ = conn.recv_frame()
     assert h["status"] == Status.SUCCESS, h
@@ -629,7 +630,7 @@ def test_auth_replayed_handshake_fails(authd):
         assert replay.wait_closed() == []
     # and all at once, with a request behind it that must never run
     with RawConn(authd.port) as replay:
-        replay.send_raw(b"".join(recorded) + P.encode_frame({"cmd": int(Command.ALLOC_BUFFER), "id": 3, "size": MiB}))
+        replay.send_raw(b"".join(recorded) + F.encode_frame({"cmd": int(Command.ALLOC_BUFFER), "id": 3, "size": MiB}))
         frames = [replay.recv_frame()[0]]
         frames += replay.wait_closed()
         assert [f["status"] for f in frames] == [Status.NOT_AUTHORIZED, Status.NOT_AUTHORIZED], frames
@@ -650,9 +651,9 @@ def test_auth_client_refuses_unauthenticated_server(start_daemon, authd):
                                                                      "nonce": os.urandom(32)}}),
                                    (Status.SUCCESS, {"version": 1, "proof": os.urandom(32)})):
                 prefix = await reader.readexactly(12)
-                hl, bl = P.PREFIX.unpack(prefix)
-                h = P.decode_header(await reader.readexactly(hl), P.Limits())
-                writer.write(P.encode_frame(P.reply_header(h["id"], status, **fields)))
+                hl, bl = F.PREFIX.unpack(prefix)
+                h = F.decode_header(await reader.readexactly(hl), P.Limits())
+                writer.write(F.encode_frame(P.reply_header(h["id"], status, **fields)))
             await writer.drain()
             await asyncio.sleep(1)
             writer.close()

@@ -27,6 +27,7 @@ from rpc_daemon.daemon.ratelimit import TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache
 from rpc_daemon.service import hoptrace
 from rpc_daemon.validation import requests as V
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
 from rpc_daemon.wire.sockets import tune_socket
@@ -91,7 +92,7 @@ class Connection(asyncio.BufferedProtocol):
         # grows to RX_SIZE once the connection is authenticated. A blob is received into
         # memory as it arrives (never allocated at the length its prefix claims), or
         # straight into its SET_TENSOR destination.
-        self.reader = P.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
+        self.reader = F.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
                                     eager_blobs=False)
         self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
         self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
@@ -151,13 +152,13 @@ class Connection(asyncio.BufferedProtocol):
         its checks), its SET_TENSOR destination, or memory (None)."""
         self._refused = None
         if error is not None:
-            return P.DISCARD
+            return F.DISCARD
         try:
             self._check_rate()
             buf = self._direct_destination(h, blob_len)
         except ProtocolError as exc:
             self._refused = exc
-            return P.DISCARD
+            return F.DISCARD
         if buf is None:
             return None
         return buf.view[h["offset"]: h["offset"] + blob_len]
@@ -328,7 +329,7 @@ class Connection(asyncio.BufferedProtocol):
         if status != Status.SUCCESS and status != Status.NOT_FOUND and not quiet and self._warn_budget.take():
             self.log.warning("request refused", status=Status(status).name, error=message)
         header = P.reply_header(req_id, status, message, **fields)
-        frame = P.encode_frame(header, len(blob))
+        frame = F.encode_frame(header, len(blob))
         self.daemon.stats["bytes_out"] += len(frame) + len(blob)
         if hoptrace.ON:
             hoptrace.mark("daemon reply")

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, Status
 
@@ -215,7 +216,7 @@ class Fault:
         transport = conn.transport
         if transport is None or transport.is_closing():
             return True
-        frame = P.encode_frame(P.reply_header(req_id, status, message, **fields), len(blob)) + bytes(blob)
+        frame = F.encode_frame(P.reply_header(req_id, status, message, **fields), len(blob)) + bytes(blob)
         half = len(frame) // 2
         transport.write(frame[:half])
         if a == "delay":
