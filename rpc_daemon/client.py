@@ -1,3 +1,4 @@
+# Over 400 lines: one class, RpcClient, whose transport callbacks, watchdog and request API share one state.
 """asyncio client of the worker protocol, with a deadline on everything.
 
 No receive waits forever:

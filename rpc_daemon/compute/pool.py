@@ -1,3 +1,4 @@
+# Over 400 lines: ComputePool and ComputeProcess share the lock, the memory budget and the spare.
 """The daemon side of the compute processes: start them, feed them, survive their deaths.
 
 Each client computes in a process of its own, which maps that client's arena

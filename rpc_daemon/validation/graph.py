@@ -1,3 +1,4 @@
+# Over 400 lines: the tensor schema and OP_RULES (one small rule per op) are the one choke point, kept whole.
 """Graph schema and validation: the one choke point every tensor a client names
 passes before anything touches memory. Pure functions over decoded msgpack.
 
