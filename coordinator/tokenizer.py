@@ -45,7 +45,9 @@ _EOT_TEXTS = (
 )
 _EOG_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>",
+    "<EOT>", "<|end_of_text|>",  # Llama 3
+    "<eos>", "<turn|>", "<|tool_response>",  # Gemma 4
+    "<|return|>", "<|call|>",  # gpt-oss
 )
 
 
@@ -113,7 +115,14 @@ class Tokenizer:
                 tid = self._piece_to_id.get(chr(b))  # llama.cpp's "just the byte" fallback
             self._byte_to_id.append(tid if tid is not None else unk_id)
 
-        # Tokens split out of raw text before SPM segmentation, longest first so that
+        # llama.cpp makes every end-of-generation text a control token, whatever the
+        # GGUF says (Gemma 4 ships "<|tool_response>" as user-defined).
+        for text in _EOG_TEXTS:
+            tid = self._piece_to_id.get(text)
+            if tid is not None and self.token_types[tid] != TOKEN_TYPE_CONTROL:
+                self.token_types[tid] = TOKEN_TYPE_CONTROL
+
+        # Tokens split out of raw text before segmentation, longest first so that
         # e.g. "\n\n" wins over "\n" (llama.cpp cache_special_tokens; stable sort here).
         types = self.token_types
         special = [i for i, t in enumerate(types)
