@@ -17,6 +17,12 @@ control/unknown tokens give nothing unless ``special=True``.
 
 About 400 lines in one module on purpose: it is one port of one llama.cpp file,
 kept in that file's order so the two can be compared side by side.
+
+``Tokenizer.from_gguf(path)`` / ``from_gguf_fields(get)`` are the entry points for any
+GGUF: they dispatch on ``tokenizer.ggml.model`` and return this SPM class for "llama"
+or :class:`coordinator.tokenizer_bpe.BPETokenizer` (a subclass that reuses the special-
+token partition, BOS/EOS, EOG detection, decoding and :class:`Detokenizer`, and replaces
+the per-fragment segmentation) for "gpt2" and "gemma4"; other models are refused.
 """
 
 from __future__ import annotations
