@@ -2,7 +2,7 @@
 
     python bench/bench_tokenizer.py [--kb 100] [--repeat 3] [--no-python-bpe]
 
-Vocabularies: llama.cpp's fixture GGUFs (tools/vocab_fixtures.py fetches them once)
+Vocabularies: llama.cpp's fixture GGUFs (bench/vocab_fixtures.py fetches them once)
 and, for SPM, the bundled Gemma 3 270M model. The text is the repository's README and
 docs (English prose, markdown, code), repeated up to --kb kilobytes; a second run uses
 llama.cpp's multilingual fixture texts (emoji, CJK, Cyrillic, Khmer, whitespace runs),
@@ -41,7 +41,7 @@ from coordinator.tokenizer_bpe import (  # noqa: E402
     BPETokenizer,
 )
 
-_spec = importlib.util.spec_from_file_location("vocab_fixtures", ROOT / "tools" / "vocab_fixtures.py")
+_spec = importlib.util.spec_from_file_location("vocab_fixtures", ROOT / "bench" / "vocab_fixtures.py")
 vf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vf)
 

@@ -157,7 +157,7 @@ def test_exported_from_coordinator():
 
 @pytest.fixture(scope="module")
 def models():
-    tool = pathlib.Path(__file__).resolve().parents[1] / "tools" / "vocab_fixtures.py"
+    tool = pathlib.Path(__file__).resolve().parents[1] / "bench" / "vocab_fixtures.py"
     spec = importlib.util.spec_from_file_location("vocab_fixtures", tool)
     vf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vf)

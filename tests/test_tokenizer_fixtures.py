@@ -5,7 +5,7 @@ llama-cpp-python 0.3.36 sdist is checked: for each case of its ``.inp`` file,
 ``encode(text, add_special=False, parse_special=False)`` must equal the ids of the
 ``.out`` file exactly, and ``decode`` must give the text back. The sdist is fetched
 once with pip into ``$GGML_DISTRIBUTED_CACHE`` (default ``~/.cache/ggml-distributed``)
-by tools/vocab_fixtures.py; after that the whole module runs in about ten seconds.
+by bench/vocab_fixtures.py; after that the whole module runs in about ten seconds.
 
 Vocabularies whose tokenizer model we do not claim (WordPiece, Unigram) are skipped
 with that reason, and a separate test checks they are refused with a clear message.
@@ -20,7 +20,7 @@ import pytest
 from coordinator.tokenizer import Tokenizer
 from coordinator.tokenizer_bpe import BPETokenizer
 
-_TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "vocab_fixtures.py"
+_TOOL = pathlib.Path(__file__).resolve().parents[1] / "bench" / "vocab_fixtures.py"
 _spec = importlib.util.spec_from_file_location("vocab_fixtures", _TOOL)
 vf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vf)

@@ -1,8 +1,8 @@
 """llama.cpp's tokenizer fixtures: fetch them, check our tokenizer against them, record new ones.
 
-    python tools/vocab_fixtures.py fetch               # download + unpack once into the cache
-    python tools/vocab_fixtures.py check [NAME ...]    # per-vocabulary pass table and timing
-    python tools/vocab_fixtures.py record MODEL.gguf TEXTS.inp [-o OUT]
+    python bench/vocab_fixtures.py fetch               # download + unpack once into the cache
+    python bench/vocab_fixtures.py check [NAME ...]    # per-vocabulary pass table and timing
+    python bench/vocab_fixtures.py record MODEL.gguf TEXTS.inp [-o OUT]
                                                        # write our ids as a .out file
 
 The fixtures are llama.cpp's ``models/ggml-vocab-*.gguf`` (vocabulary-only GGUF files)
