@@ -78,6 +78,17 @@ class Limits:
     # bytes of frames (header + blob held in daemon memory) received and queued but not
     # yet handled, per connection; past it the daemon stops reading until they drain
     max_inflight: int = 64 << 20
+    # tensors of all the graphs one client has cached: each costs about 1.5 KiB of daemon and
+    # compute-process memory that --mem does not see (a 64-tensor decode graph is 100 KiB)
+    max_cached_tensors: int = 131072
+
+    @property
+    def max_header_containers(self) -> int:
+        """Arrays and maps in one header. A header of nested empty arrays decodes to ~64
+        bytes of Python objects per byte and holds the event loop while it does; the
+        largest graph (max_graph_tensors maps with their ne/nb/src lists, plus inputs)
+        needs about 5 per tensor."""
+        return 8 * self.max_graph_tensors + 1024
 
 
 # ---------------------------------------------------------------- framing
@@ -115,12 +126,39 @@ def parse_prefix(prefix: bytes, limits: Limits, authenticated: bool = True) -> t
     return header_len, blob_len
 
 
+COUNTED_HEADER = 1 << 16  # headers from this size have their containers counted while decoding
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
+def _container_budget(limit: int):
+    """A hook for msgpack's list_hook/object_hook that stops the decode after `limit`
+    arrays and maps: the decoder's own bounds are per container, not per header."""
+    left = [limit]
+
+    def hook(obj):
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooManyContainers
+        return obj
+    return hook
+
+
 def decode_header(data: bytes, limits: Limits) -> dict:
+    hooks = {}
+    if len(data) >= COUNTED_HEADER:  # a smaller header cannot hold enough to matter; decodes at full speed
+        hook = _container_budget(limits.max_header_containers)
+        hooks = {"list_hook": hook, "object_hook": hook}
     try:
         header = msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True,
             max_str_len=limits.max_header, max_bin_len=limits.max_header,
-            max_array_len=limits.max_graph_tensors * 4, max_map_len=1 << 16)
+            max_array_len=limits.max_graph_tensors * 4, max_map_len=1 << 16, **hooks)
+    except _TooManyContainers:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"header has more than {limits.max_header_containers} arrays "
+                                                   f"and maps") from None
     except Exception as exc:
         raise ProtocolError(Status.INVALID_REQUEST, f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
@@ -488,6 +526,8 @@ def parse_outputs(h: dict, n_tensors: int | None) -> list[int]:
         if type(t) is not int or t < 0 or (n_tensors is not None and t >= n_tensors):
             raise ProtocolError(Status.INVALID_REQUEST, f"outputs[{i}]={t!r} is not a tensor of the graph")
         out.append(t)
+    if len(set(out)) != len(out):  # a tensor named twice would be copied into the reply twice
+        raise ProtocolError(Status.INVALID_REQUEST, "outputs names a tensor more than once")
     return out
 
 

@@ -78,6 +78,7 @@ def available_memory() -> int:
 
 
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
+LARGE_GRAPH = 2048  # graphs with more tensors are validated off the event loop
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
 
@@ -658,6 +659,10 @@ def _check_run(c: Connection, spec: GraphSpec, h: dict, blob) -> tuple[list, lis
     if unreadable:
         raise ProtocolError(Status.INVALID_REQUEST, f"outputs: tensor {unreadable[0]} has no memory after "
                                                     "compute (a leaf no node uses)")
+    reply_bytes = sum(spec.tensors[i].nbytes for i in outputs)
+    if reply_bytes > c.limits.max_blob:  # the reply is a frame too: max_blob bounds it as it does GET_TENSOR's
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"outputs: {reply_bytes} bytes exceed max_blob "
+                                                   f"{c.limits.max_blob}; read large tensors with GET_TENSOR")
     bufs = {}
     for key in spec.buffers:
         buf = c._buffer(key)
@@ -693,10 +698,18 @@ async def handle_graph_compute(c: Connection, h, blob, direct):
     if c.daemon.config.unsafe_no_validation:
         from rpc_daemon.graph import parse_unchecked
         spec = parse_unchecked(h, c._buffer_size)
+    elif len(h.get("tensors") or ()) > LARGE_GRAPH:
+        # pure Python over tens of thousands of tensors: in a thread, so the loop keeps
+        # answering every other client (it gets the GIL back every few milliseconds)
+        spec = await asyncio.get_running_loop().run_in_executor(None, parse_graph, h, c.limits, c._buffer_size)
     else:
         spec = parse_graph(h, c.limits, c._buffer_size)
     if graph_id and graph_id not in c.graphs and len(c.graphs) >= c.limits.max_graphs:
         raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {c.limits.max_graphs} reached; free one")
+    cached = sum(len(g.tensors) for gid, g in c.graphs.items() if gid != graph_id) + len(spec.tensors)
+    if graph_id and cached > c.limits.max_cached_tensors:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graphs would hold {cached} tensors, limit "
+                                                   f"{c.limits.max_cached_tensors}; free one")
     checked = _check_run(c, spec, h, blob)  # a refused request must not replace the graph cached under its id
     if graph_id:
         c.graphs[graph_id] = spec
