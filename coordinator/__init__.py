@@ -14,6 +14,7 @@ from coordinator.api import (
     default_model_path,
     plan_split,
 )
+from coordinator.tokenizer import Detokenizer, Tokenizer
 
 __all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "FailureKind",
-           "default_model_path", "plan_split"]
+           "default_model_path", "plan_split", "Tokenizer", "Detokenizer"]

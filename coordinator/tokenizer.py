@@ -17,12 +17,19 @@ control/unknown tokens give nothing unless ``special=True``.
 
 About 400 lines in one module on purpose: it is one port of one llama.cpp file,
 kept in that file's order so the two can be compared side by side.
+
+``Tokenizer.from_gguf(path)`` / ``from_gguf_fields(get)`` are the entry points for any
+GGUF: they dispatch on ``tokenizer.ggml.model`` and return this SPM class for "llama"
+or :class:`coordinator.tokenizer_bpe.BPETokenizer` (a subclass that reuses the special-
+token partition, BOS/EOS, EOG detection, decoding and :class:`Detokenizer`, and replaces
+the per-fragment segmentation) for "gpt2" and "gemma4"; other models are refused.
 """
 
 from __future__ import annotations
 
 import codecs
 import heapq
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 # GGUF token types (llama.cpp ``llama_token_type``).
@@ -44,7 +51,9 @@ _EOT_TEXTS = (
 )
 _EOG_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>",
+    "<EOT>", "<|end_of_text|>",  # Llama 3
+    "<eos>", "<turn|>", "<|tool_response>",  # Gemma 4
+    "<|return|>", "<|call|>",  # gpt-oss
 )
 
 
@@ -112,7 +121,14 @@ class Tokenizer:
                 tid = self._piece_to_id.get(chr(b))  # llama.cpp's "just the byte" fallback
             self._byte_to_id.append(tid if tid is not None else unk_id)
 
-        # Tokens split out of raw text before SPM segmentation, longest first so that
+        # llama.cpp makes every end-of-generation text a control token, whatever the
+        # GGUF says (Gemma 4 ships "<|tool_response>" as user-defined).
+        for text in _EOG_TEXTS:
+            tid = self._piece_to_id.get(text)
+            if tid is not None and self.token_types[tid] != TOKEN_TYPE_CONTROL:
+                self.token_types[tid] = TOKEN_TYPE_CONTROL
+
+        # Tokens split out of raw text before segmentation, longest first so that
         # e.g. "\n\n" wins over "\n" (llama.cpp cache_special_tokens; stable sort here).
         types = self.token_types
         special = [i for i, t in enumerate(types)
@@ -133,13 +149,30 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
+    def from_gguf(cls, path: "str | os.PathLike") -> "Tokenizer":
+        """The tokenizer of a GGUF file (only its metadata is read)."""
+        from coordinator.gguf_file import GGUFFile
+
+        with GGUFFile(path) as gguf:
+            return cls.from_gguf_fields(gguf.get)
+
+    @classmethod
     def from_gguf_fields(cls, get: Callable[[str], Any]) -> "Tokenizer":
-        """Build from GGUF metadata; ``get(key)`` returns the value or None if absent."""
+        """Build from GGUF metadata; ``get(key)`` returns the value or None if absent.
+
+        Dispatches on ``tokenizer.ggml.model``: "llama" is SentencePiece (this class),
+        "gpt2" (byte-level BPE) and "gemma4" go to
+        :class:`coordinator.tokenizer_bpe.BPETokenizer`; anything else is refused.
+        """
         model = get("tokenizer.ggml.model")
+        if model in ("gpt2", "gemma4"):
+            from coordinator.tokenizer_bpe import BPETokenizer
+
+            return BPETokenizer.from_gguf_fields(get)
         if model != "llama":
             raise ValueError(
-                f"unsupported tokenizer model {model!r}: this SPM tokenizer handles only "
-                f"GGUF files with tokenizer.ggml.model == 'llama'"
+                f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: "
+                f"'llama' (SentencePiece), 'gpt2' (byte-level BPE), 'gemma4' (BPE)"
             )
         tokens = get("tokenizer.ggml.tokens")
         if tokens is None:
@@ -214,7 +247,7 @@ class Tokenizer:
                 continue
             if self.add_space_prefix and is_prev_special:
                 fragment = " " + fragment
-            self._encode_fragment(fragment.replace(" ", SPACE_ESCAPE), out)
+            self._encode_text(fragment, out)
             is_prev_special = False
 
         if add_special and self.add_eos:
@@ -251,6 +284,10 @@ class Tokenizer:
                         split.append(part)
             fragments = split
         return fragments
+
+    def _encode_text(self, text: str, out: list[int]) -> None:
+        """Tokenize one plain-text fragment (no special tokens in it); BPE overrides this."""
+        self._encode_fragment(text.replace(" ", SPACE_ESCAPE), out)
 
     def _encode_fragment(self, text: str, out: list[int]) -> None:
         """SPM segmentation of one escaped fragment (llm_tokenizer_spm_session::tokenize).
@@ -342,13 +379,17 @@ class Tokenizer:
         elif ttype == TOKEN_TYPE_USER_DEFINED:
             piece = text.encode("utf-8")  # verbatim: user-defined pieces are stored unescaped
         elif ttype == TOKEN_TYPE_NORMAL:
-            piece = text.replace(SPACE_ESCAPE, " ").encode("utf-8")
+            piece = self._normal_piece(text)
         elif ttype == TOKEN_TYPE_BYTE:
             piece = bytes([int(text[3:5], 16)])  # "<0xXX>"
         else:
             piece = b""  # unused / undefined: suppressed like control tokens
         self._piece_cache[key] = piece
         return piece
+
+    def _normal_piece(self, text: str) -> bytes:
+        """Bytes of a normal (non-special, non-byte) piece; BPE overrides this."""
+        return text.replace(SPACE_ESCAPE, " ").encode("utf-8")
 
     def decode(self, ids: Iterable[int], special: bool = False) -> str:
         """Detokenize to text; invalid UTF-8 becomes U+FFFD.

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("rpc")
 
+LARGE_GRAPH = 2048  # graphs with more tensors are validated off the event loop
+
 
 class Session:
     """One client as its handlers see it: its id, its buffers (in the daemon's
@@ -226,7 +228,14 @@ async def _run(s: Session, run: V.Run):
 async def handle_graph_compute(s: Session, h, blob, direct):
     if hoptrace.ON:
         hoptrace.mark("daemon handler")
-    run = V.check_graph_compute(h, blob, s.limits, s.buffer_of, s.graphs, s.config.unsafe_no_validation)
+    unsafe = s.config.unsafe_no_validation
+    if not unsafe and len(h.get("tensors") or ()) > LARGE_GRAPH:
+        # pure Python over tens of thousands of tensors: in a thread, so the loop keeps answering
+        # every other client (it gets the GIL back every few milliseconds)
+        run = await asyncio.get_running_loop().run_in_executor(
+            None, V.check_graph_compute, h, blob, s.limits, s.buffer_of, s.graphs)
+    else:
+        run = V.check_graph_compute(h, blob, s.limits, s.buffer_of, s.graphs, unsafe)
     if run.graph_id:  # only now: a refused request must not replace the graph cached under its id
         s.graphs[run.graph_id] = run.spec
     s.forget_graph(run.graph_id or -1)  # a one-off graph: cached in the compute process under a throwaway key
@@ -239,7 +248,8 @@ async def handle_graph_recompute(s: Session, h, blob, direct):
     graph_id, spec = V.cached_graph(h, s.graphs)
     if spec is None:
         return {"status": Status.NOT_FOUND, "error": f"graph {graph_id} is not cached; send it with GRAPH_COMPUTE"}
-    return await _run(s, V.check_graph_recompute(graph_id, spec, h, blob, s.buffer_of, s.config.unsafe_no_validation))
+    return await _run(s, V.check_graph_recompute(graph_id, spec, h, blob, s.limits, s.buffer_of,
+                                                 s.config.unsafe_no_validation))
 
 
 async def handle_graph_free(s: Session, h, blob, direct):

@@ -48,6 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"tensors in one graph (default {_L.max_graph_tensors})")
     g.add_argument("--max-graphs", type=int, default=_L.max_graphs,
                    help=f"graphs one client may keep cached (default {_L.max_graphs})")
+    g.add_argument("--max-cached-tensors", type=int, default=_L.max_cached_tensors,
+                   help=f"tensors of all the graphs one client keeps cached, about 1.5 KiB of memory each "
+                        f"(default {_L.max_cached_tensors})")
     g.add_argument("--max-requests-per-second", type=float, default=_C.max_requests_per_second, metavar="R",
                    help=f"sustained request rate of one client; past it requests get LIMIT_EXCEEDED "
                         f"(default {_C.max_requests_per_second:g}; 0 = unlimited)")
@@ -60,7 +63,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def apply(p: argparse.ArgumentParser, args: argparse.Namespace, config: DaemonConfig,
           environ=os.environ) -> DaemonConfig:
-    for name in ("max_blob", "max_header", "max_buffers", "max_graph_tensors", "max_graphs", "request_burst"):
+    for name in ("max_blob", "max_header", "max_buffers", "max_graph_tensors", "max_graphs", "max_cached_tensors",
+                 "request_burst"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_client_mem < 0 or args.max_requests_per_second < 0 or args.hello_timeout <= 0:
@@ -89,7 +93,8 @@ def apply(p: argparse.ArgumentParser, args: argparse.Namespace, config: DaemonCo
                 f"network you trust")
     limits = dataclasses.replace(config.limits, max_blob=args.max_blob * MiB, max_header=args.max_header * MiB,
                                  max_buffers=args.max_buffers, max_graph_tensors=args.max_graph_tensors,
-                                 max_graphs=args.max_graphs, max_client_bytes=args.max_client_mem * MiB)
+                                 max_graphs=args.max_graphs, max_cached_tensors=args.max_cached_tensors,
+                                 max_client_bytes=args.max_client_mem * MiB)
     return dataclasses.replace(config, limits=limits, secret=secret, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                insecure=args.insecure, max_requests_per_second=args.max_requests_per_second,
                                request_burst=args.request_burst, hello_timeout=args.hello_timeout)

@@ -128,7 +128,8 @@ class Run:
         return sum(self.spec.tensors[i].nbytes for i in self.outputs)
 
 
-def check_run(graph_id: int, spec: GraphSpec, h: dict, blob, buffer_of: BufferOf, unsafe: bool = False) -> Run:
+def check_run(graph_id: int, spec: GraphSpec, h: dict, blob, limits: P.Limits, buffer_of: BufferOf,
+              unsafe: bool = False) -> Run:
     """Everything a compute of `spec` with this request's inputs and outputs
     needs checked, before it has any effect."""
     inputs = P.parse_inputs(h, len(blob), len(spec.tensors))
@@ -151,6 +152,10 @@ def check_run(graph_id: int, spec: GraphSpec, h: dict, blob, buffer_of: BufferOf
     if unreadable:
         raise ProtocolError(Status.INVALID_REQUEST, f"outputs: tensor {unreadable[0]} has no memory after "
                                                     "compute (a leaf no node uses)")
+    reply_bytes = sum(spec.tensors[i].nbytes for i in outputs)
+    if reply_bytes > limits.max_blob:  # the reply is a frame too: max_blob bounds it as it does GET_TENSOR's
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"outputs: {reply_bytes} bytes exceed max_blob "
+                                                   f"{limits.max_blob}; read large tensors with GET_TENSOR")
     bufs = {}
     for key in spec.buffers:
         buf = owned(key, buffer_of)
@@ -171,7 +176,11 @@ def check_graph_compute(h: dict, blob, limits: P.Limits, buffer_of: BufferOf, gr
     spec = parse_unchecked(h, buffer_size) if unsafe else parse_graph(h, limits, buffer_size)
     if graph_id and graph_id not in graphs and len(graphs) >= limits.max_graphs:
         raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graph limit {limits.max_graphs} reached; free one")
-    return check_run(graph_id, spec, h, blob, buffer_of, unsafe)
+    cached = sum(len(g.tensors) for gid, g in graphs.items() if gid != graph_id) + len(spec.tensors)
+    if graph_id and cached > limits.max_cached_tensors:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"cached graphs would hold {cached} tensors, limit "
+                                                   f"{limits.max_cached_tensors}; free one")
+    return check_run(graph_id, spec, h, blob, limits, buffer_of, unsafe)
 
 
 def cached_graph(h: dict, graphs: dict) -> tuple[int, GraphSpec | None]:
@@ -180,10 +189,10 @@ def cached_graph(h: dict, graphs: dict) -> tuple[int, GraphSpec | None]:
     return graph_id, graphs.get(graph_id)
 
 
-def check_graph_recompute(graph_id: int, spec: GraphSpec, h: dict, blob, buffer_of: BufferOf,
+def check_graph_recompute(graph_id: int, spec: GraphSpec, h: dict, blob, limits: P.Limits, buffer_of: BufferOf,
                           unsafe: bool = False) -> Run:
     """A recompute of cached `spec`: its buffers still held (one may have been
     freed since the graph was sent), and the run."""
     for key in spec.buffers:
         owned(key, buffer_of)
-    return check_run(graph_id, spec, h, blob, buffer_of, unsafe)
+    return check_run(graph_id, spec, h, blob, limits, buffer_of, unsafe)

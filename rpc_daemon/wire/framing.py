@@ -46,12 +46,39 @@ def parse_prefix(prefix: bytes, limits: Limits, authenticated: bool = True) -> t
     return header_len, blob_len
 
 
+COUNTED_HEADER = 1 << 16  # headers from this size have their containers counted while decoding
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
+def _container_budget(limit: int):
+    """A hook for msgpack's list_hook/object_hook that stops the decode after `limit`
+    arrays and maps: the decoder's own bounds are per container, not per header."""
+    left = [limit]
+
+    def hook(obj):
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooManyContainers
+        return obj
+    return hook
+
+
 def decode_header(data: bytes, limits: Limits) -> dict:
+    hooks = {}
+    if len(data) >= COUNTED_HEADER:  # a smaller header cannot hold enough to matter; decodes at full speed
+        hook = _container_budget(limits.max_header_containers)
+        hooks = {"list_hook": hook, "object_hook": hook}
     try:
         header = msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True,
             max_str_len=limits.max_header, max_bin_len=limits.max_header,
-            max_array_len=limits.max_graph_tensors * 4, max_map_len=1 << 16)
+            max_array_len=limits.max_graph_tensors * 4, max_map_len=1 << 16, **hooks)
+    except _TooManyContainers:
+        raise ProtocolError(Status.LIMIT_EXCEEDED, f"header has more than {limits.max_header_containers} arrays "
+                                                   f"and maps") from None
     except Exception as exc:
         raise ProtocolError(Status.INVALID_REQUEST, f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):

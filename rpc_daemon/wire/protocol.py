@@ -72,6 +72,17 @@ class Limits:
     # bytes of frames (header + blob held in daemon memory) received and queued but not
     # yet handled, per connection; past it the daemon stops reading until they drain
     max_inflight: int = 64 << 20
+    # tensors of all the graphs one client has cached: each costs about 1.5 KiB of daemon and
+    # compute-process memory that --mem does not see (a 64-tensor decode graph is 100 KiB)
+    max_cached_tensors: int = 131072
+
+    @property
+    def max_header_containers(self) -> int:
+        """Arrays and maps in one header. A header of nested empty arrays decodes to ~64
+        bytes of Python objects per byte and holds the event loop while it does; the
+        largest graph (max_graph_tensors maps with their ne/nb/src lists, plus inputs)
+        needs about 5 per tensor."""
+        return 8 * self.max_graph_tensors + 1024
 
 
 def reply_header(request_id, status: Status, message: str = "", **fields) -> dict:
@@ -184,6 +195,8 @@ def parse_outputs(h: dict, n_tensors: int | None) -> list[int]:
         if type(t) is not int or t < 0 or (n_tensors is not None and t >= n_tensors):
             raise ProtocolError(Status.INVALID_REQUEST, f"outputs[{i}]={t!r} is not a tensor of the graph")
         out.append(t)
+    if len(set(out)) != len(out):  # a tensor named twice would be copied into the reply twice
+        raise ProtocolError(Status.INVALID_REQUEST, "outputs names a tensor more than once")
     return out
 
 

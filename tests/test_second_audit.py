@@ -1,0 +1,155 @@
+"""Regression tests for the second independent audit (docs/security.md, "The
+second audit"): a header that stalls the event loop, replies larger than
+max_blob, and cached graphs whose memory no limit counted. Real daemons on
+127.0.0.1; each test fails on the code before its fix."""
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import msgpack
+import numpy as np
+
+from ggml_ffi import lib
+from rpc_daemon.wire import framing as F
+from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_helpers import RawConn
+
+F32 = lib.GGML_TYPE_F32
+OUT_COMPUTE = lib.GGML_TENSOR_FLAG_OUTPUT | lib.GGML_TENSOR_FLAG_COMPUTE
+
+
+class PingWatch:
+    """Another client pinging all along; `worst` is its slowest round trip. The
+    coordinator gives a silent worker 2 s (liveness_timeout) before it latches it."""
+
+    def __init__(self, port: int):
+        self.conn = RawConn(port, timeout=30)
+        self.conn.hello()
+        self.worst = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for _ in range(10_000):  # bounded: at most 10,000 pings, ~5 ms apart
+            if self._stop.is_set():
+                return
+            t0 = time.monotonic()
+            h, _ = self.conn.call(Command.PING)
+            assert h["status"] == Status.SUCCESS
+            self.worst = max(self.worst, time.monotonic() - t0)
+            time.sleep(0.005)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join(30)
+        self.conn.close()
+        return self.worst
+
+
+def test_nested_array_header_does_not_stall_other_clients(start_daemon):
+    """Finding 1: a 15.8 MiB header of nested empty arrays (under max_header)
+    decoded for 8 s on the event loop, so another client's PING went unanswered
+    for 8.9 s. The decode now stops at a container budget: LIMIT_EXCEEDED."""
+    d = start_daemon("-t", "1")
+    watch = PingWatch(d.port)
+    inner = b"\xdc" + struct.pack(">H", 60) + b"\x90" * 60  # an array of 60 empty arrays
+    junk = b"\xdd" + struct.pack(">I", 262144) + inner * 262144
+    header = (b"\x83" + msgpack.packb("cmd") + msgpack.packb(int(Command.PING)) + msgpack.packb("id")
+              + msgpack.packb(1) + msgpack.packb("junk") + junk)
+    assert len(header) < P.Limits().max_header
+    with RawConn(d.port, timeout=60) as c:
+        c.hello()
+        t0 = time.monotonic()
+        c.send_raw(F.PREFIX.pack(len(header), 0) + header)
+        reply, _ = c.recv_frame()
+        took = time.monotonic() - t0
+        pong, _ = c.call(Command.PING)  # refused for that request only: the connection is kept
+    worst = watch.stop()
+    assert reply["status"] == Status.LIMIT_EXCEEDED and "arrays and maps" in reply["error"], reply
+    assert reply["id"] is None and pong["status"] == Status.SUCCESS, (reply, pong)
+    assert worst < 1.0, f"another client's PING waited {worst:.2f} s (the bomb took {took:.2f} s)"
+
+
+def _add_chain(n: int) -> list[dict]:
+    """x (inline input) then n - 1 ADDs, each of the previous tensor with itself."""
+    tensors = [{"type": F32, "ne": [4, 1, 1, 1], "nb": [4, 16, 16, 16], "flags": lib.GGML_TENSOR_FLAG_INPUT}]
+    for i in range(1, n):
+        tensors.append({"type": F32, "ne": [4, 1, 1, 1], "nb": [4, 16, 16, 16], "op": lib.GGML_OP_ADD,
+                        "src": [i - 1, i - 1], "flags": lib.GGML_TENSOR_FLAG_COMPUTE})
+    tensors[-1]["flags"] = OUT_COMPUTE
+    return tensors
+
+
+def test_large_graph_validation_does_not_stall_other_clients(start_daemon):
+    """Finding 1, the legitimate variant: validating a 65,535-tensor graph held the
+    loop for 1.8 s (three senders: 2.66 s, past the coordinator's 2 s liveness
+    bound). Large graphs are now validated off the loop."""
+    d = start_daemon("-t", "1")
+    watch = PingWatch(d.port)
+    tensors = _add_chain(60000)
+    with RawConn(d.port, timeout=120) as c:
+        c.hello()
+        for _ in range(2):
+            h, out = c.call(Command.GRAPH_COMPUTE, {"tensors": tensors, "inputs": [[0, 0, 16]],
+                                                    "outputs": [len(tensors) - 1]}, np.ones(4, np.float32).tobytes())
+            assert h["status"] == Status.SUCCESS, h
+    worst = watch.stop()
+    assert worst < 1.0, f"another client's PING waited {worst:.2f} s while a large graph was validated"
+
+
+def _repeated_output_graph(buf: int, n_floats: int) -> list[dict]:
+    return [{"type": F32, "ne": [n_floats, 1, 1, 1], "nb": [4, 4 * n_floats, 4 * n_floats, 4 * n_floats],
+             "buffer": buf},
+            {"type": F32, "ne": [1, 1, 1, 1], "nb": [4, 4, 4, 4], "flags": lib.GGML_TENSOR_FLAG_INPUT},
+            {"type": F32, "ne": [1, 1, 1, 1], "nb": [4, 4, 4, 4], "op": lib.GGML_OP_ADD, "src": [1, 1],
+             "flags": OUT_COMPUTE}]
+
+
+def test_reply_is_bounded_by_max_blob(start_daemon):
+    """Finding 2: `outputs` repeating a buffer tensor made replies of 1 GiB and more
+    (past max_blob) and a 64 GiB output area. A tensor named twice is now refused,
+    and a reply larger than max_blob is LIMIT_EXCEEDED, as GET_TENSOR's is."""
+    d = start_daemon("-t", "1", "--max-blob", "1")
+    with RawConn(d.port, timeout=30) as c:
+        c.hello()
+        h, _ = c.call(Command.ALLOC_BUFFER, {"size": 2 << 20})
+        buf = h["buffer"]
+        tensors = _repeated_output_graph(buf, 1 << 17)  # 512 KiB
+        one = np.ones(1, np.float32).tobytes()
+        h, out = c.call(Command.GRAPH_COMPUTE, {"tensors": tensors, "inputs": [[1, 0, 4]], "outputs": [0, 0]}, one)
+        assert h["status"] == Status.INVALID_REQUEST and "more than once" in h["error"], h
+        big = _repeated_output_graph(buf, 1 << 19)  # 2 MiB, past --max-blob 1
+        h, out = c.call(Command.GRAPH_COMPUTE, {"tensors": big, "inputs": [[1, 0, 4]], "outputs": [0]}, one)
+        assert h["status"] == Status.LIMIT_EXCEEDED and "max_blob" in h["error"] and not out, h
+        h, out = c.call(Command.GRAPH_COMPUTE, {"tensors": tensors, "inputs": [[1, 0, 4]], "outputs": [0, 2]}, one)
+        assert h["status"] == Status.SUCCESS and len(out) == (1 << 19) + 4, h
+
+
+def test_cached_graph_tensors_are_bounded(start_daemon):
+    """Finding 3: each cached 65,535-tensor graph held ~100 MiB that neither --mem
+    nor any limit counted, 64 graphs per client. The tensors of a client's cached
+    graphs are now bounded (--max-cached-tensors); replacing a graph counts it once."""
+    d = start_daemon("-t", "1", "--max-cached-tensors", "1000")
+    one = np.ones(4, np.float32).tobytes()
+    with RawConn(d.port, timeout=30) as c:
+        c.hello()
+        chain = _add_chain(400)
+        for gid in (1, 2, 1, 2):  # 800 tensors cached; recaching an id replaces it
+            h, _ = c.call(Command.GRAPH_COMPUTE, {"graph_id": gid, "tensors": chain, "inputs": [[0, 0, 16]],
+                                                  "outputs": [399]}, one)
+            assert h["status"] == Status.SUCCESS, h
+        h, _ = c.call(Command.GRAPH_COMPUTE, {"graph_id": 3, "tensors": chain, "inputs": [[0, 0, 16]],
+                                              "outputs": [399]}, one)
+        assert h["status"] == Status.LIMIT_EXCEEDED and "1000" in h["error"], h
+        h, _ = c.call(Command.GRAPH_RECOMPUTE, {"graph_id": 3, "inputs": [[0, 0, 16]], "outputs": [399]}, one)
+        assert h["status"] == Status.NOT_FOUND, h  # the refused graph was not cached
+        h, _ = c.call(Command.GRAPH_COMPUTE, {"tensors": chain, "inputs": [[0, 0, 16]], "outputs": [399]}, one)
+        assert h["status"] == Status.SUCCESS, h  # a one-off graph is not cached: not counted
+        h, _ = c.call(Command.GRAPH_FREE, {"graph_id": 1})
+        h, _ = c.call(Command.GRAPH_COMPUTE, {"graph_id": 3, "tensors": chain, "inputs": [[0, 0, 16]],
+                                              "outputs": [399]}, one)
+        assert h["status"] == Status.SUCCESS, h
