@@ -374,17 +374,22 @@ class CompletionServer:
         return resp
 
 
-async def serve_http(coord, host: str, port: int, n_slots: int, n_ctx_slot: int, model_name: str,
-                     ready: asyncio.Event | None = None) -> None:
+async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: str,
+                     ready: asyncio.Event | None = None, announce=None) -> None:
+    """Serve on `socks` (bound, listening sockets: cli.listen_sockets) until
+    SIGTERM/SIGINT. `announce()` is called once requests are answered."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("serving", host=host, port=port, slots=n_slots, ctx_per_slot=n_ctx_slot, model=model_name)
+    for sock in socks:
+        await web.SockSite(runner, sock).start()
+    log.info("serving", addresses=[sock.getsockname()[:2] for sock in socks], slots=n_slots,
+             ctx_per_slot=n_ctx_slot, model=model_name)
     # the watchdog is petted only while the decode loop runs and is not stuck
     async with until_signalled(healthy=server.decode_loop_healthy) as stop:
+        if announce is not None:
+            announce()
         if ready is not None:
             ready.set()
         try:
