@@ -107,7 +107,7 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--parallel", "1", "--ctx-per-slot", "256")
+    s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--parallel", "1", "--ctx-per-slot", "256")
     yield s
     s.stop()
     assert s.proc.returncode == 0, s.text()[-2000:]
@@ -129,7 +129,77 @@ def test_version_and_a_taken_port_fails_before_the_model_is_read():
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
 
 
-def test_ready_line_names_the_url_it_serves(server):
-    assert server.url.startswith("http://127.0.0.1:") and server.text().count("serving http://") == 1
-    status, _, body = request("GET", server.url + "/health")
-    assert status == 200, body
+def test_model_id_is_derived_without_spaces_or_the_alias():
+    from coordinator.serving.cli import model_id
+
+    def fake(name, path="/models/Some Model.Q4.gguf"):
+        return type("C", (), {"gguf": {"general.name": name} if name else {}, "model_path": path})()
+
+    assert model_id(fake("Gemma 3 270m"), None) == "gemma-3-270m"
+    assert model_id(fake(None), None) == "some-model.q4"
+    assert model_id(fake("Gemma 3 270m"), "mine") == "mine"
+
+
+def test_ready_line_model_id_and_any_model_name(server):
+    assert server.url.startswith("http://127.0.0.1:") and server.model == "my-gemma"
+    assert server.text().count("serving http://") == 1
+    status, _, body = request("GET", server.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["my-gemma"], body
+    status, _, body = request("GET", server.url + "/v1/models/my-gemma")
+    assert status == 200 and body["id"] == "my-gemma" and body["object"] == "model", body
+    status, _, body = request("GET", server.url + "/v1/models/gpt-4o")
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
+    # one model served: whatever name a client asks for gets it, and the answer says which
+    status, _, body = request("POST", server.url + "/v1/completions",
+                              {"model": "gpt-4o", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert status == 200 and body["model"] == "my-gemma", body
+
+
+def test_stream_usage_content_parts_and_prompt_forms(server):
+    url = server.url
+    plain = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    status, _, reference = request("POST", url + "/v1/completions", plain)
+    assert status == 200, reference
+    text = reference["choices"][0]["text"]
+
+    events = asyncio.run(sse(url + "/v1/completions", dict(plain, stream_options={"include_usage": True})))
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["choices"] == [] and last["usage"] == reference["usage"], events[-3:]
+    assert all(e["usage"] is None for e in events[:-2]) and events[-3]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == text
+    events = asyncio.run(sse(url + "/v1/completions", plain))  # without it: no usage chunk, as before
+    assert all("usage" not in e for e in events[:-1]) and events[-2]["choices"]
+
+    # the same prompt as token ids, as a list of one string, as a list of one token list
+    ids = local_tokenizer().encode(PROMPT, add_special=True)
+    for prompt in (ids, [PROMPT], [ids]):
+        status, _, body = request("POST", url + "/v1/completions", dict(plain, prompt=prompt))
+        assert status == 200 and body["choices"][0]["text"] == text, (prompt, body)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+    status, _, body = request("POST", url + "/v1/completions", dict(plain, prompt=["a", "b"]))
+    assert status == 400 and "2 prompts" in body["error"]["message"] and body["error"]["param"] == "prompt"
+    status, _, body = request("POST", url + "/v1/completions", dict(plain, prompt=[1, 10 ** 9]))
+    assert status == 400 and "outside the vocabulary" in body["error"]["message"], body
+
+    # chat content as a list of parts: the text parts, joined
+    question = "What is the capital of France?"
+    chat = {"max_tokens": 6, "temperature": 0}
+    _, _, as_text = request("POST", url + "/v1/chat/completions",
+                            dict(chat, messages=[{"role": "user", "content": question}]))
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    status, _, as_parts = request("POST", url + "/v1/chat/completions",
+                                  dict(chat, messages=[{"role": "user", "content": parts}]))
+    assert status == 200 and as_parts["choices"] == as_text["choices"], as_parts
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    status, _, body = request("POST", url + "/v1/chat/completions",
+                              dict(chat, messages=[{"role": "user", "content": [parts[0], image]}]))
+    assert status == 400 and "'image_url'" in body["error"]["message"], body
+
+    # too long: OpenAI's code, and the numbers
+    for path, body in (("/v1/completions", {"prompt": "word " * 400, "max_tokens": 8}),
+                       ("/v1/completions", {"prompt": ids * 60, "max_tokens": 8}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]})):
+        status, _, reply = request("POST", url + path, body)
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+        assert "256 tokens per slot" in reply["error"]["message"], reply

@@ -304,7 +304,15 @@ def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
 
 def test_errors_are_json_everywhere(cluster):
     server, _ = cluster
-    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": "x", "model": "gpt-4"}))
+    # one model served: any requested name gets it (llama-server's way) and the answer names the served id;
+    # an unknown id is 404 model_not_found where a model is looked up by id
+    status, body = asyncio.run(get(server.url + "/v1/models"))
+    served = body["data"][0]["id"]
+    assert served == "gemma-3-270m", served  # general.name "Gemma 3 270m": lowercased, no spaces
+    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": "x", "model": "gpt-4",
+                                                                      "max_tokens": 1}))
+    assert status == 200 and body["model"] == served, body
+    status, body = asyncio.run(get(server.url + "/v1/models/gpt-4"))
     assert status == 404 and body["error"]["code"] == "model_not_found", body
     status, body = asyncio.run(get(server.url + "/v1/nothing"))
     assert status == 404 and "error" in body, body

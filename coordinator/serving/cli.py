@@ -107,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--parallel", type=_count(1, MAX_SEQ), default=4,
                    help="slots decoding together (continuous batching)")
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
+    s.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model id clients see (default: the GGUF's general.name, lowercased, spaces as '-')")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -295,6 +297,17 @@ def serving_url(host: str, sock) -> str:
     return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
+def model_id(c, alias: str | None) -> str:
+    """The id clients see in /v1/models and every response's `model`: --alias,
+    else the GGUF's general.name lowercased with spaces as '-', else the file's stem."""
+    if alias:
+        return alias
+    name = str(c.gguf.get("general.name") or "").strip()
+    if not name:
+        name = os.path.splitext(os.path.basename(c.model_path))[0]
+    return "-".join(name.lower().split())
+
+
 def cmd_serve(args) -> int:
     try:
         socks = listen_sockets(args.host, args.port)
@@ -323,7 +336,7 @@ def _serve(args, socks) -> int:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
             return EXIT_CONNECT_FAILED
         with c:
-            name = c.gguf.get("general.name") or os.path.basename(c.model_path)
+            name = model_id(c, args.alias)
 
             def announce() -> None:
                 print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "

@@ -101,6 +101,9 @@ class CompletionServer:
         self.model_name = model_name
         self.metrics = Metrics(coord)
         self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics)
+        self.created = int(time.time())
+        tok = coord.tokenizer
+        self.n_vocab = min(coord.hp.n_vocab, len(tok.tokens))  # an id beyond either is refused
         self.n_ctx_slot = n_ctx_slot
         self.reconnect_interval = reconnect_interval
         self.loaded = True
@@ -113,6 +116,7 @@ class CompletionServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.on_startup.append(self._startup)
@@ -184,9 +188,28 @@ class CompletionServer:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    def _model_object(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ggml-distributed"}
+
     async def models(self, request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "local"}]})
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request) -> web.Response:
+        wanted = request.match_info["model_id"]
+        if wanted != self.model_name:
+            raise ApiError(404, f"model {wanted!r} not found; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return web.json_response(self._model_object())
+
+    # ------------------------------------------------------------ tokens
+    def _token_ids(self, value, name: str) -> list[int]:
+        if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+            raise ApiError(400, f"'{name}' must be a list of token ids", param=name)
+        bad = next((t for t in value if not 0 <= t < self.n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} in '{name}' is outside the vocabulary (0..{self.n_vocab - 1})",
+                           param=name)
+        return value
 
     # ------------------------------------------------------------ completions
     async def _body(self, request) -> dict:
@@ -196,10 +219,9 @@ class CompletionServer:
             raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r}",
-                           "invalid_request_error", "model", code="model_not_found")
+        model = body.get("model")  # one model served: any name gets it (llama-server's way); `model` says which
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model")
         return body
 
     @staticmethod
@@ -244,42 +266,92 @@ class CompletionServer:
         except ValueError as exc:  # NaN, and whatever else the sampler refuses
             raise ApiError(400, str(exc)) from None
 
-    def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, param: str = "prompt") -> None:
         if len(prompt_ids) + max_tokens > self.n_ctx_slot:
             raise ApiError(400, f"prompt of {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceeds the "
-                                f"context of {self.n_ctx_slot} tokens per slot", param="prompt")
+                                f"context of {self.n_ctx_slot} tokens per slot", param=param,
+                           code="context_length_exceeded")
+
+    @staticmethod
+    def _stream_options(body, stream: bool) -> bool:
+        """include_usage: a last chunk with `usage` and no choices (OpenAI's);
+        without `stream` the answer has `usage` anyway."""
+        options = body.get("stream_options")
+        if options is None:
+            return False
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}",
+                           param="stream_options")
+        return stream and options.get("include_usage", False)
+
+    def _prompt(self, prompt) -> str | list[int]:
+        """A string, a list of token ids, or a list holding one of those."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            return self._token_ids(prompt, "prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server answers one prompt per request: "
+                                f"send each in a request of its own", param="prompt")
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list holding one of those",
+                       param="prompt")
 
     async def completions(self, request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be a string", param="prompt")
+        prompt = self._prompt(body.get("prompt"))
         max_tokens, sampler, stop, stream = self._sampling(body, 16)
-        ids = await self._tokenize(prompt, max_tokens)
-        return await self._serve(request, ids, max_tokens, sampler, stop, stream, chat=False)
+        include_usage = self._stream_options(body, stream)
+        if isinstance(prompt, str):
+            ids = await self._tokenize(prompt, max_tokens)
+        else:
+            ids = prompt
+            self._check_fits(ids, max_tokens)
+        return await self._serve(request, ids, max_tokens, sampler, stop, stream, False, include_usage)
 
     async def _tokenize(self, text: str, max_tokens: int, chat: bool = False) -> list[int]:
         """Off the event loop (a megabyte prompt takes seconds; /health and the
         other streams must not wait), and refused early when it cannot fit."""
         if len(text.encode("utf-8", "surrogatepass")) > 64 * self.n_ctx_slot:  # no vocabulary packs 64 bytes a token
             raise ApiError(400, f"prompt of {len(text)} characters cannot fit the context of {self.n_ctx_slot} "
-                                f"tokens per slot", param="messages" if chat else "prompt")
+                                f"tokens per slot", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
         kw = {"add_special": False, "parse_special": True} if chat else {}
         ids = await asyncio.get_running_loop().run_in_executor(None, lambda: self.coord.tokenize(text, **kw))
-        self._check_fits(ids, max_tokens)
+        self._check_fits(ids, max_tokens, "messages" if chat else "prompt")
         return ids
+
+    @staticmethod
+    def _message(i: int, m):
+        """A message with `content` as text: a list of parts becomes its text
+        parts joined; any other part type is refused by name."""
+        if not isinstance(m, dict) or not isinstance(m.get("content"), list):
+            return m
+        texts = []
+        for part in m["content"]:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ApiError(400, f"messages[{i}].content: parts of type {kind!r} are not supported; this server "
+                                    f"takes text parts only", param="messages")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: a text part needs a string 'text'", param="messages")
+            texts.append(part["text"])
+        return dict(m, content="".join(texts))
 
     async def chat_completions(self, request) -> web.StreamResponse:
         body = await self._body(request)
         messages = body.get("messages")
+        if isinstance(messages, list):
+            messages = [self._message(i, m) for i, m in enumerate(messages)]
         if not (isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
         # chat clients leave max_tokens out expecting the whole answer: up to the slot's context
         max_tokens, sampler, stop, stream = self._sampling(body, None)
+        include_usage = self._stream_options(body, stream)
         tok = self.coord.tokenizer
         try:
             text = self.chat_template.render(messages=messages, add_generation_prompt=True,
@@ -290,9 +362,10 @@ class CompletionServer:
         ids = await self._tokenize(text, max_tokens or 1, chat=True)
         if max_tokens is None:
             max_tokens = self.n_ctx_slot - len(ids)
-        return await self._serve(request, ids, max_tokens, sampler, stop, stream, chat=True)
+        return await self._serve(request, ids, max_tokens, sampler, stop, stream, True, include_usage)
 
-    async def _serve(self, request, ids, max_tokens, sampler, stop, stream, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request, ids, max_tokens, sampler, stop, stream, chat: bool,
+                     include_usage: bool = False) -> web.StreamResponse:
         if self.scheduler.closing:
             raise ApiError(503, "the server is shutting down", "server_error")
         if not self.scheduler.alive:
@@ -308,7 +381,7 @@ class CompletionServer:
             raise ApiError(503, "the server is shutting down", "server_error") from None
         try:
             if stream:
-                return await self._stream(request, slot, rid, created, chat, len(ids))
+                return await self._stream(request, slot, rid, created, chat, len(ids), include_usage)
             return await self._collect(slot, rid, created, chat, len(ids))
         finally:
             self.scheduler.cancel(slot)
@@ -343,12 +416,15 @@ class CompletionServer:
             "model": self.model_name, "choices": [self._choice(text, finish, chat, False)],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}})
 
-    async def _stream(self, request, slot, rid, created, chat, n_prompt) -> web.StreamResponse:
+    async def _stream(self, request, slot, rid, created, chat, n_prompt,
+                      include_usage: bool = False) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(payload) -> None:
+            if include_usage and "choices" in payload and "usage" not in payload:
+                payload["usage"] = None  # as OpenAI: null on every chunk but the last
             await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         try:
@@ -360,6 +436,11 @@ class CompletionServer:
                 elif ev.kind == "done":
                     await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                 "choices": [self._choice("", ev.finish_reason, chat, True)]})
+                    if include_usage:
+                        n_out = slot.generated
+                        await send({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                                             "total_tokens": n_prompt + n_out}})
                     break
                 else:
                     await send({"error": {"message": ev.message, "type": "server_error",
