@@ -17,7 +17,8 @@ from importlib.metadata import version
 import aiohttp
 import pytest
 
-AUTH: dict = {}  # no API key yet
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The capital of France is"
 
 
@@ -107,7 +108,8 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--parallel", "1", "--ctx-per-slot", "256")
+    s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--parallel", "1", "--ctx-per-slot", "256",
+              env={"GGML_COORDINATOR_API_KEY": KEY})
     yield s
     s.stop()
     assert s.proc.returncode == 0, s.text()[-2000:]
@@ -153,6 +155,19 @@ def test_ready_line_model_id_and_any_model_name(server):
     status, _, body = request("POST", server.url + "/v1/completions",
                               {"model": "gpt-4o", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
     assert status == 200 and body["model"] == "my-gemma", body
+
+
+def test_api_key_guards_everything_but_health_and_metrics(server):
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+            status, h, body = request(method, server.url + path, {"prompt": "x"}, headers=headers)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (headers, path, body)
+            assert h["WWW-Authenticate"] == "Bearer"
+    for path in ("/health", "/metrics"):
+        status, _, _ = request("GET", server.url + path, headers=None)
+        assert status == 200, path
+    assert request("GET", server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"})[0] == 200
 
 
 def test_stream_usage_content_parts_and_prompt_forms(server):

@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
     s.add_argument("--alias", default=None, metavar="NAME",
                    help="the model id clients see (default: the GGUF's general.name, lowercased, spaces as '-')")
+    s.add_argument("--api-key", default=os.environ.get("GGML_COORDINATOR_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                        "(default: $GGML_COORDINATOR_API_KEY; none: open)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -309,6 +312,7 @@ def model_id(c, alias: str | None) -> str:
 
 
 def cmd_serve(args) -> int:
+    os.environ.pop("GGML_COORDINATOR_API_KEY", None)  # read by parse_args; local workers need not inherit it
     try:
         socks = listen_sockets(args.host, args.port)
     except OSError as exc:
@@ -337,12 +341,13 @@ def _serve(args, socks) -> int:
             return EXIT_CONNECT_FAILED
         with c:
             name = model_id(c, args.alias)
+            opts = {"api_key": args.api_key}
 
             def announce() -> None:
                 print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "
                       f"{args.parallel} slots x {args.ctx_per_slot} tokens)", file=sys.stderr, flush=True)
 
-            run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce))
+            run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce, **opts))
     return 0
 
 

@@ -8,6 +8,7 @@ unreachable or timed out) / 500 (compute failed) / 400 (context full).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -25,6 +26,7 @@ from rpc_daemon.lifecycle import until_signalled
 log = structlog.get_logger("http")
 
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
+PUBLIC_PATHS = ("/health", "/metrics")  # open even with --api-key: probes and scrapers
 
 
 UNSUPPORTED = {  # OpenAI parameters this server does not implement: refused, not silently ignored
@@ -49,13 +51,14 @@ def _chat_environment() -> jinja2.Environment:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = dict(headers or {})
 
     def response(self) -> web.Response:
         return web.json_response({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                            "code": self.code}}, status=self.status)
+                                            "code": self.code}}, status=self.status, headers=self.headers)
 
 
 class Metrics:
@@ -96,11 +99,13 @@ class Metrics:
 
 
 class CompletionServer:
-    def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0):
+    def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
+                 api_key: str | None = None):
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
         self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics)
+        self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
         self.created = int(time.time())
         tok = coord.tokenizer
         self.n_vocab = min(coord.hp.n_vocab, len(tok.tokens))  # an id beyond either is refused
@@ -137,6 +142,8 @@ class CompletionServer:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
+            if self.api_key is not None and request.path not in PUBLIC_PATHS:
+                self._authorize(request)
             return await handler(request)
         except ApiError as exc:
             log.info("request refused", status=exc.status, error=exc.message)
@@ -147,6 +154,14 @@ class CompletionServer:
             return ApiError(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason).response()
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _authorize(self, request) -> None:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest: the time taken does not tell how much of the key was right
+        if not (hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self.api_key)
+                and scheme.lower() == "bearer"):
+            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     # ------------------------------------------------------------ health and metrics
     def health_state(self) -> tuple[int, dict]:
@@ -456,10 +471,11 @@ class CompletionServer:
 
 
 async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: str,
-                     ready: asyncio.Event | None = None, announce=None) -> None:
+                     ready: asyncio.Event | None = None, announce=None, **options) -> None:
     """Serve on `socks` (bound, listening sockets: cli.listen_sockets) until
-    SIGTERM/SIGINT. `announce()` is called once requests are answered."""
-    server = CompletionServer(coord, model_name, n_slots, n_ctx_slot)
+    SIGTERM/SIGINT. `announce()` is called once requests are answered;
+    `options`: CompletionServer's api_key."""
+    server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
