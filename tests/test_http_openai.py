@@ -19,6 +19,7 @@ import pytest
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "https://app.example"
 PROMPT = "The capital of France is"
 
 
@@ -108,7 +109,8 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--parallel", "1", "--ctx-per-slot", "256",
+    s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--cors-origin", ORIGIN,
+              "--parallel", "1", "--ctx-per-slot", "256",
               env={"GGML_COORDINATOR_API_KEY": KEY})
     yield s
     s.stop()
@@ -168,6 +170,20 @@ def test_api_key_guards_everything_but_health_and_metrics(server):
         status, _, _ = request("GET", server.url + path, headers=None)
         assert status == 200, path
     assert request("GET", server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"})[0] == 200
+
+
+def test_cors_origin_flag_and_preflight(server):
+    status, h, _ = request("GET", server.url + "/v1/models")
+    assert status == 200 and h["Access-Control-Allow-Origin"] == ORIGIN
+    # a browser's preflight carries no credentials: answered 204 before the key is checked
+    status, h, _ = request("OPTIONS", server.url + "/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert status == 204, h
+    assert h["Access-Control-Allow-Origin"] == ORIGIN and "POST" in h["Access-Control-Allow-Methods"]
+    assert "authorization" in h["Access-Control-Allow-Headers"].lower()
+    status, h, _ = request("GET", server.url + "/v1/models", headers=None)  # errors carry it too
+    assert status == 401 and h["Access-Control-Allow-Origin"] == ORIGIN
 
 
 def test_stream_usage_content_parts_and_prompt_forms(server):

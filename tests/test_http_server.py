@@ -92,6 +92,14 @@ async def stream(url: str, body: dict, timeout: float = 60, stop_after: int | No
     return events
 
 
+async def head_of(method: str, url: str, body=None, headers: dict | None = None) -> tuple:
+    """Status and headers of a request."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with s.request(method, url, json=body, headers=headers) as r:
+            await r.read()
+            return r.status, r.headers.copy()  # case-insensitive names
+
+
 def stream_text(events: list, chat: bool = False) -> str:
     out = []
     for ev in events:
@@ -318,6 +326,20 @@ def test_errors_are_json_everywhere(cluster):
     assert status == 404 and "error" in body, body
     status, body = asyncio.run(post(server.url + "/v1/completions", "x" * (5 << 20)))
     assert status == 413 and "error" in body, body
+
+
+def test_cors_by_default(cluster):
+    """Without flags: every answer (errors too) allows any origin; a
+    browser's preflight gets 204 (it was a 405)."""
+    server, _ = cluster
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/nothing"), ("POST", "/v1/completions")):
+        status, headers = asyncio.run(head_of(method, server.url + path, {"prompt": 5}))
+        assert headers["Access-Control-Allow-Origin"] == "*", (path, status)
+    status, headers = asyncio.run(head_of("OPTIONS", server.url + "/v1/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}))
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "*", headers
+    assert "POST" in headers["Access-Control-Allow-Methods"] and "Authorization" in headers[
+        "Access-Control-Allow-Headers"], headers
 
 
 def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():

@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--api-key", default=os.environ.get("GGML_COORDINATOR_API_KEY") or None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                         "(default: $GGML_COORDINATOR_API_KEY; none: open)")
+    s.add_argument("--cors-origin", default="*", metavar="ORIGIN",
+                   help="the Access-Control-Allow-Origin every response carries (default: *)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -341,7 +343,7 @@ def _serve(args, socks) -> int:
             return EXIT_CONNECT_FAILED
         with c:
             name = model_id(c, args.alias)
-            opts = {"api_key": args.api_key}
+            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin}
 
             def announce() -> None:
                 print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "

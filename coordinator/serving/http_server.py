@@ -100,12 +100,13 @@ class Metrics:
 
 class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, cors_origin: str = "*"):
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
         self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics)
         self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
+        self.cors_origin = cors_origin
         self.created = int(time.time())
         tok = coord.tokenizer
         self.n_vocab = min(coord.hp.n_vocab, len(tok.tokens))  # an id beyond either is refused
@@ -124,6 +125,7 @@ class CompletionServer:
         app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.on_response_prepare.append(self._response_headers)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -142,6 +144,12 @@ class CompletionServer:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
+            if request.method == "OPTIONS":  # CORS preflight: no credentials, by the browser's rules
+                return web.Response(status=204, headers={
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers")
+                    or "Authorization, Content-Type, X-Request-Id",
+                    "Access-Control-Max-Age": "86400"})
             if self.api_key is not None and request.path not in PUBLIC_PATHS:
                 self._authorize(request)
             return await handler(request)
@@ -162,6 +170,12 @@ class CompletionServer:
                 and scheme.lower() == "bearer"):
             raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _response_headers(self, request, response) -> None:
+        """On every response, streams and errors included."""
+        response.headers["Access-Control-Allow-Origin"] = self.cors_origin
+        if self.cors_origin != "*":
+            response.headers["Vary"] = "Origin"
 
     # ------------------------------------------------------------ health and metrics
     def health_state(self) -> tuple[int, dict]:
@@ -474,7 +488,7 @@ async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: st
                      ready: asyncio.Event | None = None, announce=None, **options) -> None:
     """Serve on `socks` (bound, listening sockets: cli.listen_sockets) until
     SIGTERM/SIGINT. `announce()` is called once requests are answered;
-    `options`: CompletionServer's api_key."""
+    `options`: CompletionServer's api_key, cors_origin."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
