@@ -110,7 +110,7 @@ class Serve:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--cors-origin", ORIGIN,
-              "--parallel", "1", "--ctx-per-slot", "256",
+              "--parallel", "1", "--max-queue", "1", "--ctx-per-slot", "256",
               env={"GGML_COORDINATOR_API_KEY": KEY})
     yield s
     s.stop()
@@ -234,3 +234,30 @@ def test_stream_usage_content_parts_and_prompt_forms(server):
         status, _, reply = request("POST", url + path, body)
         assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
         assert "256 tokens per slot" in reply["error"]["message"], reply
+
+
+def test_queue_limit_answers_429_and_shows_the_queue(server):
+    """--parallel 1 --max-queue 1: one request in the slot, one waiting, the
+    third refused at once with Retry-After; the waiting one still gets its answer."""
+    url = server.url
+
+    async def scenario():
+        in_slot = asyncio.Event()
+        first = asyncio.create_task(sse(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 60,
+                                                                  "temperature": 0}, first_event=in_slot))
+        await asyncio.wait_for(in_slot.wait(), 60)
+        second = asyncio.create_task(call("POST", url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                                          AUTH))
+        await asyncio.sleep(0.3)
+        _, _, metrics = await call("GET", url + "/metrics")
+        third = await call("POST", url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, AUTH)
+        return await first, await second, third, metrics
+
+    first, second, third, metrics = asyncio.run(scenario())
+    assert metric_values(metrics)["ggml_requests_waiting"] == 1
+    status, headers, body = third
+    assert status == 429 and int(headers["Retry-After"]) >= 1, (status, body)
+    assert body["error"]["code"] == "rate_limit_exceeded" and "--max-queue 1" in body["error"]["message"], body
+    assert first[-1] == "[DONE]" and second[0] == 200, second
+    _, _, metrics = request("GET", url + "/metrics")
+    assert metric_values(metrics)["ggml_requests_waiting"] == 0

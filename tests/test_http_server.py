@@ -272,6 +272,10 @@ def test_worker_killed_then_restarted(cluster):
     assert events[-1] == "[DONE]"
     status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}))
     assert status == 503 and victim.endpoint in body["error"]["message"], body
+    # a 503 tells when to come back: the next reconnect attempt (at least 1 s)
+    for method, path in (("POST", "/v1/completions"), ("GET", "/health")):
+        status, headers = asyncio.run(head_of(method, server.url + path, {"prompt": PROMPT, "max_tokens": 4}))
+        assert status == 503 and 1 <= int(headers["Retry-After"]) <= 10, (path, headers)
 
     # the worker comes back on the same port: health and requests recover without a server restart
     workers[1] = DaemonProcess("-t", "1", port=victim.port)

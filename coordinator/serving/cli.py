@@ -114,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: $GGML_COORDINATOR_API_KEY; none: open)")
     s.add_argument("--cors-origin", default="*", metavar="ORIGIN",
                    help="the Access-Control-Allow-Origin every response carries (default: *)")
+    s.add_argument("--max-queue", type=_count(0), default=None, metavar="N",
+                   help="requests that may wait for a free slot; more get 429 (default: no limit)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -343,7 +345,7 @@ def _serve(args, socks) -> int:
             return EXIT_CONNECT_FAILED
         with c:
             name = model_id(c, args.alias)
-            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin}
+            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue}
 
             def announce() -> None:
                 print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 import uuid
 
@@ -19,13 +20,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from coordinator.results import DecodeResult
-from coordinator.serving.batching import Scheduler, ShuttingDown
+from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
 from coordinator.sampling import Sampler
 from rpc_daemon.lifecycle import until_signalled
 
 log = structlog.get_logger("http")
 
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
+QUEUE_FULL_RETRY_SECONDS = 1  # Retry-After of a 429: a slot frees as soon as any request ends
 PUBLIC_PATHS = ("/health", "/metrics")  # open even with --api-key: probes and scrapers
 
 
@@ -50,15 +52,22 @@ def _chat_environment() -> jinja2.Environment:
 
 
 class ApiError(Exception):
+    """An OpenAI-shaped error answer. `retry_after` (seconds) becomes a
+    Retry-After header; every 503 carries one (1 s unless told)."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+                 code: str | None = None, retry_after: float | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry_after = 1 if retry_after is None and status in (429, 503) else retry_after
         self.headers = dict(headers or {})
 
     def response(self) -> web.Response:
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return web.json_response({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                            "code": self.code}}, status=self.status, headers=self.headers)
+                                            "code": self.code}}, status=self.status, headers=headers)
 
 
 class Metrics:
@@ -75,6 +84,7 @@ class Metrics:
         self.endpoint_rtt = Gauge("ggml_endpoint_rtt_seconds", "Last ping round trip", ["endpoint"], registry=r)
         self.reconnects = Counter("ggml_reconnects", "Successful reconnects", registry=r)
         self.slots_busy = Gauge("ggml_slots_busy", "Slots serving a request", registry=r)
+        self.requests_waiting = Gauge("ggml_requests_waiting", "Requests waiting for a free slot", registry=r)
         self.coord = coord
         self._reconnects_seen = 0
 
@@ -92,6 +102,7 @@ class Metrics:
             if e.get("rtt") is not None:
                 self.endpoint_rtt.labels(endpoint=e["endpoint"]).set(e["rtt"])
         self.slots_busy.set(scheduler.busy)
+        self.requests_waiting.set(scheduler.waiting)
         reconnects = self.coord.stats["reconnects"]
         if reconnects > self._reconnects_seen:
             self.reconnects.inc(reconnects - self._reconnects_seen)
@@ -100,11 +111,11 @@ class Metrics:
 
 class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
-                 api_key: str | None = None, cors_origin: str = "*"):
+                 api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None):
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
-        self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics)
+        self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics, max_queue=max_queue)
         self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
         self.cors_origin = cors_origin
         self.created = int(time.time())
@@ -177,6 +188,11 @@ class CompletionServer:
         if self.cors_origin != "*":
             response.headers["Vary"] = "Origin"
 
+    def _retry_after(self) -> float:
+        """Seconds until the next automatic reconnect of a failed worker, when one is scheduled."""
+        times = [f.next_attempt for f in self.coord.failed_endpoints() if f.next_attempt is not None]
+        return max(1.0, min(times) - time.time()) if times else 1.0
+
     # ------------------------------------------------------------ health and metrics
     def health_state(self) -> tuple[int, dict]:
         """The library's health (Coordinator.health(): the latch state decodes
@@ -210,7 +226,8 @@ class CompletionServer:
 
     async def health(self, request) -> web.Response:
         status, body = self.health_state()
-        return web.json_response(body, status=status)
+        headers = {"Retry-After": str(math.ceil(self._retry_after()))} if status == 503 else None
+        return web.json_response(body, status=status, headers=headers)
 
     async def metrics_handler(self, request) -> web.Response:
         self.metrics.refresh(self.scheduler)
@@ -396,18 +413,24 @@ class CompletionServer:
     async def _serve(self, request, ids, max_tokens, sampler, stop, stream, chat: bool,
                      include_usage: bool = False) -> web.StreamResponse:
         if self.scheduler.closing:
-            raise ApiError(503, "the server is shutting down", "server_error")
+            raise ApiError(503, "the server is shutting down", "server_error", retry_after=5)
         if not self.scheduler.alive:
-            raise ApiError(503, "the decode loop is not running", "server_error")
+            raise ApiError(503, "the decode loop is not running", "server_error", retry_after=10)
         if self.coord.failed_endpoints():
             f = self.coord.failed_endpoints()[0]
-            raise ApiError(503, f"worker {f.endpoint} unavailable: {f.cause}", "server_error")
+            raise ApiError(503, f"worker {f.endpoint} unavailable: {f.cause}", "server_error",
+                           retry_after=self._retry_after())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         try:
             slot = await self.scheduler.submit(ids, max_tokens, sampler, stop)
         except ShuttingDown:
-            raise ApiError(503, "the server is shutting down", "server_error") from None
+            raise ApiError(503, "the server is shutting down", "server_error", retry_after=5) from None
+        except QueueFull as exc:
+            raise ApiError(429, f"server busy: all {self.scheduler.n_slots} slots are in use and {exc.waiting} "
+                                f"requests already wait for one (--max-queue {self.scheduler.max_queue}); "
+                                f"retry later", "server_busy", code="rate_limit_exceeded",
+                           retry_after=QUEUE_FULL_RETRY_SECONDS) from None
         try:
             if stream:
                 return await self._stream(request, slot, rid, created, chat, len(ids), include_usage)
@@ -436,8 +459,9 @@ class CompletionServer:
                 finish = ev.finish_reason
                 break
             else:
-                raise ApiError(self._error_status(ev), ev.message, "server_error",
-                               code=ev.code.name if ev.code is not None else None)
+                status = self._error_status(ev)
+                raise ApiError(status, ev.message, "server_error", code=ev.code.name if ev.code is not None else None,
+                               retry_after=self._retry_after() if status == 503 else None)
         text = "".join(parts)
         n_out = slot.generated
         return web.json_response({
@@ -488,7 +512,7 @@ async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: st
                      ready: asyncio.Event | None = None, announce=None, **options) -> None:
     """Serve on `socks` (bound, listening sockets: cli.listen_sockets) until
     SIGTERM/SIGINT. `announce()` is called once requests are answered;
-    `options`: CompletionServer's api_key, cors_origin."""
+    `options`: CompletionServer's api_key, cors_origin, max_queue."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
