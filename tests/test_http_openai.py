@@ -236,6 +236,21 @@ def test_stream_usage_content_parts_and_prompt_forms(server):
         assert "256 tokens per slot" in reply["error"]["message"], reply
 
 
+def test_tokenize_detokenize_props(server):
+    url = server.url
+    status, _, body = request("POST", url + "/tokenize", {"content": "Hello world"})
+    assert status == 200 and body["tokens"] == local_tokenizer().encode("Hello world", add_special=False), body
+    with_bos = request("POST", url + "/tokenize", {"content": "Hello world", "add_special": True})[2]["tokens"]
+    assert len(with_bos) == len(body["tokens"]) + 1 and with_bos[1:] == body["tokens"]
+    status, _, back = request("POST", url + "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back == {"content": "Hello world"}, back
+    status, _, back = request("POST", url + "/detokenize", {"tokens": ["x"]})
+    assert status == 400 and back["error"]["param"] == "tokens", back
+    status, _, props = request("GET", url + "/props")
+    assert status == 200 and props["model_alias"] == "my-gemma" and props["total_slots"] == 1, props
+    assert props["default_generation_settings"]["n_ctx"] == 256 and "{%" in props["chat_template"], props
+
+
 def test_queue_limit_answers_429_and_shows_the_queue(server):
     """--parallel 1 --max-queue 1: one request in the slot, one waiting, the
     third refused at once with Retry-After; the waiting one still gets its answer."""

@@ -125,6 +125,7 @@ class CompletionServer:
         self.reconnect_interval = reconnect_interval
         self.loaded = True
         template = coord.gguf.get("tokenizer.chat_template") or coord.arch.FALLBACK_CHAT_TEMPLATE
+        self.chat_template_source = template
         self.chat_template = _chat_environment().from_string(template)
 
     # ------------------------------------------------------------ app
@@ -136,6 +137,9 @@ class CompletionServer:
         app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/props", self.props)
         app.on_response_prepare.append(self._response_headers)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -247,6 +251,14 @@ class CompletionServer:
                            param="model", code="model_not_found")
         return web.json_response(self._model_object())
 
+    async def props(self, request) -> web.Response:
+        """What llama-server's /props tells (the fields that apply here)."""
+        from coordinator.serving.cli import package_version
+        return web.json_response({
+            "model_alias": self.model_name, "total_slots": self.scheduler.n_slots,
+            "default_generation_settings": {"n_ctx": self.n_ctx_slot},
+            "chat_template": self.chat_template_source, "build_info": f"ggml-distributed {package_version()}"})
+
     # ------------------------------------------------------------ tokens
     def _token_ids(self, value, name: str) -> list[int]:
         if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
@@ -256,6 +268,25 @@ class CompletionServer:
             raise ApiError(400, f"token id {bad} in '{name}' is outside the vocabulary (0..{self.n_vocab - 1})",
                            param=name)
         return value
+
+    async def tokenize(self, request) -> web.Response:
+        """llama-server's /tokenize: {content, add_special (default false),
+        parse_special (default true)} -> {tokens}."""
+        body = await self._body(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise ApiError(400, "'content' must be a string", param="content")
+        add_special = self._param(body, "add_special", bool, False)
+        parse_special = self._param(body, "parse_special", bool, True)
+        ids = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.coord.tokenize(content, add_special=add_special, parse_special=parse_special))
+        return web.json_response({"tokens": ids})
+
+    async def detokenize(self, request) -> web.Response:
+        body = await self._body(request)
+        ids = self._token_ids(body.get("tokens"), "tokens")
+        text = await asyncio.get_running_loop().run_in_executor(None, lambda: self.coord.detokenize(ids))
+        return web.json_response({"content": text})
 
     # ------------------------------------------------------------ completions
     async def _body(self, request) -> dict:
