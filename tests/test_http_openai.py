@@ -276,3 +276,32 @@ def test_queue_limit_answers_429_and_shows_the_queue(server):
     assert first[-1] == "[DONE]" and second[0] == 200, second
     _, _, metrics = request("GET", url + "/metrics")
     assert metric_values(metrics)["ggml_requests_waiting"] == 0
+
+
+def test_request_ids_access_log_and_latency_histograms(server):
+    url = server.url
+    status, h, _ = request("POST", url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3},
+                           headers=dict(AUTH, **{"X-Request-Id": "trace-42"}))
+    assert status == 200 and h["X-Request-Id"] == "trace-42"
+    status, h, _ = request("GET", url + "/health")
+    generated = h["X-Request-Id"]
+    assert re.fullmatch(r"[0-9a-f]{16}", generated)
+    # a header that is no sane token is not taken into the logs
+    assert request("GET", url + "/health", headers={"X-Request-Id": "a b"})[1]["X-Request-Id"] != "a b"
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(line) for line in server.text().splitlines() if line.startswith("{")]
+        access = {line.get("request_id"): line for line in lines if line.get("event") == "request"}
+        if "trace-42" in access and generated in access or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    line = access["trace-42"]
+    assert (line["method"], line["path"], line["status"]) == ("POST", "/v1/completions", 200), line
+    assert line["duration_ms"] > 0
+    assert (access[generated]["path"], access[generated]["status"]) == ("/health", 200)
+    _, _, text = request("GET", url + "/metrics")
+    values = metric_values(text)
+    assert values['ggml_http_request_seconds_count{path="/v1/completions"}'] >= 1
+    assert values['ggml_http_requests_total{path="/v1/completions",status="200"}'] >= 1
+    assert values["ggml_time_to_first_token_seconds_count"] >= 1
+    assert values["ggml_time_per_output_token_seconds_count"] >= 1

@@ -332,13 +332,15 @@ def test_errors_are_json_everywhere(cluster):
     assert status == 413 and "error" in body, body
 
 
-def test_cors_by_default(cluster):
-    """Without flags: every answer (errors too) allows any origin; a
-    browser's preflight gets 204 (it was a 405)."""
+def test_cors_and_request_ids_by_default(cluster):
+    """Without flags: every answer (errors too) allows any origin and echoes
+    or makes an X-Request-Id; a browser's preflight gets 204 (it was a 405)."""
     server, _ = cluster
     for method, path in (("GET", "/v1/models"), ("GET", "/v1/nothing"), ("POST", "/v1/completions")):
-        status, headers = asyncio.run(head_of(method, server.url + path, {"prompt": 5}))
+        status, headers = asyncio.run(head_of(method, server.url + path, {"prompt": 5},
+                                              {"X-Request-Id": "req-1"}))
         assert headers["Access-Control-Allow-Origin"] == "*", (path, status)
+        assert headers["X-Request-Id"] == "req-1", (path, status)
     status, headers = asyncio.run(head_of("OPTIONS", server.url + "/v1/completions", headers={
         "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}))
     assert status == 204 and headers["Access-Control-Allow-Origin"] == "*", headers

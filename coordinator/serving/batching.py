@@ -59,6 +59,7 @@ class Slot:
     generated: int = 0
     cancelled: bool = False
     first_token_at: float | None = None
+    finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -151,6 +152,7 @@ class Scheduler:
         self.free.put_nowait(slot.seq)
 
     def _finish(self, slot: Slot, reason: str, piece: str = "") -> None:
+        slot.finished_at = time.monotonic()
         piece += slot.text.finish()
         if piece:
             slot.events.put_nowait(SlotEvent("text", piece))

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import math
+import re
 import time
 import uuid
 
@@ -29,6 +30,13 @@ log = structlog.get_logger("http")
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
 QUEUE_FULL_RETRY_SECONDS = 1  # Retry-After of a 429: a slot frees as soon as any request ends
 PUBLIC_PATHS = ("/health", "/metrics")  # open even with --api-key: probes and scrapers
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # a client's X-Request-Id we take as it is
+
+
+def _request_id(given: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (it goes into every
+    log line of the request), else a new one."""
+    return given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
 
 
 UNSUPPORTED = {  # OpenAI parameters this server does not implement: refused, not silently ignored
@@ -85,6 +93,17 @@ class Metrics:
         self.reconnects = Counter("ggml_reconnects", "Successful reconnects", registry=r)
         self.slots_busy = Gauge("ggml_slots_busy", "Slots serving a request", registry=r)
         self.requests_waiting = Gauge("ggml_requests_waiting", "Requests waiting for a free slot", registry=r)
+        self.requests = Counter("ggml_http_requests", "HTTP requests answered, by route and status",
+                                ["path", "status"], registry=r)
+        self.request_seconds = Histogram("ggml_http_request_seconds", "HTTP request duration (a stream: to its end)",
+                                         ["path"], registry=r,
+                                         buckets=(.005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.ttft = Histogram("ggml_time_to_first_token_seconds", "Request arrival to its first sampled token "
+                              "(queueing and prompt processing included)", registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.tpot = Histogram("ggml_time_per_output_token_seconds", "A request's mean time between its tokens "
+                              "after the first", registry=r,
+                              buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2))
         self.coord = coord
         self._reconnects_seen = 0
 
@@ -130,7 +149,7 @@ class CompletionServer:
 
     # ------------------------------------------------------------ app
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4 << 20, middlewares=[self._errors])
+        app = web.Application(client_max_size=4 << 20, middlewares=[self._frame])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/v1/models", self.models)
@@ -155,9 +174,33 @@ class CompletionServer:
         await self.scheduler.stop()
 
     @web.middleware
-    async def _errors(self, request, handler):
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+    async def _frame(self, request, handler):
+        """Every request: its id (the client's X-Request-Id or a new one) in
+        every log line and echoed back, CORS preflight, the API key, errors as
+        JSON, one access log line and the request metrics."""
+        request_id = _request_id(request.headers.get("X-Request-Id"))
+        request["request_id"] = request_id
+        request["started"] = started = time.monotonic()
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        status = 500
+        try:
+            response = await self._handle(request, handler)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away first (nginx's code for it)
+            raise
+        finally:
+            duration = time.monotonic() - started
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "other"  # no label per unknown path
+            self.metrics.requests.labels(path=route, status=str(status)).inc()
+            self.metrics.request_seconds.labels(path=route).observe(duration)
+            log.info("request", method=request.method, path=request.path, status=status,
+                     duration_ms=round(duration * 1000, 1))
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _handle(self, request, handler) -> web.StreamResponse:
         try:
             if request.method == "OPTIONS":  # CORS preflight: no credentials, by the browser's rules
                 return web.Response(status=204, headers={
@@ -175,8 +218,6 @@ class CompletionServer:
             if exc.status < 400:
                 raise
             return ApiError(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason).response()
-        finally:
-            structlog.contextvars.unbind_contextvars("request_id")
 
     def _authorize(self, request) -> None:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -189,8 +230,11 @@ class CompletionServer:
     async def _response_headers(self, request, response) -> None:
         """On every response, streams and errors included."""
         response.headers["Access-Control-Allow-Origin"] = self.cors_origin
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After"
         if self.cors_origin != "*":
             response.headers["Vary"] = "Origin"
+        if "request_id" in request:
+            response.headers["X-Request-Id"] = request["request_id"]
 
     def _retry_after(self) -> float:
         """Seconds until the next automatic reconnect of a failed worker, when one is scheduled."""
@@ -468,6 +512,14 @@ class CompletionServer:
             return await self._collect(slot, rid, created, chat, len(ids))
         finally:
             self.scheduler.cancel(slot)
+            self._observe_latency(request, slot)
+
+    def _observe_latency(self, request, slot) -> None:
+        if slot.first_token_at is None:
+            return
+        self.metrics.ttft.observe(slot.first_token_at - request["started"])
+        if slot.finished_at is not None and slot.generated > 1:
+            self.metrics.tpot.observe((slot.finished_at - slot.first_token_at) / (slot.generated - 1))
 
     def _choice(self, text: str, finish, chat: bool, stream: bool) -> dict:
         if chat:
