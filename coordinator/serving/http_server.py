@@ -190,6 +190,9 @@ class CompletionServer:
         except asyncio.CancelledError:
             status = 499  # the client went away first (nginx's code for it)
             raise
+        except web.HTTPException as exc:  # below 400, passed on as aiohttp answers it
+            status = exc.status
+            raise
         finally:
             duration = time.monotonic() - started
             resource = request.match_info.route.resource
