@@ -348,8 +348,9 @@ def _serve(args, socks) -> int:
             opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue}
 
             def announce() -> None:
+                slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
                 print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "
-                      f"{args.parallel} slots x {args.ctx_per_slot} tokens)", file=sys.stderr, flush=True)
+                      f"{slots} x {args.ctx_per_slot} tokens)", file=sys.stderr, flush=True)
 
             run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce, **opts))
     return 0
