@@ -92,6 +92,14 @@ async def stream(url: str, body: dict, timeout: float = 60, stop_after: int | No
     return events
 
 
+async def head_of(method: str, url: str, body=None, headers: dict | None = None) -> tuple:
+    """Status and headers of a request."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with s.request(method, url, json=body, headers=headers) as r:
+            await r.read()
+            return r.status, r.headers.copy()  # case-insensitive names
+
+
 def stream_text(events: list, chat: bool = False) -> str:
     out = []
     for ev in events:
@@ -264,6 +272,10 @@ def test_worker_killed_then_restarted(cluster):
     assert events[-1] == "[DONE]"
     status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}))
     assert status == 503 and victim.endpoint in body["error"]["message"], body
+    # a 503 tells when to come back: the next reconnect attempt (at least 1 s)
+    for method, path in (("POST", "/v1/completions"), ("GET", "/health")):
+        status, headers = asyncio.run(head_of(method, server.url + path, {"prompt": PROMPT, "max_tokens": 4}))
+        assert status == 503 and 1 <= int(headers["Retry-After"]) <= 10, (path, headers)
 
     # the worker comes back on the same port: health and requests recover without a server restart
     workers[1] = DaemonProcess("-t", "1", port=victim.port)
@@ -304,12 +316,36 @@ def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
 
 def test_errors_are_json_everywhere(cluster):
     server, _ = cluster
-    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": "x", "model": "gpt-4"}))
+    # one model served: any requested name gets it (llama-server's way) and the answer names the served id;
+    # an unknown id is 404 model_not_found where a model is looked up by id
+    status, body = asyncio.run(get(server.url + "/v1/models"))
+    served = body["data"][0]["id"]
+    assert served == "gemma-3-270m", served  # general.name "Gemma 3 270m": lowercased, no spaces
+    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": "x", "model": "gpt-4",
+                                                                      "max_tokens": 1}))
+    assert status == 200 and body["model"] == served, body
+    status, body = asyncio.run(get(server.url + "/v1/models/gpt-4"))
     assert status == 404 and body["error"]["code"] == "model_not_found", body
     status, body = asyncio.run(get(server.url + "/v1/nothing"))
     assert status == 404 and "error" in body, body
     status, body = asyncio.run(post(server.url + "/v1/completions", "x" * (5 << 20)))
     assert status == 413 and "error" in body, body
+
+
+def test_cors_and_request_ids_by_default(cluster):
+    """Without flags: every answer (errors too) allows any origin and echoes
+    or makes an X-Request-Id; a browser's preflight gets 204 (it was a 405)."""
+    server, _ = cluster
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/nothing"), ("POST", "/v1/completions")):
+        status, headers = asyncio.run(head_of(method, server.url + path, {"prompt": 5},
+                                              {"X-Request-Id": "req-1"}))
+        assert headers["Access-Control-Allow-Origin"] == "*", (path, status)
+        assert headers["X-Request-Id"] == "req-1", (path, status)
+    status, headers = asyncio.run(head_of("OPTIONS", server.url + "/v1/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}))
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "*", headers
+    assert "POST" in headers["Access-Control-Allow-Methods"] and "Authorization" in headers[
+        "Access-Control-Allow-Headers"], headers
 
 
 def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():

@@ -27,6 +27,14 @@ class ShuttingDown(Exception):
     """The server is stopping: no slot for a new request."""
 
 
+class QueueFull(Exception):
+    """Every slot is busy and max_queue requests already wait for one."""
+
+    def __init__(self, waiting: int):
+        super().__init__(f"{waiting} requests wait for a slot")
+        self.waiting = waiting
+
+
 @dataclass
 class SlotEvent:
     kind: str  # "text", "done", "error"
@@ -51,17 +59,20 @@ class Slot:
     generated: int = 0
     cancelled: bool = False
     first_token_at: float | None = None
+    finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
 
 
 class Scheduler:
-    def __init__(self, coord, n_slots: int, n_ctx_slot: int, metrics=None):
+    def __init__(self, coord, n_slots: int, n_ctx_slot: int, metrics=None, max_queue: int | None = None):
         if not 1 <= n_slots <= MAX_SEQ:  # a slot is a KV sequence id
             raise ValueError(f"the number of slots must be in 1..{MAX_SEQ}, not {n_slots}")
         self.coord = coord
         self.n_slots = n_slots
         self.n_ctx_slot = n_ctx_slot
         self.metrics = metrics
+        self.max_queue = max_queue  # requests allowed to wait for a slot; None: any number
+        self.waiting = 0
         self.free = asyncio.Queue()
         for seq in range(n_slots):
             self.free.put_nowait(seq)
@@ -104,10 +115,17 @@ class Scheduler:
 
     async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str]) -> Slot:
         """A slot for this request, once one is free; ShuttingDown if the
-        server stops first."""
+        server stops first; QueueFull at once if it would have to wait
+        behind max_queue others."""
         if self.closing:
             raise ShuttingDown()
-        seq = await self.free.get()  # a free sequence holds no KV rows: _release removed them
+        if self.free.empty() and self.max_queue is not None and self.waiting >= self.max_queue:
+            raise QueueFull(self.waiting)
+        self.waiting += 1
+        try:
+            seq = await self.free.get()  # a free sequence holds no KV rows: _release removed them
+        finally:
+            self.waiting -= 1
         if self.closing:
             self.free.put_nowait(seq)
             raise ShuttingDown()
@@ -134,6 +152,7 @@ class Scheduler:
         self.free.put_nowait(slot.seq)
 
     def _finish(self, slot: Slot, reason: str, piece: str = "") -> None:
+        slot.finished_at = time.monotonic()
         piece += slot.text.finish()
         if piece:
             slot.events.put_nowait(SlotEvent("text", piece))

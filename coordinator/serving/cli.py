@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import inspect
 import os
 import signal
@@ -19,6 +20,7 @@ from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
 
 EXIT_DECODE_FAILED = 2
 EXIT_CONNECT_FAILED = 3
+EXIT_LISTEN_FAILED = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
@@ -76,8 +78,18 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
 
 
+def package_version() -> str:
+    """The installed ggml-distributed's version (what --version prints)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("ggml-distributed")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     _common(g)
@@ -88,12 +100,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--top-p", type=float, default=GENERATION["top_p"])
     g.add_argument("--seed", type=int, default=GENERATION["seed"])
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--version", action="version", version=f"ggml-coordinator {package_version()}")
     _common(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_count(0, 65535), default=8080)
     s.add_argument("--parallel", type=_count(1, MAX_SEQ), default=4,
                    help="slots decoding together (continuous batching)")
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
+    s.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model id clients see (default: the GGUF's general.name, lowercased, spaces as '-')")
+    s.add_argument("--api-key", default=os.environ.get("GGML_COORDINATOR_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                        "(default: $GGML_COORDINATOR_API_KEY; none: open)")
+    s.add_argument("--cors-origin", default="*", metavar="ORIGIN",
+                   help="the Access-Control-Allow-Origin every response carries (default: *)")
+    s.add_argument("--max-queue", type=_count(0), default=None, metavar="N",
+                   help="requests that may wait for a free slot; more get 429 (default: no limit)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -249,7 +271,67 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def listen_sockets(host: str, port: int) -> list:
+    """Bound, listening sockets for host:port (every address `host` resolves
+    to), made before any worker is started or the model read, so a port that
+    is taken fails at once. OSError if it cannot be bound."""
+    import socket
+
+    socks = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart while old connections linger
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(socks) > 1:  # the same free port on every address
+                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
+            sock.bind(addr)
+            sock.listen(128)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def serving_url(host: str, sock) -> str:
+    port = sock.getsockname()[1]
+    shown = host or "0.0.0.0"
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def model_id(c, alias: str | None) -> str:
+    """The id clients see in /v1/models and every response's `model`: --alias,
+    else the GGUF's general.name lowercased with spaces as '-', else the file's stem."""
+    if alias:
+        return alias
+    name = str(c.gguf.get("general.name") or "").strip()
+    if not name:
+        name = os.path.splitext(os.path.basename(c.model_path))[0]
+    return "-".join(name.lower().split())
+
+
 def cmd_serve(args) -> int:
+    os.environ.pop("GGML_COORDINATOR_API_KEY", None)  # read by parse_args; local workers need not inherit it
+    try:
+        socks = listen_sockets(args.host, args.port)
+    except OSError as exc:
+        print(f"ggml-coordinator: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+              f"{' (another server on that port? choose one with --port)' if exc.errno == errno.EADDRINUSE else ''}",
+              file=sys.stderr)
+        return EXIT_LISTEN_FAILED
+    try:
+        return _serve(args, socks)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _serve(args, socks) -> int:
     from coordinator.loop import run_async
     from coordinator.serving.http_server import serve_http
 
@@ -262,12 +344,15 @@ def cmd_serve(args) -> int:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
             return EXIT_CONNECT_FAILED
         with c:
-            name = c.gguf.get("general.name") or os.path.basename(c.model_path)
-            try:
-                run_async(serve_http(c, args.host, args.port, args.parallel, args.ctx_per_slot, name))
-            except OSError as exc:
-                print(f"ggml-coordinator: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-                return 1
+            name = model_id(c, args.alias)
+            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue}
+
+            def announce() -> None:
+                slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
+                print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "
+                      f"{slots} x {args.ctx_per_slot} tokens)", file=sys.stderr, flush=True)
+
+            run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce, **opts))
     return 0
 
 

@@ -30,11 +30,14 @@ async def until_signalled(healthy: Callable[[], bool] = lambda: True):
 
 
 async def serve_until_signalled(shutdown: Callable[[], Awaitable[None]], log, ready: asyncio.Event | None = None,
-                                healthy: Callable[[], bool] = lambda: True) -> None:
+                                healthy: Callable[[], bool] = lambda: True,
+                                announce: Callable[[], None] | None = None) -> None:
     """The skeleton of a service that is already listening: ready (systemd's
-    READY=1, and `ready` set) until SIGTERM/SIGINT, then "shutting down" and
-    `shutdown()`, even if waiting was cancelled."""
+    READY=1, then `announce()`, then `ready` set) until SIGTERM/SIGINT, then
+    "shutting down" and `shutdown()`, even if waiting was cancelled."""
     async with until_signalled(healthy=healthy) as stop:
+        if announce is not None:
+            announce()
         if ready is not None:
             ready.set()
         try:
