@@ -153,3 +153,14 @@ def test_cached_graph_tensors_are_bounded(start_daemon):
         h, _ = c.call(Command.GRAPH_COMPUTE, {"graph_id": 3, "tensors": chain, "inputs": [[0, 0, 16]],
                                               "outputs": [399]}, one)
         assert h["status"] == Status.SUCCESS, h
+
+
+def test_tensors_of_any_type_get_a_clear_refusal(start_daemon):
+    """Found in review of the fix above: `len(tensors)` on a number raised in the
+    handler, so `tensors: 5` got FAILED "internal error" instead of INVALID_REQUEST."""
+    d = start_daemon("-t", "1")
+    with RawConn(d.port, timeout=30) as c:
+        c.hello()
+        for value in (5, 2.5, True, None, "x" * 3000, {"a": 1}):
+            h, _ = c.call(Command.GRAPH_COMPUTE, {"tensors": value, "inputs": [], "outputs": []})
+            assert h["status"] == Status.INVALID_REQUEST and "internal" not in h.get("error", ""), (value, h)

@@ -229,7 +229,8 @@ async def handle_graph_compute(s: Session, h, blob, direct):
     if hoptrace.ON:
         hoptrace.mark("daemon handler")
     unsafe = s.config.unsafe_no_validation
-    if not unsafe and len(h.get("tensors") or ()) > LARGE_GRAPH:
+    tensors = h.get("tensors")
+    if not unsafe and isinstance(tensors, list) and len(tensors) > LARGE_GRAPH:
         # pure Python over tens of thousands of tensors: in a thread, so the loop keeps answering
         # every other client (it gets the GIL back every few milliseconds)
         run = await asyncio.get_running_loop().run_in_executor(
