@@ -29,17 +29,12 @@ from fuzz_protocol import (FuzzClient, command_messages, graph_messages, lying_p
                            raw_messages, tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient  # noqa: E402
 from rpc_daemon.wire.protocol import Command  # noqa: E402
-from rpc_helpers import normal_session  # noqa: E402
+from rpc_helpers import normal_session, rss  # noqa: E402
 
 FAMILIES = {"raw": raw_messages, "commands": command_messages, "graphs": graph_messages, "lies": lying_prefixes,
             "bursts": tiny_buffer_bursts}
 # share of the cases each family gets: lies and bursts are slower and cover less ground
 WEIGHTS = {"raw": 1.0, "commands": 1.0, "graphs": 1.0, "lies": 0.1, "bursts": 0.02}
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 async def free_memory(endpoint: str) -> int:

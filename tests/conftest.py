@@ -104,6 +104,23 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A CA and a certificate for 127.0.0.1 (tests/tls_certs.py)."""
+    from tls_certs import make_tls_files
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    """A 0600 file holding rpc_helpers.SECRET (and a newline, which is ignored)."""
+    from rpc_helpers import SECRET
+    path = tmp_path_factory.mktemp("secret") / "secret"
+    path.write_bytes(SECRET + b"\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 @pytest.fixture
 def start_daemon():
     started: list[DaemonProcess] = []

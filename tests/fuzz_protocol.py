@@ -54,7 +54,7 @@ from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation.graph import SUPPORTED_OPS
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, small_graph
+from rpc_helpers import RawConn, rss, small_graph
 
 BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer
 BASE_SIZE = 64 << 10
@@ -481,10 +481,6 @@ def tiny_buffer_bursts(draw):
 
 
 # ---------------------------------------------------------------- the client
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 class FuzzFailure(AssertionError):

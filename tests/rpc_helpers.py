@@ -16,6 +16,16 @@ from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 
 RECV_TIMEOUT = 10.0
+SECRET = b"correct horse battery staple 0123456789"  # the shared secret of the tests' daemons
+
+
+def rss(pid: int) -> int:
+    """Resident set size of process `pid`, bytes (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
 
 
 # ---------------------------------------------------------------- raw frames

@@ -14,9 +14,10 @@ import struct
 
 import pytest
 
-from ggml_ffi import lib, type_traits
+from ggml_ffi import lib
 from rpc_daemon.validation.graph import parse_graph
 from rpc_daemon.wire.protocol import Command, Limits, ProtocolError, Status
+from extents_fuzz import canonical_nb
 from rpc_helpers import RawConn
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
@@ -26,12 +27,6 @@ KiB = 1024
 VICTIM_FILL = 0x5A
 
 
-def canonical_nb(ttype, ne) -> list[int]:
-    tr = type_traits(ttype)
-    nb = [tr.type_size, tr.type_size * ne[0] // tr.blck_size]
-    for i in (2, 3):
-        nb.append(nb[-1] * ne[i - 1])
-    return nb
 
 
 def T(ttype, ne, nb=None, **kw) -> dict:

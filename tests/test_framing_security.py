@@ -28,35 +28,13 @@ from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.tls import client_context
-from rpc_helpers import RawConn, assert_served, encode_prefix, normal_session, small_graph
-from tls_certs import make_tls_files
+from rpc_helpers import SECRET, RawConn, assert_served, encode_prefix, rss
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-SECRET = b"correct horse battery staple 0123456789"
 PREAUTH_MAX_HEADER = getattr(P.Limits(), "max_preauth_header", 4096)
 MAX_INFLIGHT = getattr(P.Limits(), "max_inflight", 64 * MiB)
 
 
-def rss(pid: int) -> int:
-    """Resident set size of process `pid`, bytes (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * KiB
-    raise AssertionError("no VmRSS")
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    return make_tls_files(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("secret") / "secret"
-    path.write_bytes(SECRET + b"\n")
-    path.chmod(0o600)
-    return str(path)
 
 
 def _open(d: DaemonProcess, tls_ca: str | None) -> socket.socket:

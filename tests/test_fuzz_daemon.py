@@ -19,7 +19,7 @@ from fuzz_protocol import (SEEDS, FuzzClient, command_messages, graph_messages, 
                            tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command
-from rpc_helpers import assert_served
+from rpc_helpers import assert_served, rss
 
 MEM_MIB = 32
 # cases per family; the first three add up to more than 2,000
@@ -30,11 +30,6 @@ N_LIES, N_BURSTS = 160, 25
 def fuzz(n: int) -> settings:
     return settings(max_examples=n, deadline=None, derandomize=True, database=None, print_blob=True,
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 async def device_info(endpoint: str) -> dict:

@@ -32,11 +32,10 @@ from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.daemon.ratelimit import TokenBucket
 from rpc_daemon.wire.tls import client_context
-from rpc_helpers import RawConn, assert_served, check_compute, checked_session, expect_error, small_graph
-from tls_certs import make_tls_files
+from rpc_helpers import (SECRET, RawConn, assert_served, check_compute, checked_session, expect_error,
+                         small_graph)
 
 MiB = 1 << 20
-SECRET = b"correct horse battery staple 0123456789"
 WRONG = b"incorrect horse battery staple 98765432"
 
 
@@ -45,17 +44,6 @@ def run(coro, timeout: float = 60.0):
 
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    return make_tls_files(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("secret") / "secret"
-    path.write_bytes(SECRET + b"\n")
-    path.chmod(0o600)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
