@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from rpc_daemon.failure_kind import FailureKind  # noqa: F401  (re-exported: one enum from the client up)
+
 
 class DecodeResult(enum.IntEnum):
     OK = 0
@@ -16,47 +18,6 @@ class DecodeResult(enum.IntEnum):
     INVALID_BATCH = -1
     COMPUTE_FAILED = -3
     ENDPOINT_FAILED = -4
-
-
-class FailureKind(str, enum.Enum):
-    """What failed, in one word: EndpointFailure.kind, EndpointUnavailable.kind,
-    DecodeError.cause, Coordinator.last_cause, health()'s "kind". A str, so
-    `kind == "closed"`, f-strings, logs and JSON see the plain word."""
-    # the connection is gone (the endpoint is latched): from rpc_daemon's PeerFailed...
-    UNREACHABLE = "unreachable"
-    TIMEOUT = "timeout"
-    CLOSED = "closed"
-    PROTOCOL = "protocol"
-    ENDPOINT = "endpoint"  # ...or the worker refused what a connection needs first (DEVICE_INFO)
-    RECONNECT = "reconnect"  # retired by an explicit reconnect()
-    # the worker is fine, a request failed
-    COMPUTE = "compute"
-    ALLOC = "alloc"  # out of memory
-    LOAD = "load"  # a weight upload refused
-    # refused or failed here
-    INTERNAL = "internal"  # a bug of ours
-    CONTEXT_FULL = "context_full"
-    INVALID_BATCH = "invalid_batch"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-    __repr__ = str.__repr__  # as the plain strings were, e.g. in EndpointFailure's repr
-
-    @property
-    def lost_connection(self) -> bool:
-        return self in _CONNECTION_KINDS
-
-    @classmethod
-    def of(cls, word: str) -> "FailureKind | str":
-        """The member for `word` (a PeerFailed kind); an unknown word as it is."""
-        try:
-            return cls(word)
-        except ValueError:
-            return word
-
-
-_CONNECTION_KINDS = frozenset({FailureKind.UNREACHABLE, FailureKind.TIMEOUT, FailureKind.CLOSED,
-                               FailureKind.PROTOCOL, FailureKind.ENDPOINT, FailureKind.RECONNECT})
 
 
 class StageFailed(Exception):
@@ -70,7 +31,7 @@ class StageFailed(Exception):
 
     @property
     def lost_connection(self) -> bool:
-        return self.cause in _CONNECTION_KINDS or not isinstance(self.cause, FailureKind)
+        return not isinstance(self.cause, FailureKind) or self.cause.lost_connection
 
 
 class DecodeError(RuntimeError):

@@ -30,12 +30,14 @@ import socket
 import ssl
 import time
 
+from rpc_daemon.failure_kind import FailureKind
 from rpc_daemon.service import hoptrace
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.auth import AuthFailed, ClientAuth
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.sockets import tune_socket
+
 
 class RpcError(Exception):
     """The daemon answered with an error status; the connection is still usable."""
@@ -48,10 +50,10 @@ class RpcError(Exception):
 
 
 class PeerFailed(Exception):
-    """The connection is gone or unusable. `kind` is one of 'unreachable',
-    'timeout', 'closed', 'protocol'."""
+    """The connection is gone or unusable. `kind` is FailureKind.UNREACHABLE,
+    TIMEOUT, CLOSED or PROTOCOL (a str enum: compares equal to the plain word)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: FailureKind, message: str):
         super().__init__(message)
         self.kind = kind
         self.message = message
@@ -127,34 +129,34 @@ class RpcClient(asyncio.BufferedProtocol):
                     lambda: cls(endpoint, liveness_timeout, ping_interval, limits), host, port, ssl=ssl_context),
                 connect_timeout)
         except asyncio.TimeoutError:
-            raise PeerFailed("timeout", f"worker {endpoint} unreachable: no connection within "
+            raise PeerFailed(FailureKind.TIMEOUT, f"worker {endpoint} unreachable: no connection within "
                                         f"{connect_timeout:g} s") from None
         except ssl.SSLError as exc:  # before OSError, its base: the worker is reachable, TLS failed
-            raise PeerFailed("protocol", f"worker {endpoint}: TLS handshake failed: "
+            raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint}: TLS handshake failed: "
                                          f"{getattr(exc, 'verify_message', None) or exc.reason or exc}") from None
         except OSError as exc:
-            raise PeerFailed("unreachable", f"worker {endpoint} unreachable: {_oserror_text(exc)}") from None
+            raise PeerFailed(FailureKind.UNREACHABLE, f"worker {endpoint} unreachable: {_oserror_text(exc)}") from None
         tune_socket(client.transport.get_extra_info("socket"))
         try:
             hello = await _hello(client, secret, started + connect_timeout)
         except AuthFailed as exc:
             client.close()
-            raise PeerFailed("protocol", f"worker {endpoint}: authentication failed: {exc}") from None
+            raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint}: authentication failed: {exc}") from None
         except RpcError as exc:
             client.close()
             if exc.status == Status.NOT_AUTHORIZED:
-                raise PeerFailed("protocol", f"worker {endpoint} refused the connection: not authorized: "
+                raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} refused the connection: not authorized: "
                                              f"{exc.message}") from None
             if exc.status == Status.VERSION_MISMATCH:
-                raise PeerFailed("protocol", f"worker {endpoint} speaks another protocol version: {exc.message}") from None
-            raise PeerFailed("protocol", f"worker {endpoint} refused HELLO: {exc.message}") from None
+                raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} speaks another protocol version: {exc.message}") from None
+            raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} refused HELLO: {exc.message}") from None
         except PeerFailed as exc:
             client.close()
             if exc.kind == "timeout":
-                raise PeerFailed("timeout", f"worker {endpoint} accepted the connection but did not answer "
+                raise PeerFailed(FailureKind.TIMEOUT, f"worker {endpoint} accepted the connection but did not answer "
                                             f"HELLO in time ({exc.message})") from None
             if exc.kind == "closed" and ssl_context is None:
-                raise PeerFailed("closed", f"{exc.message}; if the worker serves TLS, give its CA "
+                raise PeerFailed(FailureKind.CLOSED, f"{exc.message}; if the worker serves TLS, give its CA "
                                            f"(tls_ca / --tls-ca)") from None
             raise
         except BaseException:
@@ -185,20 +187,20 @@ class RpcClient(asyncio.BufferedProtocol):
             for header, blob in frames:
                 self._deliver(header, blob)
         except P.ProtocolError as exc:
-            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a bad frame ({exc.message}); "
+            self._fail(PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a bad frame ({exc.message}); "
                                               f"is it a ggml-rpc-server speaking protocol {P.PROTOCOL_VERSION}?"))
         except PeerFailed as exc:
             self._fail(exc)
         except MemoryError:
-            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a reply too large to hold in memory"))
+            self._fail(PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a reply too large to hold in memory"))
         except Exception as exc:  # e.g. an unhashable reply id: the stream is not ours to trust any more
-            self._fail(PeerFailed("protocol", f"worker {self.endpoint} sent a bad reply "
+            self._fail(PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a bad reply "
                                               f"({type(exc).__name__}: {exc})"))
 
     def _deliver(self, header: dict, blob) -> None:
         req_id = header.get("id")
         if req_id is not None and type(req_id) is not int:
-            raise PeerFailed("protocol", f"worker {self.endpoint} sent a reply with id {req_id!r}")
+            raise PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a reply with id {req_id!r}")
         fut = self._pending.pop(req_id, None)
         if fut is not None:
             cmd = self._abandoned.pop(req_id, None)
@@ -219,7 +221,7 @@ class RpcClient(asyncio.BufferedProtocol):
                 self._keepalive_answered()
         elif req_id is None and header.get("status", 0) != 0:
             # the daemon refused something at the framing level and will hang up
-            raise PeerFailed("protocol", f"worker {self.endpoint} refused the connection: "
+            raise PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} refused the connection: "
                                          f"{header.get('error', 'protocol error')}")
 
     def eof_received(self) -> bool:
@@ -230,14 +232,14 @@ class RpcClient(asyncio.BufferedProtocol):
 
     def _closed_by_worker(self) -> PeerFailed:
         where = " in the middle of a reply" if self._frames.partial else ""
-        return PeerFailed("closed", f"worker {self.endpoint} closed the connection{where} "
+        return PeerFailed(FailureKind.CLOSED, f"worker {self.endpoint} closed the connection{where} "
                                     f"(crashed, killed or restarted?)")
 
     def connection_lost(self, exc) -> None:
         if exc is None:
             self._fail(self._closed_by_worker(), abort=False)
         else:
-            self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"),
+            self._fail(PeerFailed(FailureKind.CLOSED, f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"),
                        abort=False)
         self._can_write.set()  # a request waiting to write wakes up and sees the failure
         if not self._lost.done():
@@ -328,14 +330,14 @@ class RpcClient(asyncio.BufferedProtocol):
         self._wbuf = wbuf
         overdue = [seconds for deadline, seconds in self._deadlines.values() if now >= deadline]
         if overdue:
-            self._fail(PeerFailed("timeout", f"worker {self.endpoint} timed out: no answer within "
+            self._fail(PeerFailed(FailureKind.TIMEOUT, f"worker {self.endpoint} timed out: no answer within "
                                              f"{min(overdue):g} s"))
             return
         if self.liveness_timeout is not None:
             silent = now - self.last_rx
             if silent >= self.liveness_timeout:
                 doing = "took nothing of our request" if wbuf else "sent nothing"
-                self._fail(PeerFailed("timeout", f"worker {self.endpoint} timed out: it {doing} for {silent:.1f} s "
+                self._fail(PeerFailed(FailureKind.TIMEOUT, f"worker {self.endpoint} timed out: it {doing} for {silent:.1f} s "
                                                  f"(liveness bound {self.liveness_timeout:g} s); stopped, hung or "
                                                  f"cut off"))
                 return
@@ -349,7 +351,7 @@ class RpcClient(asyncio.BufferedProtocol):
         now = time.monotonic()
         if self._keepalive_at is not None:
             if self.liveness_timeout is not None and now - self._keepalive_at >= self.liveness_timeout:
-                self._fail(PeerFailed("timeout", f"worker {self.endpoint} timed out: it did not answer a keepalive "
+                self._fail(PeerFailed(FailureKind.TIMEOUT, f"worker {self.endpoint} timed out: it did not answer a keepalive "
                                                  f"ping within {self.liveness_timeout:g} s while idle; stopped, "
                                                  f"hung or cut off"))
                 return
@@ -444,7 +446,7 @@ class RpcClient(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         flushed = not self.transport.get_write_buffer_size()
-        self._fail(PeerFailed("closed", f"connection to worker {self.endpoint} closed by us"), abort=not flushed,
+        self._fail(PeerFailed(FailureKind.CLOSED, f"connection to worker {self.endpoint} closed by us"), abort=not flushed,
                    by_us=True)
         if flushed:
             self.transport.close()
