@@ -147,3 +147,35 @@ def test_daemon_metrics_port():
         loop.close()
     finally:
         d.stop()
+
+
+def test_ctrl_c_in_a_terminal_stops_the_daemon_without_a_traceback(start_daemon):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group:
+    the daemon and its compute processes. The daemon shuts down; a compute
+    process printed a KeyboardInterrupt traceback between "shutting down" and
+    "stopped". It now leaves shutdown to the daemon."""
+    from rpc_helpers import assert_served
+    d = start_daemon("-t", "1")
+    assert_served(d)  # a client's compute process and the spare are up
+    children = [int(c) for c in pathlib.Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()]
+    assert children
+    # the group's signal reaches the compute processes too, in no set order: give them it
+    # first, and time to misbehave, before the daemon starts shutting them down
+    for pid in children:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.killpg(d.proc.pid, signal.SIGINT)  # the daemon leads its own process group, as a shell's job would
+    assert d.proc.wait(timeout=20) == 0
+    deadline = time.monotonic() + 5
+    while "stopped" not in "".join(d.log_lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = "".join(d.log_lines)
+    assert "stopped" in log, log[-2000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+
+
+def test_daemon_version():
+    from importlib.metadata import version
+    out = subprocess.run([sys.executable, "-m", "rpc_daemon", "--version"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and version("ggml-distributed") in out.stdout, out

@@ -17,6 +17,7 @@ import time
 
 from coordinator.api import Coordinator
 from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
+from rpc_daemon.service.version import package_version
 
 EXIT_DECODE_FAILED = 2
 EXIT_CONNECT_FAILED = 3
@@ -76,15 +77,6 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help="the workers' shared secret (else $GGML_RPC_SECRET); local workers get it too")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
-
-
-def package_version() -> str:
-    """The installed ggml-distributed's version (what --version prints)."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("ggml-distributed")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

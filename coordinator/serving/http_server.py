@@ -300,7 +300,7 @@ class CompletionServer:
 
     async def props(self, request) -> web.Response:
         """What llama-server's /props tells (the fields that apply here)."""
-        from coordinator.serving.cli import package_version
+        from rpc_daemon.service.version import package_version
         return web.json_response({
             "model_alias": self.model_name, "total_slots": self.scheduler.n_slots,
             "default_generation_settings": {"n_ctx": self.n_ctx_slot},

@@ -49,6 +49,11 @@ def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER)
         end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LINK_BUFFER)
     env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    # Ctrl-C in a terminal reaches the whole process group, the compute processes too;
+    # the daemon ends them itself when it shuts down. The child is forked with SIGINT
+    # blocked and keeps it blocked (a blocked signal stays blocked across exec), so it
+    # never prints a KeyboardInterrupt traceback, even while still starting up.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rpc_daemon.compute.worker", str(child.fileno()), str(n_threads)],
@@ -57,6 +62,7 @@ def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
         parent.close()
         raise
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
     parent.setblocking(False)
     log.info("compute process started", pid=proc.pid, threads=n_threads)

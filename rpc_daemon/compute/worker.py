@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import signal
 import socket
 import sys
 import time
@@ -218,6 +219,9 @@ def serve(sock: socket.socket, n_threads: int) -> None:
 
 
 def main() -> None:
+    # SIGINT arrives blocked (compute/pool.py spawns us so); ignored too, in case a
+    # library unblocks it: the daemon ends this process itself at shutdown
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     route_logs_to_structlog()
     fd, n_threads = int(sys.argv[1]), int(sys.argv[2])

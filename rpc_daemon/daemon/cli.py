@@ -11,6 +11,7 @@ import sys
 
 from rpc_daemon.daemon import security_cli
 from rpc_daemon.daemon.config import DaemonConfig
+from rpc_daemon.service.version import package_version
 
 _C = DaemonConfig()  # every default below is DaemonConfig's (security_cli: Limits' too)
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
@@ -18,6 +19,7 @@ DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home(
 
 def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="ggml-rpc-server", description="ggml RPC worker daemon")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument("-H", "--host", default=_C.host, help=f"address to bind (default {_C.host})")
     p.add_argument("-p", "--port", type=int, default=_C.port, help=f"port (default {_C.port}; 0 picks a free one)")
     # not DaemonConfig's 1: on the command line, half the cores (the other half for the event loop and peers)
