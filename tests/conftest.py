@@ -104,6 +104,17 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, and if it has not exited within `timeout` s, SIGKILL to its whole group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
     """A CA and a certificate for 127.0.0.1 (tests/tls_certs.py)."""

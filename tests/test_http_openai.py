@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from importlib.metadata import version
 
 import aiohttp
 import pytest
+
+from conftest import stop_process
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -98,13 +99,7 @@ class Serve:
             return f.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, stop_process
 
 PROMPT = "The capital of France is"
 
@@ -49,13 +49,7 @@ class Server:
         raise RuntimeError("server did not become healthy: " + open(self.log.name).read())
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 async def get(url: str) -> tuple[int, dict | str]:
