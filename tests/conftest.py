@@ -20,6 +20,13 @@ if os.environ.get("CI"):
 _LISTEN = re.compile(r"listening.*port=(\d+)")
 
 
+def daemon_module(args) -> str:
+    """The module to run for daemon flags `args`: the production CLI, or, for a
+    test-only flag (which ggml-rpc-server refuses), the test entry point."""
+    from rpc_daemon.testing.daemon_cli import TEST_FLAGS
+    return "rpc_daemon.testing.daemon_cli" if any(a in TEST_FLAGS for a in args) else "rpc_daemon"
+
+
 class DaemonProcess:
     """A real daemon process on a loopback port: a free one, or `port` (e.g. to
     restart a worker where its clients expect it)."""
@@ -28,7 +35,7 @@ class DaemonProcess:
                  nofile: tuple[int, int] | None = None):
         """`nofile`: the daemon's RLIMIT_NOFILE (soft, hard)."""
         self.args = args
-        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", str(port), *args]
+        cmd = [sys.executable, "-m", daemon_module(args), "-H", "127.0.0.1", "-p", str(port), *args]
 
         def limit_files():
             import resource

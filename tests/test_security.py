@@ -820,6 +820,30 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
     assert r.returncode == 2 and "use at least 16" in r.stderr
 
 
+def test_test_only_flags_are_not_in_the_production_cli(start_daemon):
+    """ggml-rpc-server refuses --test-fault and --unsafe-no-validation; only the
+    test entry point (not an installed script) has them."""
+    import tomllib
+    for flag in (("--test-fault", "cmd=PING,action=close"), ("--unsafe-no-validation",)):
+        r = start_and_fail("-H", "127.0.0.1", *flag)
+        assert r.returncode == 2 and "unrecognized arguments" in r.stderr and flag[0] in r.stderr, r.stderr
+    help_text = subprocess.run([sys.executable, "-m", "rpc_daemon", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    assert "--secret-file" in help_text and "--test-fault" not in help_text and "unsafe" not in help_text
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert not any("testing" in target for target in scripts.values()), scripts
+    # the test entry point takes them, with every production flag
+    dd = start_daemon("-t", "1", "--unsafe-no-validation", "--test-fault", "cmd=DEVICE_INFO,action=close",
+                      "--max-clients", "8")
+    assert "unsafe_no_validation=True" in dd.wait_log("listening")
+    assert dd.wait_log("TEST FAULT INJECTION ENABLED")
+    assert dd.proc.args[2] == "rpc_daemon.testing.daemon_cli"
+    r = subprocess.run([sys.executable, "-m", "rpc_daemon.testing.daemon_cli", "--test-fault", "action=explode"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "action" in r.stderr, r.stderr
+
+
 # ================================================================ limits
 
 def test_rate_limit(start_daemon):
