@@ -391,14 +391,16 @@ def test_sigterm_ends_requests_in_flight_with_an_answer(cluster):
 def test_serve_restarts_a_local_worker_that_dies(tmp_path):
     """`serve` without --endpoints owns its workers: one killed is restarted on
     its port and the server recovers by itself (it used to stay 503 forever,
-    retrying a port nobody listened on, with the dead worker a zombie)."""
+    retrying a port nobody listened on, with the dead worker a zombie). Under
+    --log-format json every line it prints, the restart's included, is JSON."""
     from tiny_llama import write_tiny_llama
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "-m", str(model), "--port", str(port),
-                             "--parallel", "1", "--ctx-per-slot", "64"], stdout=log, stderr=subprocess.STDOUT,
+                             "--parallel", "1", "--ctx-per-slot", "64", "--log-format", "json"], stdout=log,
+                            stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         server = type("S", (), {"url": url})()
@@ -416,7 +418,6 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
         status, body = asyncio.run(post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 4}))
         assert status == 200, body
         assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] != "Z"
-        assert "restarting it" in open(log.name).read()
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -424,3 +425,8 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+    lines = open(log.name).read().splitlines()
+    events = [json.loads(line) for line in lines]  # every line, stdout and stderr: JSON
+    restarts = [e for e in events if e["event"] == "local worker exited; restarting it"]
+    assert len(restarts) == 1 and restarts[0]["exit_status"] == -signal.SIGKILL, restarts
+    assert any(e["event"].startswith(f"serving {url} ") and e["url"] == url for e in events), lines[:5]

@@ -17,6 +17,7 @@ import time
 
 from coordinator.api import Coordinator
 from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
+from rpc_daemon.service.logs import say  # stderr lines: plain, or JSON under --log-format json
 from rpc_daemon.service.version import package_version
 
 EXIT_DECODE_FAILED = 2
@@ -157,7 +158,7 @@ def cmd_generate(args) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
                             threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
-            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
         with c:
             started, n = time.perf_counter(), 0
@@ -168,7 +169,7 @@ def cmd_generate(args) -> int:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             except DecodeError as exc:
-                print(f"\nggml-coordinator: generation failed: {exc}", file=sys.stderr)
+                say(f"generation failed: {exc}", "error", new_line=True)
                 return EXIT_DECODE_FAILED
             elapsed = time.perf_counter() - started
             n = c.stats["generated"] - generated0
@@ -177,7 +178,11 @@ def cmd_generate(args) -> int:
                               f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
                               + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
                                  if e["head_rows"] else "") for e in c.endpoints())
-            print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
+            if args.log_format == "json":
+                say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
+                    endpoints=c.endpoints())
+            else:
+                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
     return 0
 
 
@@ -312,9 +317,9 @@ def cmd_serve(args) -> int:
     try:
         socks = listen_sockets(args.host, args.port)
     except OSError as exc:
-        print(f"ggml-coordinator: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
-              f"{' (another server on that port? choose one with --port)' if exc.errno == errno.EADDRINUSE else ''}",
-              file=sys.stderr)
+        say(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+            f"{' (another server on that port? choose one with --port)' if exc.errno == errno.EADDRINUSE else ''}",
+            "error")
         return EXIT_LISTEN_FAILED
     try:
         return _serve(args, socks)
@@ -333,7 +338,7 @@ def _serve(args, socks) -> int:
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
                             head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
-            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
         with c:
             name = model_id(c, args.alias)
@@ -341,8 +346,8 @@ def _serve(args, socks) -> int:
 
             def announce() -> None:
                 slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
-                print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "
-                      f"{slots} x {args.ctx_per_slot} tokens)", file=sys.stderr, flush=True)
+                url = serving_url(args.host, socks[0])
+                say(f"serving {url} (model {name}, {slots} x {args.ctx_per_slot} tokens)", url=url, model=name)
 
             run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce, **opts))
     return 0
@@ -368,10 +373,10 @@ def main(argv=None) -> int:
     try:
         return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
     except KeyboardInterrupt:
-        print("\nggml-coordinator: interrupted", file=sys.stderr)
+        say("interrupted", "warning", new_line=True)
         return EXIT_INTERRUPTED
     except Terminated:
-        print("\nggml-coordinator: terminated", file=sys.stderr)
+        say("terminated", "warning", new_line=True)
         return EXIT_TERMINATED
 
 
