@@ -59,7 +59,10 @@ class Coordinator:
                  auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] = (0.25, 8.0),
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
                  head_split: bool = True):
-        """Fault handling: `connect_timeout` bounds connecting plus HELLO;
+        """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
+        extra (without it: FileNotFoundError, before anything is started).
+
+        Fault handling: `connect_timeout` bounds connecting plus HELLO;
         `liveness_timeout` is the detection bound for a stopped, hung or cut-off
         worker while a request is outstanding (None disables the liveness pings:
         for measurements only); `request_timeout` bounds any single request even

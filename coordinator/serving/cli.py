@@ -65,7 +65,7 @@ def _proportions(text: str) -> list[float]:
 def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
     p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
-    p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
+    p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M, from 'ggml-distributed[model]')")
     p.add_argument("-t", "--threads", type=_count(1), default=LIBRARY["threads"], help="compute threads per worker")
     p.add_argument("-c", "--ctx-size", type=_count(1), default=None,
                    help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: --parallel x --ctx-per-slot)")
@@ -122,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
     if args.ctx_size is None:
         args.ctx_size = LIBRARY["n_ctx"]
+    from coordinator.planning import NO_DEFAULT_MODEL, default_model_available
+    if args.model is None and not default_model_available():  # at once: before any worker is started
+        p.error(NO_DEFAULT_MODEL)
     if args.command == "generate":
         from coordinator.sampling import Sampler
         try:  # before any worker is started or the model read
