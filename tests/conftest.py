@@ -111,6 +111,14 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+def free_port() -> int:
+    """A loopback port free now (for a program that cannot be told to pick one)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     """SIGTERM, and if it has not exited within `timeout` s, SIGKILL to its whole group."""
     if proc.poll() is None:

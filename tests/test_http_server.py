@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,9 @@ import time
 import aiohttp
 import pytest
 
-from conftest import DaemonProcess, stop_process
+from conftest import DaemonProcess, free_port, stop_process
 
 PROMPT = "The capital of France is"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
