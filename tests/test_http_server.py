@@ -342,8 +342,8 @@ def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():
     import jinja2
     from jinja2.sandbox import SecurityError
 
-    from coordinator.serving.http_server import _chat_environment
-    env = _chat_environment()
+    from coordinator.serving.chat_templates import sandbox
+    env = sandbox()
     alternate = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                  "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
                  "{{ m['content'] }}{% endfor %}{{ strftime_now('%Y') }}")

@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the Access-Control-Allow-Origin every response carries (default: *)")
     s.add_argument("--max-queue", type=_count(0), default=None, metavar="N",
                    help="requests that may wait for a free slot; more get 429 (default: no limit)")
+    s.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="the chat template of /v1/chat/completions: a built-in (chatml, gemma, llama3, mistral, "
+                        "phi3) or a Jinja template file (default: the model's own, else a generic fallback)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -120,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.command == "serve" and args.ctx_size is not None:
         s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
+    if args.command == "serve" and args.chat_template is not None:
+        from coordinator.serving.chat_templates import ChatTemplateError, chosen
+        try:  # before any worker is started or the model read
+            chosen(args.chat_template)
+        except ChatTemplateError as exc:
+            s.error(str(exc))
     if args.ctx_size is None:
         args.ctx_size = LIBRARY["n_ctx"]
     from coordinator.planning import NO_DEFAULT_MODEL, default_model_available
@@ -345,7 +354,8 @@ def _serve(args, socks) -> int:
             return EXIT_CONNECT_FAILED
         with c:
             name = model_id(c, args.alias)
-            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue}
+            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
+                    "chat_template": args.chat_template}
 
             def announce() -> None:
                 slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
