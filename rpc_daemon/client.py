@@ -161,7 +161,7 @@ class RpcClient(asyncio.BufferedProtocol):
                 raise PeerFailed(FailureKind.CLOSED, f"worker {endpoint} is probably not a ggml-distributed worker: "
                                            f"it hung up on our HELLO ({exc.message}), as llama.cpp's rpc-server "
                                            f"(which also uses port 50052) does with clients of another protocol; "
-                                           f"start ggml-rpc-server there. If it is one that serves TLS, give its CA "
+                                           f"run ggml-distributed's ggml-rpc-server there. If it is one that serves TLS, give its CA "
                                            f"(tls_ca / --tls-ca)") from None
             raise
         except BaseException:

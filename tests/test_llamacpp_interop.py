@@ -30,11 +30,16 @@ LLAMACPP_BIN = pathlib.Path(os.environ.get("GGML_LLAMACPP_BIN") or pathlib.Path(
     / "llama.cpp-0.3.36" / "build" / "bin")
 
 
-def llamacpp_tool(name: str) -> pathlib.Path:
-    path = LLAMACPP_BIN / name
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"llama.cpp's {name} is not built at {path} (set GGML_LLAMACPP_BIN to its folder)")
-    return path
+def llamacpp_tool(*names: str) -> pathlib.Path:
+    """The first of `names` built in LLAMACPP_BIN (tools were renamed across
+    llama.cpp versions: rpc-server is ggml-rpc-server, llama-cli's one-shot
+    mode is llama-completion); the test is skipped if none is."""
+    for name in names:
+        path = LLAMACPP_BIN / name
+        if os.access(path, os.X_OK):
+            return path
+    pytest.skip(f"llama.cpp's {' / '.join(names)} is not built in {LLAMACPP_BIN} (set GGML_LLAMACPP_BIN to the "
+                f"folder of its binaries)")
 
 
 def llama_reply(sock: socket.socket, deadline: float) -> bytes:
@@ -113,28 +118,38 @@ def test_llamacpp_rpc_client_reports_a_version_mismatch_at_once(d):
     d.wait_log(LOG_LINE, timeout=5, start=mark)
 
 
-def test_llama_cli_against_our_worker_reports_a_version_mismatch(d, tmp_path):
-    """llama.cpp's llama-cli with --rpc pointed at our worker."""
-    llama_cli = llamacpp_tool("llama-cli")
+@pytest.mark.parametrize("tool", ["llama-completion", "llama-bench"])
+def test_llamacpp_tools_against_our_worker_report_a_version_mismatch(d, tmp_path, tool):
+    """llama.cpp's programs with --rpc pointed at our worker, on a small GGUF."""
     from tiny_llama import write_tiny_llama
-    model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    model = str(write_tiny_llama(tmp_path / "tiny.gguf", seed=0))
+    if tool == "llama-completion":
+        cmd = [str(llamacpp_tool("llama-completion", "llama-cli")), "--rpc", d.endpoint, "-m", model,
+               "-p", "Hello", "-n", "1", "-no-cnv", "--no-warmup"]
+    else:
+        cmd = [str(llamacpp_tool("llama-bench")), "--rpc", d.endpoint, "-m", model, "-p", "8", "-n", "1", "-r", "1"]
+    mark = len(d.log_lines)
     started = time.monotonic()
     try:
-        r = subprocess.run([str(llama_cli), "--rpc", d.endpoint, "-m", str(model), "-p", "Hello", "-n", "1",
-                            "-no-cnv", "--no-warmup"], capture_output=True, text=True, timeout=60,
-                           stdin=subprocess.DEVNULL, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env=dict(os.environ, GGML_NO_BACKTRACE="1"))
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"llama-cli hung against our worker: {exc.stderr!r}") from None
-    assert r.returncode != 0 and "RPC server version mismatch: 0.0.0" in r.stderr, r.stderr[-3000:]
+        raise AssertionError(f"{tool} hung against our worker: {exc.stderr!r}") from None
+    out = r.stdout + r.stderr
+    # ggml-rpc.cpp logs "RPC server version mismatch: 0.0.0", then aborts with "RPC handshake failed" (only
+    # a failed version check leads there; a bad reply aborts with "malformed response"). These tools log
+    # through a thread the abort may cut short, so the first line is not always printed.
+    assert r.returncode != 0 and f"RPC handshake failed for {d.endpoint}" in out, out[-3000:]
+    assert "malformed response" not in out and ("version mismatch" not in out or "mismatch: 0.0.0" in out), out
     assert time.monotonic() - started < 30
-    d.wait_log(LOG_LINE, timeout=5)
+    d.wait_log(LOG_LINE, timeout=5, start=mark)
 
 
 def test_our_coordinator_against_llamacpp_rpc_server_names_the_likely_cause(tmp_path):
     """`ggml-coordinator generate --endpoints` at llama.cpp's rpc-server: the error
     says first that the peer is probably not our worker (e.g. llama.cpp's
     rpc-server), then the TLS hint."""
-    rpc_server = llamacpp_tool("rpc-server")
+    rpc_server = llamacpp_tool("ggml-rpc-server", "rpc-server")
     from tiny_llama import write_tiny_llama
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     port = free_port()
