@@ -39,7 +39,6 @@ log = structlog.get_logger("rpc")
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
-OPENING_RX_SIZE = 64  # a connection's first receive: enough to tell a llama.cpp HELLO (wire/llamacpp.py)
 LLAMACPP_HINT = ("llama.cpp's own rpc-server serves llama.cpp clients (it also uses port 50052); "
                  "this worker serves ggml-coordinator")
 
@@ -98,10 +97,11 @@ class Connection(asyncio.BufferedProtocol):
         # straight into its SET_TENSOR destination.
         self.reader = F.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
                                     eager_blobs=False)
-        # a connection's first bytes are read here, not by the reader, until they tell whether they are a
-        # llama.cpp client's HELLO (answered in its framing, then closed) or go to the reader (wire/llamacpp.py)
+        # a connection's first bytes are looked at before the reader parses them, until they tell whether
+        # they are a llama.cpp client's HELLO (answered in its framing, then closed) or go to the reader
+        # (wire/llamacpp.py); meanwhile they are kept here (at most one pre-auth receive, once)
         self._opening: bytearray | None = bytearray()
-        self._opening_rx: bytearray | None = bytearray(OPENING_RX_SIZE)
+        self._opening_rx: memoryview | None = None  # the receive buffer handed out while looking
         self._llamacpp_hello_left: int | None = None  # bytes of a llama.cpp HELLO still to read
         self._llamacpp_input_size = 0
         self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
@@ -138,7 +138,8 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ framing (moving bytes; protocol.FrameReader cuts frames)
     def get_buffer(self, sizehint: int):
-        if self._opening_rx is not None:
+        if self._opening is not None or self._llamacpp_hello_left is not None:
+            self._opening_rx = self.reader.buffer()  # read back by _opening_received, not by the reader
             return self._opening_rx
         return self.reader.buffer()
 
@@ -149,7 +150,8 @@ class Connection(asyncio.BufferedProtocol):
             hoptrace.mark("daemon rx")
         try:
             if self._opening_rx is not None:
-                self._opening_received(bytes(self._opening_rx[:nbytes]))
+                data, self._opening_rx = bytes(self._opening_rx[:nbytes]), None
+                self._opening_received(data)
             else:
                 self.reader.received(nbytes)
         except ProtocolError as exc:
@@ -170,7 +172,7 @@ class Connection(asyncio.BufferedProtocol):
         if kind is llamacpp.UNDECIDED:
             return
         if kind is None:  # ours (or anything but llama.cpp): framing as usual, from the first byte
-            opening, self._opening, self._opening_rx = bytes(self._opening), None, None
+            opening, self._opening = bytes(self._opening), None
             self.reader.feed(opening)
             return
         self.log.warning("a llama.cpp RPC client connected; this worker speaks the ggml-distributed protocol",
