@@ -14,6 +14,7 @@ import time
 import structlog
 
 log = structlog.get_logger("coordinator")
+
 # the daemon's "listening" log line, console or JSON format
 _PORT = re.compile(r'\bport"?[=:] ?(\d+)')
 
