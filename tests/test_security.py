@@ -519,6 +519,51 @@ def test_load_secret(tmp_path):
     assert A.secret_file_too_open(str(f))
     f.chmod(0o600)
     assert not A.secret_file_too_open(str(f))
+    # precedence: --secret-file, then systemd's credential, then the environment variable
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / A.CREDENTIAL).write_bytes(WRONG + b"\n")
+    both = {"CREDENTIALS_DIRECTORY": str(creds), A.ENV_VAR: "x" + SECRET.decode()}
+    assert A.load_secret(secret_file=str(f), environ=both) == SECRET
+    assert A.load_secret(environ=both) == WRONG
+    (creds / A.CREDENTIAL).unlink()  # a credentials directory without ours: the variable
+    assert A.load_secret(environ=both) == b"x" + SECRET
+
+
+@pytest.mark.parametrize("weak, problem", [
+    (b"change-me-to-a-long-random-string", "example value"),
+    (b"0123456789abcdef0123456789abcde", "31 bytes; use at least 32"),
+    (b"a" * 64, "1-byte pattern repeated"),
+    (b"password1234" * 3, "12-byte pattern repeated"),
+    (b"ab" * 20 + b"b" * 20, "only 2 distinct bytes"),
+])
+def test_weak_secrets_are_refused(weak, problem):
+    with pytest.raises(A.SecretError, match=problem) as e:
+        A.check_secret(weak)
+    assert "openssl rand -hex 32" in str(e.value)
+
+
+def test_random_secrets_are_accepted():
+    import secrets
+    for _ in range(2000):  # what the documentation tells operators to make, and raw random bytes
+        A.check_secret(secrets.token_hex(16).encode())
+        A.check_secret(secrets.token_hex(32).encode())
+        A.check_secret(secrets.token_bytes(32))
+    A.check_secret(SECRET)
+    A.check_secret(WRONG)
+
+
+def test_example_files_hold_no_usable_secret():
+    """A value in deploy/*.example is known to everyone: none may be accepted."""
+    import pathlib
+    deploy = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+    values = [line.split("=", 1)[1].strip().encode() for path in deploy.glob("*.example")
+              for line in path.read_text().splitlines()
+              if "=" in line and "SECRET" in line.split("=", 1)[0].upper() and not line.startswith("#")]
+    for value in values + sorted(A.EXAMPLE_SECRETS):
+        if value:
+            with pytest.raises(A.SecretError):
+                A.check_secret(value)
 
 
 def test_token_bucket_pure():
@@ -809,7 +854,7 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
     short = tls_files.ca + ".short"
     with open(short, "w") as f:
         f.write("short")
-    for args, fragment in [(("--secret-file", short), "use at least 16"),
+    for args, fragment in [(("--secret-file", short), "use at least 32"),
                            (("--secret-file", "/nonexistent/secret"), "cannot read secret file"),
                            (("--tls-cert", tls_files.cert), "go together"),
                            (("--tls-cert", tls_files.ca, "--tls-key", tls_files.key), "cannot load TLS"),
@@ -817,7 +862,7 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
         r = start_and_fail("-H", "127.0.0.1", *args)
         assert r.returncode == 2 and fragment in r.stderr, (args, r.stderr)
     r = start_and_fail("-H", "127.0.0.1", env={A.ENV_VAR: "tooshort"})
-    assert r.returncode == 2 and "use at least 16" in r.stderr
+    assert r.returncode == 2 and "use at least 32" in r.stderr
 
 
 # ================================================================ limits
