@@ -742,6 +742,32 @@ def test_secret_from_env_is_not_inherited(start_daemon):
     assert checked, "no compute process"  # the spare at least
 
 
+def test_secret_from_systemd_credential(start_daemon, secret_file, tmp_path):
+    """Under systemd (LoadCredential=rpc-secret:PATH) the daemon reads
+    $CREDENTIALS_DIRECTORY/rpc-secret: it beats $GGML_RPC_SECRET, and an
+    explicit --secret-file beats it."""
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / A.CREDENTIAL).write_bytes(SECRET + b"\n")
+    env = {"CREDENTIALS_DIRECTORY": str(creds), A.ENV_VAR: WRONG.decode()}
+    d = start_daemon("-t", "1", env=env)
+    served_with(d, secret=SECRET)
+    for secret, fragment in ((None, "requires authentication"), (WRONG, "wrong shared secret")):
+        with pytest.raises(PeerFailed, match=fragment):
+            run(RpcClient.connect(d.endpoint, secret=secret))
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_bytes(WRONG)
+    wrong_file.chmod(0o600)
+    d2 = start_daemon("-t", "1", "--secret-file", str(wrong_file), env=env)
+    served_with(d2, secret=WRONG)
+    with pytest.raises(PeerFailed, match="wrong shared secret"):
+        run(RpcClient.connect(d2.endpoint, secret=SECRET))
+    # a weak credential is refused at start like any other secret
+    (creds / A.CREDENTIAL).write_bytes(b"change-me-to-a-long-random-string\n")
+    r = start_and_fail("-H", "127.0.0.1", env={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert r.returncode == 2 and "example value" in r.stderr and str(creds) in r.stderr, r.stderr
+
+
 # ================================================================ TLS
 
 def test_tls_wrong_certificate_refused(tlsd, tls_files, start_daemon, secret_file):
