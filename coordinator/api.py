@@ -67,8 +67,9 @@ class Coordinator:
         failed endpoint in the background, waiting `reconnect_backoff[0]` seconds
         before the first attempt and doubling up to `reconnect_backoff[1]`.
 
-        Security (docs/security.md): `secret` or `secret_file` (else the
-        environment variable GGML_RPC_SECRET) is the workers' shared secret,
+        Security (docs/security.md): `secret` or `secret_file` (else systemd's
+        credential $CREDENTIALS_DIRECTORY/rpc-secret, else the environment
+        variable GGML_RPC_SECRET) is the workers' shared secret,
         proven in both directions at HELLO; `tls_ca` (a PEM CA bundle) turns on
         TLS and verifies each worker's certificate against it.
 
@@ -89,7 +90,7 @@ class Coordinator:
         self.head_split = bool(head_split) and len(endpoints) > 1
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
-                           # security (docs/security.md): the workers' shared secret (else $GGML_RPC_SECRET), TLS CA
+                           # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
                            "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
