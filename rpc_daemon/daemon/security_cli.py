@@ -30,9 +30,9 @@ _C = DaemonConfig()
 def add_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("security (docs/security.md)")
     s.add_argument("--secret-file", metavar="PATH",
-                   help="shared secret clients must prove they know (HMAC challenge-response); "
-                        f"else $CREDENTIALS_DIRECTORY/{auth.CREDENTIAL} (systemd's LoadCredential=), else ${auth.ENV_VAR}; "
-                        f"at least {auth.MIN_SECRET_LEN} random bytes")
+                   help="shared secret clients must prove they know (HMAC challenge-response); else "
+                        f"$CREDENTIALS_DIRECTORY/{auth.CREDENTIAL} (systemd's LoadCredential=), else "
+                        f"${auth.ENV_VAR}; at least {auth.MIN_SECRET_LEN} random bytes")
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS on the port with this certificate (chain)")
     s.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     s.add_argument("--insecure", action="store_true",
