@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import numpy as np
 import structlog
@@ -58,7 +58,7 @@ class Coordinator:
                  use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
                  auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] = (0.25, 8.0),
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
-                 head_split: bool = True):
+                 head_split: bool = True, on_upload: Callable[[int, int], None] | None = None):
         """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
         extra (without it: FileNotFoundError, before anything is started).
 
@@ -70,8 +70,9 @@ class Coordinator:
         failed endpoint in the background, waiting `reconnect_backoff[0]` seconds
         before the first attempt and doubling up to `reconnect_backoff[1]`.
 
-        Security (docs/security.md): `secret` or `secret_file` (else the
-        environment variable GGML_RPC_SECRET) is the workers' shared secret,
+        Security (docs/security.md): `secret` or `secret_file` (else systemd's
+        credential $CREDENTIALS_DIRECTORY/rpc-secret, else the environment
+        variable GGML_RPC_SECRET) is the workers' shared secret,
         proven in both directions at HELLO; `tls_ca` (a PEM CA bundle) turns on
         TLS and verifies each worker's certificate against it.
 
@@ -79,7 +80,12 @@ class Coordinator:
         of the output head's vocabulary rows, in the split's proportions, all at
         once after the last layer, instead of the last endpoint computing all of
         it (coordinator/stage.py). Same logits; faster when the head is a large
-        part of a step."""
+        part of a step.
+
+        `on_upload(done, total)` (bytes of weights) is called when the upload
+        starts and after every chunk, from the coordinator's I/O thread: the
+        server uses it to keep systemd's start timeout from expiring while a big
+        model uploads (rpc_daemon/service/systemd.py, StartTimeoutExtender)."""
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
@@ -87,7 +93,7 @@ class Coordinator:
         self.head_split = bool(head_split) and len(endpoints) > 1
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
-                           # security (docs/security.md): the workers' shared secret (else $GGML_RPC_SECRET), TLS CA
+                           # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
                            "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
@@ -109,13 +115,13 @@ class Coordinator:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
             self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split)
-            self._run(self._open(split, progress))
+            self._run(self._open(split, progress, on_upload))
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------ loading
-    async def _open(self, split, progress: bool) -> None:
+    async def _open(self, split, progress: bool, on_upload) -> None:
         """Connect, plan the split (layers, head rows), build the stages, upload."""
         places = self._places
         infos = await self._endpoints.open_all(self._new_executor)
@@ -125,7 +131,7 @@ class Coordinator:
             p.layers = layers
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
                                    head_rows)
-        await self._endpoints.load_all(self.gguf, progress)
+        await self._endpoints.load_all(self.gguf, progress, on_upload)
 
     def _new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self._exec_opts)

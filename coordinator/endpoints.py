@@ -66,17 +66,30 @@ class EndpointSet:
             self.watch(p, p.executor)
         return infos
 
-    async def load_all(self, gguf, progress: bool) -> None:
-        """Upload every stage's weights (a progress bar on request)."""
+    async def load_all(self, gguf, progress: bool, on_upload=None) -> None:
+        """Upload every stage's weights (a progress bar on request; `on_upload(done, total)`
+        at the start and after every chunk)."""
         total = sum(len(p.stage.weight_data(gguf, n)) for p in self.places for n in p.stage.weights)
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="uploading weights", leave=False)
+        done = 0
+
+        def uploaded(n: int) -> None:
+            nonlocal done
+            done += n
+            if bar:
+                bar.update(n)
+            if on_upload:
+                on_upload(done, total)
+
+        if on_upload:
+            on_upload(0, total)
         try:
             for p in self.places:
                 try:
-                    await p.executor.load(p.stage, gguf, bar.update if bar else None)
+                    await p.executor.load(p.stage, gguf, uploaded)
                 except StageFailed as exc:
                     if exc.lost_connection:
                         self._latch(p, exc)

@@ -76,7 +76,8 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
-                   help="the workers' shared secret (else $GGML_RPC_SECRET); local workers get it too")
+                   help="the workers' shared secret (else systemd's credential $CREDENTIALS_DIRECTORY/rpc-secret, "
+                        "else $GGML_RPC_SECRET); local workers get it too")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
 
 
@@ -131,6 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             s.error(str(exc))
     if args.ctx_size is None:
         args.ctx_size = LIBRARY["n_ctx"]
+    _check_settings(p, args)
     from coordinator.planning import NO_DEFAULT_MODEL, default_model_available
     if args.model is None and not default_model_available():  # at once: before any worker is started
         p.error(NO_DEFAULT_MODEL)
@@ -141,6 +143,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as exc:
             g.error(str(exc))
     return args
+
+
+def _check_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any worker is started or the model read: a weak or
+    example secret (the workers would refuse it too), and an --endpoints or
+    --model that was given but is empty: a systemd unit's ${GGML_ENDPOINTS}
+    with the variable unset, which would otherwise mean local workers serving
+    the bundled model."""
+    from rpc_daemon.wire.auth import SecretError, load_secret
+
+    for flag, value, variable in (("--endpoints", args.endpoints, "GGML_ENDPOINTS"),
+                                  ("--model", args.model, "GGML_MODEL")):
+        if value is not None and not value.strip():
+            p.error(f"{flag} is empty (under systemd: set {variable} in /etc/ggml-distributed/coordinator.env); "
+                    f"leave the flag out for the default")
+    try:
+        args.secret = load_secret(secret_file=args.secret_file)
+    except SecretError as exc:
+        p.error(str(exc))
 
 
 @contextlib.contextmanager
@@ -159,7 +180,7 @@ def endpoints_for(args, supervise: bool = False):
 
 def _security(args) -> dict:
     """Coordinator options for the workers' shared secret and TLS (docs/security.md)."""
-    return {"secret_file": args.secret_file, "tls_ca": args.tls_ca}
+    return {"secret": args.secret, "tls_ca": args.tls_ca}
 
 
 def cmd_generate(args) -> int:
@@ -343,12 +364,13 @@ def cmd_serve(args) -> int:
 def _serve(args, socks) -> int:
     from coordinator.loop import run_async
     from coordinator.serving.http_server import serve_http
+    from rpc_daemon.service.systemd import StartTimeoutExtender
 
     with endpoints_for(args, supervise=True) as endpoints:
-        try:
+        try:  # under systemd, a big model's upload extends the start timeout while it progresses
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-                            head_split=args.head_split)
+                            head_split=args.head_split, on_upload=StartTimeoutExtender())
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
