@@ -116,14 +116,17 @@ class EndpointSet:
                  "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self.places]
 
     async def probe(self, timeout: float) -> list[dict]:
-        """Every endpoint's probe (its executor's: ping round trip, memory),
-        all at once and outside the decode lock, so a step is never held up;
-        with the worker compute time summed over the current connection."""
+        """Every connected endpoint's probe (its executor's: ping round trip,
+        memory), all at once and outside the decode lock, so a step is never
+        held up; with the worker compute time summed over the current
+        connection. A latched endpoint is not asked: its `error` is the cause."""
         async def one(p: Placement) -> dict:
             ex = p.executor
             if ex is None:
                 return {"error": f"worker {p.endpoint} is being reconnected"}
-            found = await ex.probe(timeout) if p.failure is None else {"error": p.failure.cause}
+            if p.failure is not None:
+                return {"error": p.failure.cause}
+            found = await ex.probe(timeout)
             compute_us = getattr(ex, "compute_us", None)  # a remote worker's; None in this process
             return dict(found, compute_seconds=None if compute_us is None else compute_us / 1e6)
 

@@ -202,7 +202,7 @@ class ClusterView:
             memory = _aged(now, probe.memory_at, total_bytes=probe.total_memory, free_bytes=probe.free_memory,
                            used_bytes=None if probe.total_memory is None
                            else max(0, probe.total_memory - probe.free_memory))
-            busy = probe.busy()
+            busy = None if failure else probe.busy()  # of a connection that is gone
             workers.append({
                 "index": index, "endpoint": place["endpoint"], "layers": place["layers"], "head_rows": head,
                 "head_share": round(head_share, 4), "state": "ok" if state["ok"] else "failed", "failure": failure,

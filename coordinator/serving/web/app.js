@@ -73,6 +73,7 @@
     return s.toFixed(2) + " s";
   }
   function duration(s) {
+    if (s < 10) return s.toFixed(1) + " s";
     if (s < 60) return s.toFixed(0) + " s";
     if (s < 3600) return (s / 60).toFixed(0) + " min";
     return (s / 3600).toFixed(1) + " h";
@@ -84,12 +85,13 @@
     return node;
   }
   // a figure with its age: fresh ones plain, older ones say how old, never passed off as live
-  function aged(cell, figure, text, ageSeconds) {
+  function aged(cell, figure, text, ageSeconds, old) {
     cell.replaceChildren();
     if (figure == null) { cell.textContent = "—"; return; }
     const age = figure.age_seconds + ageSeconds;
-    cell.append(el("span", age > 2.5 ? "stale" : "", text));
-    if (age > 2.5) cell.append(" ", el("span", "age", "(" + duration(age) + " ago)"));
+    const stale = old || age > 2.5;
+    cell.append(el("span", stale ? "stale" : "", text));
+    if (stale) cell.append(" ", el("span", "age", "(" + duration(age) + " ago)"));
   }
 
   // ------------------------------------------------------------ the cluster view
@@ -112,7 +114,15 @@
       for (const name of ["index", "endpoint", "layers", "head", "state", "ping", "step", "memory", "busy"]) {
         tr.append(el("td", "col-" + name));
       }
-      $("workers").tBodies[0].append(tr);
+      // a failure's cause is long: on a row of its own, under the worker's
+      const detail = document.createElement("tr");
+      detail.className = "failure-detail";
+      detail.dataset.detailFor = endpoint;
+      detail.hidden = true;
+      const cell = el("td", "cause");
+      cell.colSpan = tr.cells.length;
+      detail.append(cell);
+      $("workers").tBodies[0].append(tr, detail);
       rows.set(endpoint, tr);
     }
     return tr;
@@ -142,18 +152,25 @@
       const badge = el("span", "state", w.state);
       badge.dataset.state = w.state;
       c[4].append(badge);
+      const detail = tr.nextElementSibling;
+      detail.hidden = !w.failure;
       if (w.failure) {
         const f = w.failure;
-        let note = f.kind + " for " + duration(f.down_seconds + sinceArrival);
-        if (f.attempts) note += ", " + f.attempts + " reconnect attempt" + (f.attempts > 1 ? "s" : "");
-        if (f.next_attempt_in_seconds != null) note += ", next in " + duration(Math.max(0, f.next_attempt_in_seconds - sinceArrival));
-        c[4].append(" ", el("span", "age", note), el("span", "cause", f.cause));
+        c[4].append(" ", el("span", "age", f.kind + ", " + duration(f.down_seconds + sinceArrival)));
+        let note = f.cause;
+        if (f.attempts) note += " · " + f.attempts + " reconnect attempt" + (f.attempts > 1 ? "s" : "") + " failed";
+        if (f.next_attempt_in_seconds != null) {
+          note += " · next attempt in " + duration(Math.max(0, f.next_attempt_in_seconds - sinceArrival));
+        }
+        detail.cells[0].textContent = note;
       }
-      aged(c[5], w.ping, w.ping && seconds(w.ping.rtt_seconds), sinceArrival);
-      aged(c[6], w.step_rtt, w.step_rtt && seconds(w.step_rtt.seconds), sinceArrival);
-      aged(c[7], w.memory, w.memory && bytes(w.memory.used_bytes) + " / " + bytes(w.memory.free_bytes), sinceArrival);
-      aged(c[8], w.compute_busy, w.compute_busy && (w.compute_busy.fraction * 100).toFixed(0) + " %", sinceArrival);
-      if (w.probe_error && w.state === "ok") c[5].append(el("span", "cause", "probe: " + w.probe_error.message));
+      // a failed worker's figures are from before it failed: always shown with their age
+      const old = w.state !== "ok";
+      aged(c[5], w.ping, w.ping && seconds(w.ping.rtt_seconds), sinceArrival, old);
+      aged(c[6], w.step_rtt, w.step_rtt && seconds(w.step_rtt.seconds), sinceArrival, old);
+      aged(c[7], w.memory, w.memory && bytes(w.memory.used_bytes) + " / " + bytes(w.memory.free_bytes), sinceArrival, old);
+      aged(c[8], w.compute_busy, w.compute_busy && (w.compute_busy.fraction * 100).toFixed(0) + " %", sinceArrival, old);
+      if (w.probe_error && !old) c[5].append(el("span", "probe-error", "probe: " + w.probe_error.message));
     }
   }
 
