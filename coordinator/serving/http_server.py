@@ -4,6 +4,8 @@
 connected and not latched failed, and the decode loop is alive and not stuck.
 A failed decode ends a stream with an SSE error event, or answers 503 (worker
 unreachable or timed out) / 500 (compute failed) / 400 (context full).
+The web page at / and the cluster view behind it (/cluster, /cluster/events)
+are web_page.py's and cluster_view.py's; this module only routes to them.
 """
 from __future__ import annotations
 
