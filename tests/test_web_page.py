@@ -227,7 +227,6 @@ def test_killed_worker_shows_failed_within_2s_then_recovered(browser, cluster):
     assert status == 200 and body["status"] == "reconnecting" and failed["state"] == "failed", body
     assert cause.startswith(failed["failure"]["cause"]) and failed["failure"]["kind"] in ("closed", "unreachable"), failed
     assert failed["compute_busy"] is None and failed["step_rtt"] is None, failed
-    assert failed["probe_error"]["message"] == failed["failure"]["cause"], failed
     # the server retries it (1 s, then 2 s, ...): the first attempt finds nobody, and says so
     wait_for(browser, lambda d: d.find_elements(
         "css selector", f'#events li[data-kind="reconnect_failed"][data-endpoint="{victim.endpoint}"]'), 10,
