@@ -245,3 +245,49 @@ def test_killed_worker_shows_failed_within_2s_then_recovered(browser, cluster):
     assert kinds[0] == "failed" and "reconnect_failed" in kinds and kinds[-1] == "recovered", body["events"]
     assert body["reconnects"] >= 1 and body["status"] == "ok"
     print(f"failure shown {shown_after:.2f} s after SIGKILL")
+
+
+def test_stopped_worker_never_hangs_the_view(browser, cluster):
+    """A worker that stops answering (SIGSTOP) hangs no probe: the view keeps
+    answering, shows it failed once the liveness pings give up on it, and
+    recovered after SIGCONT."""
+    import signal
+
+    server, workers = cluster
+    victim = workers[0]
+    wait_for(browser, lambda d: all(row_state(d, w.endpoint) == "ok" for w in workers), 60, "every worker ok")
+    victim.signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        failed = None
+        while time.monotonic() < deadline and failed is None:
+            # each answer within the client's 10 s bound, stopped worker or not
+            status, _, body = asyncio.run(call("GET", server.url + "/cluster", headers=AUTH, timeout=10))
+            assert status == 200, body
+            failed = next((w for w in body["workers"] if w["endpoint"] == victim.endpoint and w["failure"]), None)
+            time.sleep(0.2)
+        assert failed is not None and failed["failure"]["kind"] == "timeout", body
+        wait_for(browser, lambda d: row_state(d, victim.endpoint) == "failed", 2, "the stopped worker shown failed")
+    finally:
+        victim.signal(signal.SIGCONT)
+    wait_for(browser, lambda d: row_state(d, victim.endpoint) == "ok", 60, f"{victim.endpoint} shown recovered")
+
+
+def test_page_without_a_key(browser, tmp_path):
+    """The default: no --api-key, no key form, the cluster shown at once (local workers)."""
+    server = Serve(str(tmp_path), "--parallel", "1", "--ctx-per-slot", "64")
+    try:
+        requested_urls(browser, server.url)
+        browser.get(server.url + "/")
+        wait_for(browser, lambda d: len(d.find_elements("css selector", '#workers tr[data-state="ok"]')) == 2, 15,
+                 "both local workers shown ok")
+        assert not browser.find_element("id", "key-form").is_displayed()
+        assert text_of(browser, "#model") == server.model
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        outside = [u for u in requested_urls(browser, server.url)
+                   if not (u.startswith(server.url + "/") or u.startswith("data:"))]
+        assert not outside, outside
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.text()[-2000:]
