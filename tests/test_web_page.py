@@ -109,6 +109,17 @@ def requested_urls(driver, page_url: str) -> list[str]:
     return urls
 
 
+def assert_clean(driver, page_url: str) -> list[str]:
+    """No console error, and no request anywhere but `page_url` since the last
+    requested_urls(); the URLs requested."""
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    urls = requested_urls(driver, page_url)
+    outside = [u for u in urls if not (u.startswith(page_url + "/") or u.startswith("data:"))]
+    assert not outside, outside
+    return urls
+
+
 def test_cluster_json_and_the_key_guarding_it(cluster):
     server, workers = cluster
     for path in ("/cluster", "/cluster/events"):
@@ -161,12 +172,8 @@ def test_page_loads_asks_for_the_key_and_stays_on_this_server(browser, cluster):
         wait_for(browser, lambda d, e=w.endpoint: row_state(d, e) == "ok", 15, f"{w.endpoint} shown ok")
     wait_for(browser, lambda d: "ms" in text_of(d, "#workers tbody tr .col-ping"), 10, "a ping round trip shown")
     assert text_of(browser, "#status") == "ok"
-    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-    assert not errors, errors
-    urls = requested_urls(browser, server.url)
+    urls = assert_clean(browser, server.url)
     assert any(u.endswith("/web/app.js") for u in urls) and any(u.endswith("/cluster/events") for u in urls), urls
-    outside = [u for u in urls if not (u.startswith(server.url + "/") or u.startswith("data:"))]
-    assert not outside, outside
 
 
 def test_chat_streams_tokens_onto_the_page(browser, cluster):
@@ -283,11 +290,7 @@ def test_page_without_a_key(browser, tmp_path):
                  "both local workers shown ok")
         assert not browser.find_element("id", "key-form").is_displayed()
         assert text_of(browser, "#model") == server.model
-        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-        assert not errors, errors
-        outside = [u for u in requested_urls(browser, server.url)
-                   if not (u.startswith(server.url + "/") or u.startswith("data:"))]
-        assert not outside, outside
+        assert_clean(browser, server.url)
     finally:
         server.stop()
     assert server.proc.returncode == 0, server.text()[-2000:]
