@@ -88,6 +88,15 @@ def row_state(driver, endpoint: str) -> str | None:
     return rows[0].get_attribute("data-state") if rows else None
 
 
+def open_page(driver, server) -> None:
+    """The page, loaded afresh, given the API key if it asks (each test on its own)."""
+    driver.get(server.url + "/")
+    wait_for(driver, lambda d: d.execute_script("return document.readyState") == "complete", 10, "the page loads")
+    if driver.find_element("id", "key-form").is_displayed():
+        driver.find_element("id", "key-input").send_keys(KEY)
+        driver.find_element("css selector", "#key-form button").click()
+
+
 def text_of(driver, css: str) -> str | None:
     """The text of the first element `css` selects, read at once in the page
     (the view re-renders its cells' contents twice a second)."""
@@ -178,6 +187,7 @@ def test_page_loads_asks_for_the_key_and_stays_on_this_server(browser, cluster):
 
 def test_chat_streams_tokens_onto_the_page(browser, cluster):
     server, _ = cluster
+    open_page(browser, server)
     # every change of the answer's text, as the browser renders it: (ms, length)
     browser.execute_script("""
         window.__growth = [];
@@ -213,6 +223,7 @@ def test_chat_streams_tokens_onto_the_page(browser, cluster):
 def test_killed_worker_shows_failed_within_2s_then_recovered(browser, cluster):
     server, workers = cluster
     victim = workers[1]
+    open_page(browser, server)
     for w in workers:
         wait_for(browser, lambda d, e=w.endpoint: row_state(d, e) == "ok", 15, f"{w.endpoint} shown ok")
     killed_at = time.monotonic()
@@ -262,6 +273,7 @@ def test_stopped_worker_never_hangs_the_view(browser, cluster):
 
     server, workers = cluster
     victim = workers[0]
+    open_page(browser, server)
     wait_for(browser, lambda d: all(row_state(d, w.endpoint) == "ok" for w in workers), 60, "every worker ok")
     victim.signal(signal.SIGSTOP)
     try:
