@@ -176,6 +176,15 @@ class Coordinator:
         failures. Decodes fail fast with ENDPOINT_FAILED unless it is "ok"."""
         return self._endpoints.health()
 
+    async def aprobe(self, timeout: float = 1.0) -> list[dict]:
+        """Ask every connected worker, now, for a PING round trip and its memory
+        (DEVICE_INFO), each bounded by `timeout`; one dict per endpoint, in
+        order: `ping_rtt` (s), `total_memory`, `free_memory` (bytes),
+        `compute_seconds` (worker compute time summed over the current
+        connection), or `error` (a message) for what could not be had. It
+        does not take the decode lock: decodes go on meanwhile."""
+        return await self._io.call(self._endpoints.probe(timeout))
+
     def needs_refeed(self) -> list[int]:
         """Sequences whose KV cache was lost with a failed endpoint and that have
         not been re-fed (from position 0) or removed since."""

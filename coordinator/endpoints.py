@@ -128,6 +128,23 @@ class EndpointSet:
                  "head_rows": _bounds(p.stage.head_rows) if p.stage else None,
                  "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self.places]
 
+    async def probe(self, timeout: float) -> list[dict]:
+        """Every connected endpoint's probe (its executor's: ping round trip,
+        memory), all at once and outside the decode lock, so a step is never
+        held up; with the worker compute time summed over the current
+        connection. A latched endpoint is not asked: its `error` is the cause."""
+        async def one(p: Placement) -> dict:
+            ex = p.executor
+            if ex is None:
+                return {"error": f"worker {p.endpoint} is being reconnected"}
+            if p.failure is not None:
+                return {"error": p.failure.cause}
+            found = await ex.probe(timeout)
+            compute_us = getattr(ex, "compute_us", None)  # a remote worker's; None in this process
+            return dict(found, compute_seconds=None if compute_us is None else compute_us / 1e6)
+
+        return list(await asyncio.gather(*(one(p) for p in self.places)))
+
     def failed(self) -> list[EndpointFailure]:
         return [p.failure for p in self.places if p.failure is not None]
 

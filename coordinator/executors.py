@@ -73,6 +73,10 @@ class LocalExecutor:
         self.buffers = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
 
+    async def probe(self, timeout: float) -> dict:
+        """Nothing to ask over a network: the stage runs in this process."""
+        return {}
+
     async def open(self) -> dict:
         self.backend = CpuBackend(self.threads)
         return {"name": "local", "free_memory": 0, "threads": self.threads}
@@ -254,6 +258,28 @@ class RemoteExecutor:
         compute = reply.get("compute_us", 0)
         self.compute_us += compute
         self.rtt = max(0.0, elapsed - compute / 1e6)
+
+    async def probe(self, timeout: float) -> dict:
+        """For the cluster view: a PING's round trip and the worker's memory
+        (DEVICE_INFO) over this connection, each bounded by `timeout` seconds.
+        A request abandoned at its timeout stays harmless (its reply is
+        dropped); a worker that stops answering altogether is the liveness
+        watchdog's to declare dead, as for any request. Errors are values."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return {"error": f"no connection to worker {self.endpoint}"}
+        out: dict = {}
+        try:
+            started = time.monotonic()
+            await asyncio.wait_for(client.request(Command.PING), timeout)
+            out["ping_rtt"] = time.monotonic() - started
+            info, _ = await asyncio.wait_for(client.request(Command.DEVICE_INFO), timeout)
+            out.update(total_memory=info.get("total_memory"), free_memory=info.get("free_memory"))
+        except asyncio.TimeoutError:
+            out["error"] = f"worker {self.endpoint} did not answer the probe within {timeout:g} s"
+        except (PeerFailed, RpcError) as exc:
+            out["error"] = str(exc) or type(exc).__name__
+        return out
 
     async def close(self) -> None:
         if self.client is not None:

@@ -4,6 +4,8 @@
 connected and not latched failed, and the decode loop is alive and not stuck.
 A failed decode ends a stream with an SSE error event, or answers 503 (worker
 unreachable or timed out) / 500 (compute failed) / 400 (context full).
+The web page at / and the cluster view behind it (/cluster, /cluster/events)
+are web_page.py's and cluster_view.py's; this module only routes to them.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from coordinator.results import DecodeResult
 from coordinator.serving import chat_templates
+from coordinator.serving import web_page
 from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
+from coordinator.serving.cluster_view import ClusterView
 from coordinator.sampling import Sampler
 from rpc_daemon.service.lifecycle import serve_until_signalled
 
@@ -30,7 +34,8 @@ log = structlog.get_logger("http")
 
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
 QUEUE_FULL_RETRY_SECONDS = 1  # Retry-After of a 429: a slot frees as soon as any request ends
-PUBLIC_PATHS = ("/health", "/metrics")  # open even with --api-key: probes and scrapers
+# open even with --api-key: probes, scrapers, and the web page (which asks for the key)
+PUBLIC_PATHS = ("/health", "/metrics", *web_page.PATHS)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # a client's X-Request-Id we take as it is
 
 
@@ -126,6 +131,7 @@ class CompletionServer:
         self.model_name = model_name
         self.metrics = Metrics(coord)
         self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics, max_queue=max_queue)
+        self.cluster = ClusterView(coord, self.scheduler, model_name)
         self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
         self.cors_origin = cors_origin
         self.created = int(time.time())
@@ -156,13 +162,18 @@ class CompletionServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/props", self.props)
+        app.router.add_get("/cluster", self.cluster.handle_snapshot)
+        app.router.add_get("/cluster/events", self.cluster.handle_stream)
+        web_page.add_routes(app, auth_required=self.api_key is not None)
         app.on_response_prepare.append(self._response_headers)
         app.on_startup.append(self._startup)
+        app.on_shutdown.append(self.cluster.close)  # ends the event streams before the wait for handlers
         app.on_cleanup.append(self._cleanup)
         return app
 
     async def _startup(self, app) -> None:
         self.scheduler.start()
+        self.cluster.start()
         # a failed worker is retried in the background with backoff; service resumes by itself
         self.coord.set_auto_reconnect(True, backoff=(self.reconnect_interval, 10.0))
 
