@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ggml_ffi import lib
-from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams
+from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams, check_tensors, no_extra_weights
 
 
 # the chat template when the GGUF carries none (tokenizer.chat_template)
@@ -19,13 +19,15 @@ FALLBACK_CHAT_TEMPLATE = (
     "<start_of_turn>{{ role }}\n{% endif %}{{ m['content'] }}<end_of_turn>\n{% endif %}"
     "{% endfor %}<start_of_turn>model\n")
 
-
-def extra_weights(tensors) -> list[str]:
-    """Weights every stage holds besides its layers': none."""
-    return []
+extra_weights = no_extra_weights
+LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+                                         "attn_k_norm", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
+                                         "ffn_down", "post_ffw_norm")}
+GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight"}
 
 
 def hparams(g) -> HParams:
+    check_tensors(g, "gemma3", LAYER_TENSORS, GLOBAL_TENSORS)
     n_embd, n_head = g.require("gemma3.embedding_length"), g.require("gemma3.attention.head_count")
     head_dim = g.get("gemma3.attention.key_length", n_embd // n_head)
     n_layer = g.require("gemma3.block_count")
