@@ -37,6 +37,11 @@ class HParams:
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
     n_ctx_orig: int = 0  # rope.scaling.original_context_length (YaRN, LongRoPE), else n_ctx_train
+    # mixture of experts (qwen3moe): experts per layer, experts each token uses, and the factor
+    # the chosen experts' weights are scaled by after normalizing them (0: none)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_weights_scale: float = 0.0
     # gemma3
     n_swa: int = 0
     swa_pattern: int = 0
@@ -145,6 +150,34 @@ class GraphBuilder:
         gate = lib.ggml_mul_mat(self.c, self.w[p + "ffn_gate.weight"], x)
         up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
         return lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up))
+
+    def moe_ffn(self, il: int, x):
+        """Mixture of experts, as llama.cpp's build_moe_ffn with softmax gating: router logits
+        (ffn_gate_inp) -> softmax -> the n_expert_used best experts per token (TOP_K) -> their
+        probabilities, normalized to sum 1 (and scaled, if the GGUF says so) -> SwiGLU over
+        the chosen experts' slices of the stacked ffn_{gate,up,down}_exps (MUL_MAT_ID) ->
+        the experts' outputs weighted and summed. x: [n_embd, n_tokens]."""
+        c, hp, p = self.c, self.hp, f"blk.{il}."
+        n_embd, n_tokens, n_used = x.ne[0], x.ne[1], hp.n_expert_used
+        probs = lib.ggml_soft_max(c, lib.ggml_mul_mat(c, self.w[p + "ffn_gate_inp.weight"], x))  # [n_expert, n_tokens]
+        # TOP_K, not llama.cpp's argsort: the same experts, and the only ids the workers accept computed
+        selected = lib.ggml_top_k(c, probs, n_used)  # i32 [n_used, n_tokens]
+        weights = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, probs, 1, hp.n_expert, n_tokens), selected)
+        weights = lib.ggml_reshape_2d(c, weights, n_used, n_tokens)
+        weights = lib.ggml_div(c, weights, lib.ggml_sum_rows(c, weights))
+        if hp.expert_weights_scale not in (0.0, 1.0):
+            weights = lib.ggml_scale(c, weights, hp.expert_weights_scale)
+        cur = lib.ggml_reshape_3d(c, x, n_embd, 1, n_tokens)
+        up = lib.ggml_mul_mat_id(c, self.w[p + "ffn_up_exps.weight"], cur, selected)  # [n_ff, n_used, n_tokens]
+        gate = lib.ggml_mul_mat_id(c, self.w[p + "ffn_gate_exps.weight"], cur, selected)
+        experts = lib.ggml_mul_mat_id(c, self.w[p + "ffn_down_exps.weight"], lib.ggml_swiglu_split(c, gate, up),
+                                      selected)  # [n_embd, n_used, n_tokens]
+        experts = lib.ggml_mul(c, experts, lib.ggml_reshape_3d(c, weights, 1, n_used, n_tokens))
+        out = None
+        for i in range(n_used):  # summed in llama.cpp's order: the best expert first
+            one = lib.ggml_view_2d(c, experts, n_embd, n_tokens, experts.nb[2], i * experts.nb[1])
+            out = one if out is None else lib.ggml_add(c, out, one)
+        return lib.ggml_cont(c, out) if n_used == 1 else out
 
     def fused_ffn(self, il: int, x):
         """SwiGLU over one ffn_up product whose first half is the gate (phi3)."""
