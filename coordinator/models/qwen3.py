@@ -21,8 +21,7 @@ def hparams(g) -> HParams:
     return standard_hparams(g, "qwen3", ROPE_NEOX, rms_eps=1e-6)
 
 
-def layer(b: GraphBuilder, il: int, x, pos, ffn=None):
-    """`ffn(b, il, x)`: the FFN block in place of the dense SwiGLU one (qwen3moe's experts)."""
+def layer(b: GraphBuilder, il: int, x, pos):
     c, p = b.c, f"blk.{il}."
     cur = b.norm(x, b.w[p + "attn_norm.weight"])
     q, k, v = b.qkv(il, cur)
@@ -30,6 +29,5 @@ def layer(b: GraphBuilder, il: int, x, pos, ffn=None):
     k = b.rope(b.norm(k, b.w[p + "attn_k_norm.weight"]), pos, il)
     cur = b.attention(il, q, k, v, 1.0 / math.sqrt(b.hp.head_dim))
     ffn_in = lib.ggml_add(c, lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), x)
-    cur = b.norm(ffn_in, b.w[p + "ffn_norm.weight"])
-    cur = ffn(b, il, cur) if ffn else b.gated_ffn(il, cur, lib.ggml_swiglu_split)
+    cur = b.gated_ffn(il, b.norm(ffn_in, b.w[p + "ffn_norm.weight"]), lib.ggml_swiglu_split)
     return lib.ggml_add(c, cur, ffn_in)

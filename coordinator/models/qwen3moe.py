@@ -5,6 +5,9 @@ weights normalized to sum 1 (llama.cpp always normalizes for this architecture),
 scaled by expert_weights_scale if the GGUF has one."""
 from __future__ import annotations
 
+import math
+
+from ggml_ffi import lib
 from coordinator.models import qwen3
 from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams, check_tensors, standard_hparams
 from coordinator.models.common import CHATML_TEMPLATE, embed, no_extra_weights  # noqa: F401 (this module's embed)
@@ -30,4 +33,8 @@ def hparams(g) -> HParams:
 
 
 def layer(b: GraphBuilder, il: int, x, pos):
-    return qwen3.layer(b, il, x, pos, ffn=lambda b, il, cur: b.moe_ffn(il, cur))
+    q, k, v = b.qkv(il, b.norm(x, b.w[f"blk.{il}.attn_norm.weight"]))
+    q, k = b.qk_norm(il, q, k)
+    cur = b.attention(il, b.rope(q, pos, il), b.rope(k, pos, il), v, 1.0 / math.sqrt(b.hp.head_dim))
+    ffn_in = b.attn_residual(il, cur, x)
+    return lib.ggml_add(b.c, b.moe_ffn(il, b.norm(ffn_in, b.w[f"blk.{il}.ffn_norm.weight"])), ffn_in)
