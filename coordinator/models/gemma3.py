@@ -23,11 +23,12 @@ extra_weights = no_extra_weights
 LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
                                          "attn_k_norm", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
                                          "ffn_down", "post_ffw_norm")}
+OPTIONAL = {"output.weight"}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight"}
 
 
 def hparams(g) -> HParams:
-    check_tensors(g, "gemma3", LAYER_TENSORS, GLOBAL_TENSORS)
+    check_tensors(g, "gemma3", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     n_embd, n_head = g.require("gemma3.embedding_length"), g.require("gemma3.attention.head_count")
     head_dim = g.get("gemma3.attention.key_length", n_embd // n_head)
     n_layer = g.require("gemma3.block_count")

@@ -19,6 +19,7 @@ FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }
 
 LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
                                          "ffn_gate", "ffn_up", "ffn_down")}
+OPTIONAL = {"output.weight", "rope_freqs.weight"}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
 
 
@@ -30,7 +31,7 @@ def extra_weights(tensors) -> list[str]:
 def hparams(g) -> HParams:
     if g.get("llama.expert_count", 0):
         raise ValueError("llama with experts (Mixtral-style MoE) is not supported")
-    check_tensors(g, "llama", LAYER_TENSORS, GLOBAL_TENSORS)
+    check_tensors(g, "llama", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     hp = standard_hparams(g, "llama", ROPE_NORMAL)
     if hp.n_rot != hp.head_dim:  # llama.cpp refuses it too ("invalid n_rot")
         raise ValueError(f"llama: rope.dimension_count {hp.n_rot} must equal the head size {hp.head_dim}")

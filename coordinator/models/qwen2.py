@@ -14,11 +14,12 @@ extra_weights = no_extra_weights
 LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
                                          "ffn_gate", "ffn_up", "ffn_down")} | {
                  "attn_q.bias", "attn_k.bias", "attn_v.bias"}
+OPTIONAL = {"output.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight"}
 
 
 def hparams(g) -> HParams:
-    check_tensors(g, "qwen2", LAYER_TENSORS, GLOBAL_TENSORS)
+    check_tensors(g, "qwen2", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     return standard_hparams(g, "qwen2", ROPE_NEOX, rms_eps=1e-6)
 
 

@@ -11,13 +11,14 @@ from coordinator.models.common import CHATML_TEMPLATE, embed, no_extra_weights  
 
 LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
                                          "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+OPTIONAL = {"output.weight"}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight"}
 FALLBACK_CHAT_TEMPLATE = CHATML_TEMPLATE  # when the GGUF carries no tokenizer.chat_template
 extra_weights = no_extra_weights
 
 
 def hparams(g) -> HParams:
-    check_tensors(g, "qwen3", LAYER_TENSORS, GLOBAL_TENSORS)
+    check_tensors(g, "qwen3", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     return standard_hparams(g, "qwen3", ROPE_NEOX, rms_eps=1e-6)
 
 
