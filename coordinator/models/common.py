@@ -141,6 +141,20 @@ class GraphBuilder:
 
         return project("attn_q", hp.n_head), project("attn_k", hp.n_head_kv), project("attn_v", hp.n_head_kv)
 
+    def qk_norm(self, il: int, q, k):
+        """RMS norm over each head of Q and of K (one head_dim weight each: qwen3, gemma3)."""
+        p = f"blk.{il}."
+        return self.norm(q, self.w[p + "attn_q_norm.weight"]), self.norm(k, self.w[p + "attn_k_norm.weight"])
+
+    def attn_residual(self, il: int, attn, x):
+        """The attention's output projection plus the layer's input: the FFN's input."""
+        return lib.ggml_add(self.c, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+
+    def swiglu_residual(self, il: int, ffn_in):
+        """The pre-norm SwiGLU FFN block plus its input: the layer's output."""
+        cur = self.gated_ffn(il, self.norm(ffn_in, self.w[f"blk.{il}.ffn_norm.weight"]), lib.ggml_swiglu_split)
+        return lib.ggml_add(self.c, cur, ffn_in)
+
     def gated_ffn(self, il: int, x, glu):
         p = f"blk.{il}."
         gate = lib.ggml_mul_mat(self.c, self.w[p + "ffn_gate.weight"], x)

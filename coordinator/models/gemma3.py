@@ -58,9 +58,8 @@ def layer(b: GraphBuilder, il: int, x, pos):
     c, p = b.c, f"blk.{il}."
     cur = b.norm(x, b.w[p + "attn_norm.weight"])
     q, k, v = b.qkv(il, cur)
-    q = b.rope(b.norm(q, b.w[p + "attn_q_norm.weight"]), pos, il)
-    k = b.rope(b.norm(k, b.w[p + "attn_k_norm.weight"]), pos, il)
-    q = lib.ggml_scale(c, q, b.hp.attn_scale)
+    q, k = b.qk_norm(il, q, k)
+    q, k = lib.ggml_scale(c, b.rope(q, pos, il), b.hp.attn_scale), b.rope(k, pos, il)
     cur = b.attention(il, q, k, v, 1.0)
     cur = b.norm(lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), b.w[p + "post_attention_norm.weight"])
     attn_out = lib.ggml_add(c, cur, x)

@@ -50,10 +50,9 @@ def layer(b: GraphBuilder, il: int, x, pos):
     c, p, hp = b.c, f"blk.{il}.", b.hp
     long = b.kv.n_ctx > (hp.n_ctx_orig or hp.n_ctx_train)
     factors = b.w.get(FACTORS[1] if long else FACTORS[0])
-    cur = b.norm(x, b.w[p + "attn_norm.weight"])
-    q, k, v = b.qkv(il, cur)  # views of the fused product
+    q, k, v = b.qkv(il, b.norm(x, b.w[p + "attn_norm.weight"]))  # views of the fused product
     q = lib.ggml_scale(c, b.rope(q, pos, il, factors), 1.0 / math.sqrt(hp.head_dim))
     cur = b.attention(il, q, b.rope(k, pos, il, factors), v, 1.0)
-    ffn_in = lib.ggml_add(c, lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), x)
+    ffn_in = b.attn_residual(il, cur, x)
     cur = b.fused_ffn(il, b.norm(ffn_in, b.w[p + "ffn_norm.weight"]))
     return lib.ggml_add(c, cur, ffn_in)
