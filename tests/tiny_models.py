@@ -7,7 +7,8 @@ MODELS table describes the tiny model of each architecture as that metadata and 
 list of `W` (name, numpy shape, std, storage type). Storage types: f32, f16, q8_0,
 q4_0 (quantized from random floats by gguf.quants), q4_K and q6_K (random quant codes
 and scales: gguf-py has no K-quant quantizer, and a random model needs none; their
-rows must be multiples of 256 elements).
+rows must be multiples of 256 elements); any other ggml type name gets random bytes
+(for tests that it is refused).
 
 Vocabularies llama.cpp loads: a SentencePiece-style one ("spm": <unk> <s> </s>, 256
 byte tokens, scored "▁word" prefixes) and a byte-level BPE one ("bpe": GPT-2's byte
@@ -184,7 +185,10 @@ def _tensor_data(rng: np.random.Generator, t: W):
         return x, None
     if t.kind == "f16":
         return x.astype(np.float16), None
-    qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[t.kind]
+    qtype = gguf.GGMLQuantizationType[t.kind.upper()]
+    if t.kind not in ("q8_0", "q4_0"):  # any other type: random bytes (for tests that it is refused)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return rng.integers(0, 256, (*t.shape[:-1], t.shape[-1] // block * size), dtype=np.uint8), qtype
     with np.errstate(invalid="ignore"):  # a NaN row (tests' "nan" head) quantizes to a NaN scale
         return gguf.quants.quantize(x, qtype), qtype
 
@@ -376,6 +380,12 @@ def model_phi3():
 
 MODELS = {"llama": model_llama, "llama3": model_llama3, "qwen2": model_qwen2, "qwen3": model_qwen3,
           "phi3": model_phi3}
+
+# tests/test_model_reference.py's cases, recorded by bench/record_reference_logits.py into
+# tests/fixtures/reference/CASE.npz: case -> (model, n_ctx). Phi-3 twice: its LongRoPE
+# short factors (n_ctx up to rope.scaling.original_context_length, 256) and long ones.
+REFERENCE_CASES = {"llama": ("llama", 64), "llama3": ("llama3", 64), "qwen2": ("qwen2", 64),
+                   "qwen3": ("qwen3", 64), "phi3-short": ("phi3", 256), "phi3-long": ("phi3", 512)}
 
 
 def write_tiny_model(path: str | os.PathLike, name: str, seed: int = 0, **opts) -> str:

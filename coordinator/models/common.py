@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ggml_ffi import NULL, lib
+from ggml_ffi import NULL, ffi, lib
+from rpc_daemon.validation.graph import WEIGHT_TYPES  # what the workers' matmul and get_rows accept
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
 ROPE_NORMAL, ROPE_NEOX = 0, 2
@@ -145,6 +146,20 @@ class GraphBuilder:
 
         return project("attn_q", hp.n_head), project("attn_k", hp.n_head_kv), project("attn_v", hp.n_head_kv)
 
+    def qk_norm(self, il: int, q, k):
+        """RMS norm over each head of Q and of K (one head_dim weight each: qwen3, gemma3)."""
+        p = f"blk.{il}."
+        return self.norm(q, self.w[p + "attn_q_norm.weight"]), self.norm(k, self.w[p + "attn_k_norm.weight"])
+
+    def attn_residual(self, il: int, attn, x):
+        """The attention's output projection plus the layer's input: the FFN's input."""
+        return lib.ggml_add(self.c, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+
+    def swiglu_residual(self, il: int, ffn_in):
+        """The pre-norm SwiGLU FFN block plus its input: the layer's output."""
+        cur = self.gated_ffn(il, self.norm(ffn_in, self.w[f"blk.{il}.ffn_norm.weight"]), lib.ggml_swiglu_split)
+        return lib.ggml_add(self.c, cur, ffn_in)
+
     def gated_ffn(self, il: int, x, glu):
         p = f"blk.{il}."
         gate = lib.ggml_mul_mat(self.c, self.w[p + "ffn_gate.weight"], x)
@@ -276,18 +291,34 @@ def rope_hparams(g, arch: str) -> dict:
             "n_ctx_orig": g.get(f"{arch}.rope.scaling.original_context_length", 0) or 0}
 
 
-def check_tensors(g, arch: str, layer_tensors, global_tensors) -> None:
-    """Refuse a GGUF with a tensor this architecture's graph would ignore (a variant it
-    does not compute: a MoE FFN, an output bias, ...) rather than compute a wrong model.
-    `layer_tensors`: names after "blk.N."; `global_tensors`: the other names."""
+def type_name(t: int) -> str:
+    return ffi.string(lib.ggml_type_name(t)).decode()
+
+
+def check_tensors(g, arch: str, layer_tensors, global_tensors, optional=frozenset()) -> None:
+    """Refuse, with a message naming it, a GGUF this architecture's graph cannot compute as
+    it is: a tensor the graph would ignore (a variant it does not compute: a MoE FFN, an
+    output bias, ...) or one it needs and the file lacks. `layer_tensors`: names after
+    "blk.N."; `global_tensors`: the other names; `optional`: those of either that may be
+    absent."""
+    n_layer = g.require(f"{arch}.block_count")
     unknown = []
     for name in g.tensors:
         parts = name.split(".", 2)
-        known = (parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and parts[2] in layer_tensors) \
-            or name in global_tensors
-        if not known:
+        in_layer = parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < n_layer
+        if not ((in_layer and parts[2] in layer_tensors) or name in global_tensors):
             unknown.append(name)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise ValueError(f"{arch}: this variant is not supported: tensor(s) {shown} have no place in the {arch} "
                          f"graph (it uses {', '.join(sorted(layer_tensors))} per layer)")
+    required = [n for n in global_tensors if n not in optional]
+    required += [f"blk.{il}.{n}" for il in range(n_layer) for n in sorted(layer_tensors) if n not in optional]
+    odd = [n for n, t in g.tensors.items() if t.type not in WEIGHT_TYPES]
+    if odd:
+        raise ValueError(f"{arch}: tensor {odd[0]!r} is {type_name(g.tensors[odd[0]].type)}, a type the workers do "
+                         f"not compute (supported: {', '.join(type_name(t) for t in WEIGHT_TYPES)})")
+    missing = [n for n in required if n not in g.tensors]
+    if missing:
+        raise ValueError(f"{arch}: tensor {missing[0]!r} is missing" +
+                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

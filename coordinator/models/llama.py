@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-from ggml_ffi import lib
 from coordinator.models.common import ROPE_NORMAL, GraphBuilder, HParams, check_tensors, standard_hparams
 from coordinator.models.common import embed  # noqa: F401 (this module's embed)
 
@@ -19,6 +18,7 @@ FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }
 
 LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
                                          "ffn_gate", "ffn_up", "ffn_down")}
+OPTIONAL = {"output.weight", "rope_freqs.weight"}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
 
 
@@ -30,7 +30,7 @@ def extra_weights(tensors) -> list[str]:
 def hparams(g) -> HParams:
     if g.get("llama.expert_count", 0):
         raise ValueError("llama with experts (Mixtral-style MoE) is not supported")
-    check_tensors(g, "llama", LAYER_TENSORS, GLOBAL_TENSORS)
+    check_tensors(g, "llama", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     hp = standard_hparams(g, "llama", ROPE_NORMAL)
     if hp.n_rot != hp.head_dim:  # llama.cpp refuses it too ("invalid n_rot")
         raise ValueError(f"llama: rope.dimension_count {hp.n_rot} must equal the head size {hp.head_dim}")
@@ -38,12 +38,8 @@ def hparams(g) -> HParams:
 
 
 def layer(b: GraphBuilder, il: int, x, pos):
-    c, p = b.c, f"blk.{il}."
-    cur = b.norm(x, b.w[p + "attn_norm.weight"])
-    q, k, v = b.qkv(il, cur)
+    q, k, v = b.qkv(il, b.norm(x, b.w[f"blk.{il}.attn_norm.weight"]))
     factors = b.w.get("rope_freqs.weight")
     q, k = b.rope(q, pos, il, factors), b.rope(k, pos, il, factors)
     cur = b.attention(il, q, k, v, 1.0 / math.sqrt(b.hp.head_dim))
-    ffn_in = lib.ggml_add(c, lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), x)
-    cur = b.gated_ffn(il, b.norm(ffn_in, b.w[p + "ffn_norm.weight"]), lib.ggml_swiglu_split)
-    return lib.ggml_add(c, cur, ffn_in)
+    return b.swiglu_residual(il, b.attn_residual(il, cur, x))

@@ -20,8 +20,11 @@ from coordinator.models.common import embed  # noqa: F401 (this module's embed)
 FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                           "<|assistant|>\n")
 
+SEPARATE_QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")  # llama.cpp takes these instead of attn_qkv
 LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")}
+LAYER_TENSORS |= set(SEPARATE_QKV)
 FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+OPTIONAL = {"output.weight", "attn_qkv.weight", *SEPARATE_QKV, *FACTORS}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", *FACTORS}
 
 
@@ -31,8 +34,12 @@ def extra_weights(tensors) -> list[str]:
 
 
 def hparams(g) -> HParams:
-    check_tensors(g, "phi3", LAYER_TENSORS, GLOBAL_TENSORS)
+    check_tensors(g, "phi3", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     hp = standard_hparams(g, "phi3", ROPE_NEOX)
+    for il in range(hp.n_layer):
+        if f"blk.{il}.attn_qkv.weight" not in g.tensors:
+            for n in SEPARATE_QKV:
+                g.tensor(f"blk.{il}.{n}")  # names the one missing
     if hp.n_rot != hp.head_dim and any(n in g.tensors for n in FACTORS):
         # ggml's RoPE reads a factor for every pair of the head, the GGUF has n_rot / 2
         raise ValueError("phi3: partial rotary dims with LongRoPE factors are not supported")
@@ -43,10 +50,9 @@ def layer(b: GraphBuilder, il: int, x, pos):
     c, p, hp = b.c, f"blk.{il}.", b.hp
     long = b.kv.n_ctx > (hp.n_ctx_orig or hp.n_ctx_train)
     factors = b.w.get(FACTORS[1] if long else FACTORS[0])
-    cur = b.norm(x, b.w[p + "attn_norm.weight"])
-    q, k, v = b.qkv(il, cur)  # views of the fused product
+    q, k, v = b.qkv(il, b.norm(x, b.w[p + "attn_norm.weight"]))  # views of the fused product
     q = lib.ggml_scale(c, b.rope(q, pos, il, factors), 1.0 / math.sqrt(hp.head_dim))
     cur = b.attention(il, q, b.rope(k, pos, il, factors), v, 1.0)
-    ffn_in = lib.ggml_add(c, lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), x)
+    ffn_in = b.attn_residual(il, cur, x)
     cur = b.fused_ffn(il, b.norm(ffn_in, b.w[p + "ffn_norm.weight"]))
     return lib.ggml_add(c, cur, ffn_in)
