@@ -5,7 +5,7 @@ FALLBACK_CHAT_TEMPLATE; the output head is shared (common.py). What differs betw
 architectures lives here."""
 from coordinator.models import gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 
-ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe, "phi3": phi3, "gemma3": gemma3}
+ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3, "gemma3": gemma3, "qwen3moe": qwen3moe}
 
 
 def architecture(name: str):
