@@ -1,4 +1,4 @@
-"""qwen3moe end to end: a tiny random mixture-of-experts GGUF (tests/tiny_moe.py) in
+"""qwen3moe end to end: a tiny random mixture-of-experts GGUF (tests/tiny_models.py) in
 process and over real workers. The routing (TOP_K over the router's softmax) and the
 expert products (MUL_MAT_ID) run on the workers, validated as every other op; with
 one thread everywhere the logits are bitwise equal to the in-process path, and the
@@ -12,7 +12,7 @@ from conftest import DaemonProcess
 from coordinator import Batch, Coordinator, DecodeResult
 from coordinator.gguf_file import GGUFFile
 from coordinator.models import architecture
-from tiny_moe import N_EXPERT, N_EXPERT_USED, write_tiny_qwen3moe
+from tiny_models import MODELS, N_EXPERT, N_EXPERT_USED, write_gguf, write_tiny_model
 
 N_CTX, N_GREEDY = 128, 24
 PROMPT = "the capital of france is paris and the"
@@ -20,7 +20,7 @@ PROMPT = "the capital of france is paris and the"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_qwen3moe(tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf", seed=0)
+    return write_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf", "qwen3moe")
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,8 @@ def test_two_workers_equal_in_process(model, workers, in_process, split, head_sp
 
 def test_moe_tensors_in_a_dense_architecture_are_refused(tmp_path):
     """A qwen3 GGUF carrying expert tensors would have them ignored: refused, naming them."""
-    import tiny_models
-    arch, meta, vocab, tensors = tiny_models.MODELS["qwen3moe"]()
+    arch, meta, vocab, tensors = MODELS["qwen3moe"]()
     meta = {k.replace("qwen3moe.", "qwen3."): v for k, v in meta.items()}
-    path = tiny_models.write_gguf(tmp_path / "wrong.gguf", "qwen3", meta, vocab, tensors)
+    path = write_gguf(tmp_path / "wrong.gguf", "qwen3", meta, vocab, tensors)
     with GGUFFile(path) as g, pytest.raises(ValueError, match="ffn_gate_inp"):
         architecture("qwen3").hparams(g)
