@@ -38,12 +38,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def workers(*mem_mib: int):
+def workers(*mem_mib: int, extra=()):
     """Daemons with these --mem values (MiB), each with a metrics port (bytes received)."""
     ds = []
     for mem in mem_mib:
         port = free_port()
-        d = DaemonProcess("-t", "1", "--mem", str(mem), "--metrics-port", str(port))
+        d = DaemonProcess("-t", "1", "--mem", str(mem), "--metrics-port", str(port), *extra)
         d.metrics_port = port
         ds.append(d)
     return ds
@@ -81,6 +81,18 @@ def test_a_model_that_fits_nowhere_is_refused_before_any_upload(model):
         assert "does not fit" in msg and "MiB short" in msg, msg
         assert sum(d.endpoint in msg for d in ds) >= 1, msg
         assert all(_bytes_in(d.metrics_port) < 64 << 10 for d in ds), "weights were uploaded"
+    finally:
+        stop(ds)
+
+
+def test_the_per_client_cap_bounds_the_plan(model):
+    """A worker with room in --mem but a smaller --max-client-mem: the plan counts what this
+    client may allocate there (DEVICE_INFO client_free_memory)."""
+    ds = workers(256, extra=("--max-client-mem", "12"))
+    try:
+        with pytest.raises(DoesNotFit, match=r"12\.00 MiB free"):
+            Coordinator([ds[0].endpoint], model=model, n_ctx=N_CTX, n_batch=N_BATCH)
+        assert _bytes_in(ds[0].metrics_port) < 64 << 10
     finally:
         stop(ds)
 
