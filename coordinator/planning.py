@@ -142,7 +142,8 @@ def fit_split(names: Sequence[str], free: Sequence[int | None], n_layer: int, n_
              f"need {human(n)}, {human(f)} free ({human(n - f)} short)"
              for name, r, h, n, f in zip(names, layers, heads, needs, free) if f is not None and n > f]
     missing = max(0, total - sum(bounded)) if len(bounded) == len(free) else 0
-    raise DoesNotFit(f"the model does not fit the workers' free memory: its {len(names)} stages need "
+    stages = f"{len(names)} stage" + ("s" if len(names) != 1 else "")
+    raise DoesNotFit(f"the model does not fit the workers' free memory: its {stages} need "
                      f"{human(total)} in all (weights, KV cache and compute reserve), the workers report "
                      f"{human(sum(bounded))} free" + (f", {human(missing)} short" if missing else "")
                      + (" (split as given)" if fixed else "") + "; " + "; ".join(short))
