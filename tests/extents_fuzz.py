@@ -22,9 +22,12 @@ bench/fuzz_extents.py (long runs).
   graph_codec.build_graph, allocated with Gallocr and computed on CpuBackend
   exactly as rpc_daemon/compute/worker.py does; then every byte of every area
   outside the byte ranges the graph's buffer-writing nodes (CPY, SET_ROWS)
-  declare, [offset, offset + extent), must still hold the canary. A fault or
-  abort kills the child: the harness reports the case (and its signal) and
-  starts a new child.
+  declare, [offset, offset + extent), must still hold the canary. The graph's
+  intermediates are moved into a fenced copy of Gallocr's buffer (ComputeFence)
+  and the CPU backend's work memory is placed at the end of a fenced,
+  canary-filled area (WorkFence: MUL_MAT_ID's row map, TOP_K's index rows,
+  MUL_MAT's converted src1 live there). A fault or abort kills the child: the
+  harness reports the case (and its signal) and starts a new child.
 """
 from __future__ import annotations
 
