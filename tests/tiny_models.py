@@ -378,6 +378,7 @@ def model_phi3():
     vocab.ids["eot"] = vocab.tokens.index("<|end|>")
     first, last = _ends(d, len(vocab.tokens), "f16", "q8_0")
     meta = _common_metadata("phi3", d, n_ctx=1024)
+    meta["phi3.rope.scaling.type"] = "longrope"  # as llama.cpp's converter writes it now
     meta["phi3.rope.scaling.original_context_length"] = 256
     meta["phi3.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(1024 / 256) / math.log(256))
     half = d.head_dim // 2
