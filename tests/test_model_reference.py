@@ -25,7 +25,7 @@ import pytest
 
 from conftest import DaemonProcess
 from coordinator import Batch, Coordinator, DecodeResult
-from tiny_models import REFERENCE_CASES, W, model_llama3, spm_vocab, write_gguf, write_tiny_model
+from tiny_models import REFERENCE_CASES, W, model_llama3, model_phi3, spm_vocab, write_gguf, write_tiny_model
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "reference"
 TOLERANCE = 0.02  # max abs logit difference; logits here are O(1..10) (std 2.4-3.5)
@@ -161,4 +161,14 @@ def test_unknown_tokenizer_is_refused_naming_the_supported(tmp_path):
 def test_unsupported_variant_is_refused(tmp_path, arch, metadata, extra, message):
     path = tiny_gguf(tmp_path, arch, metadata, extra)
     with pytest.raises(ValueError, match=message):
+        Coordinator(["local"], model=path)
+
+
+def test_phi3_partial_rotary_with_longrope_factors_is_refused(tmp_path):
+    """ggml's RoPE reads a factor for every pair of the head; a GGUF with fewer rotated
+    dims than the head carries fewer (n_rot / 2) factors: refused, not read past."""
+    arch, meta, vocab, tensors = model_phi3()
+    meta["phi3.rope.dimension_count"] = 16  # of 32
+    path = write_gguf(tmp_path / "phi3-partial.gguf", arch, meta, vocab, tensors)
+    with pytest.raises(ValueError, match=r"phi3: partial rotary dims with LongRoPE factors are not supported"):
         Coordinator(["local"], model=path)
