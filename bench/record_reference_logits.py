@@ -23,7 +23,11 @@ llama.cpp is llama-cpp-python 0.3.36 built from the pinned sdist (the one
 bench/vocab_fixtures.py fetches with pip) into a venv of its own outside the repo,
 ``$GGML_DISTRIBUTED_CACHE/reference-venv`` (default ``~/.cache/ggml-distributed``),
 created on first use (a ~10 minute build on 2 cores); evaluation runs there, one
-thread, KV cache f16, flash attention on (as our graphs).
+thread, KV cache f16, flash attention on (as our graphs), no extra buffer types (no
+weight repacking, as on our workers; and llama.cpp's AMX kernels, which GGML_NATIVE
+enables on CPUs that have AMX, crash where the OS does not grant AMX state).
+$REFERENCE_PYTHON names another python to evaluate with (one where `import llama_cpp`
+works), instead of the reference venv.
 """
 from __future__ import annotations
 
@@ -49,6 +53,19 @@ def evaluate(job_path: str) -> None:
     """Runs under the reference venv's python: every candidate prompt of the job through
     llama.cpp, prompt logits and greedy continuation, into job["out"] (npz)."""
     import numpy as np
+    import llama_cpp
+    import llama_cpp.llama_cpp as low_level
+
+    # no extra buffer types: no weight repacking (the workers compute on plain buffers too),
+    # and no AMX buffers, whose kernels crash where the OS does not grant AMX state
+    defaults = low_level.llama_model_default_params
+
+    def plain_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = plain_buffers
     from llama_cpp import Llama
 
     job = json.loads(pathlib.Path(job_path).read_text())
@@ -68,7 +85,6 @@ def evaluate(job_path: str) -> None:
         logits.append(rows)
         conts.append(cont)
         cont_logits.append(np.stack(after))
-    import llama_cpp
     np.savez(job["out"], logits=np.stack(logits), continuation=np.array(conts, np.int32),
              continuation_logits=np.stack(cont_logits), version=np.array(llama_cpp.__version__))
 
@@ -145,7 +161,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown case(s) {unknown}; cases: {', '.join(tiny_models.REFERENCE_CASES)}", file=sys.stderr)
         return 2
-    python = reference_python()
+    python = pathlib.Path(os.environ["REFERENCE_PYTHON"]) if os.environ.get("REFERENCE_PYTHON") else reference_python()
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             record(name, python, pathlib.Path(tmp))

@@ -77,9 +77,11 @@ def tiny_vocab(n_vocab: int = 300) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def spm_vocab(n_vocab: int = 300) -> Vocab:
-    tokens, scores, types = tiny_vocab(n_vocab)
-    return Vocab("llama", tokens, types, scores=scores, ids={"unk": 0, "bos": 1, "eos": 2})
+def spm_vocab(n_vocab: int = 300, specials: tuple[str, ...] = ()) -> Vocab:
+    """tiny_vocab's pieces, then `specials` as control tokens (n_vocab in all)."""
+    tokens, scores, types = tiny_vocab(n_vocab - len(specials))
+    return Vocab("llama", tokens + list(specials), types + [TOKEN_TYPE_CONTROL] * len(specials),
+                 scores=scores + [0.0] * len(specials), ids={"unk": 0, "bos": 1, "eos": 2})
 
 
 def _byte_alphabet() -> list[str]:
@@ -333,18 +335,24 @@ def model_llama3():
     first, last = _ends(d, len(vocab.tokens), "q8_0", "q8_0")
     freqs = W("rope_freqs.weight", (d.head_dim // 2,), values=np.geomspace(1.0, 8.0, d.head_dim // 2))
     tensors = [freqs] + first + _layers(d, _alternate(("q4_0", "f16"), ("f16", "f32"))) + last
-    return "llama", _common_metadata("llama", d, rope_base=500000.0), vocab, tensors
+    # base 10000, not Llama 3's 500000: at a tiny model's few positions more pairs turn
+    return "llama", _common_metadata("llama", d), vocab, tensors
 
 
-def model_qwen2():
+def model_qwen2(yarn: bool = False):
     """Qwen 2/2.5-style: Q/K/V biases, NEOX RoPE, BPE ("qwen2"), the head tied to the
-    embedding (as the small Qwen 2.5 models), q8_0/f16."""
+    embedding (as the small Qwen 2.5 models), q8_0/f16. yarn: YaRN RoPE scaling (factor 4
+    over an original context of 64), as Qwen 2.5's long-context GGUFs carry."""
     d = Dims(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=192)
     vocab = bpe_vocab("qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 352,
                       bos=None, eos="<|endoftext|>", eot="<|im_end|>")
     first, last = _ends(d, len(vocab.tokens), "q8_0", None)
     tensors = first + _layers(d, _alternate(("q8_0", "f16"), ("f16", "q8_0")), bias=True) + last
-    return "qwen2", _common_metadata("qwen2", d, rope_base=1000000.0, eps=1e-6), vocab, tensors
+    meta = _common_metadata("qwen2", d, rope_base=1000000.0, eps=1e-6)
+    if yarn:
+        meta.update({"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+                     "qwen2.rope.scaling.original_context_length": 64})
+    return "qwen2", meta, vocab, tensors
 
 
 def model_qwen3():
@@ -365,9 +373,12 @@ def model_phi3():
     with LongRoPE's short/long frequency factors and attention factor, SentencePiece,
     n_embd 96 with 3 heads of 32 (no GQA, as Phi-3 mini), f16/q8_0/q4_0."""
     d = Dims(n_embd=96, n_layer=2, n_head=3, n_head_kv=3, n_ff=160)
-    vocab = spm_vocab(320)
+    # llama.cpp sets attributes of <|endoftext|> for a model named phi3: it must exist
+    vocab = spm_vocab(320, ("<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>"))
+    vocab.ids["eot"] = vocab.tokens.index("<|end|>")
     first, last = _ends(d, len(vocab.tokens), "f16", "q8_0")
     meta = _common_metadata("phi3", d, n_ctx=1024)
+    meta["phi3.rope.scaling.type"] = "longrope"  # as llama.cpp's converter writes it now
     meta["phi3.rope.scaling.original_context_length"] = 256
     meta["phi3.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(1024 / 256) / math.log(256))
     half = d.head_dim // 2
@@ -410,15 +421,16 @@ def model_qwen3moe():
     return "qwen3moe", meta, vocab, first + layers + last
 
 
-MODELS = {"llama": model_llama, "llama3": model_llama3, "qwen2": model_qwen2, "qwen3": model_qwen3,
-          "phi3": model_phi3, "qwen3moe": model_qwen3moe}
+MODELS = {"llama": model_llama, "llama3": model_llama3, "qwen2": model_qwen2,
+          "qwen2-yarn": lambda: model_qwen2(yarn=True), "qwen3": model_qwen3, "phi3": model_phi3,
+          "qwen3moe": model_qwen3moe}
 
 # tests/test_model_reference.py's cases, recorded by bench/record_reference_logits.py into
 # tests/fixtures/reference/CASE.npz: case -> (model, n_ctx). Phi-3 twice: its LongRoPE
 # short factors (n_ctx up to rope.scaling.original_context_length, 256) and long ones.
 REFERENCE_CASES = {"llama": ("llama", 64), "llama3": ("llama3", 64), "qwen2": ("qwen2", 64),
-                   "qwen3": ("qwen3", 64), "phi3-short": ("phi3", 256), "phi3-long": ("phi3", 512),
-                   "qwen3moe": ("qwen3moe", 64)}
+                   "qwen2-yarn": ("qwen2-yarn", 64), "qwen3": ("qwen3", 64), "phi3-short": ("phi3", 256),
+                   "phi3-long": ("phi3", 512), "qwen3moe": ("qwen3moe", 64)}
 
 
 def write_tiny_model(path: str | os.PathLike, name: str, seed: int = 0, **opts) -> str:

@@ -252,9 +252,11 @@ def default_attn_scale(hp: HParams) -> float:
     return 1.0 / math.sqrt(hp.head_dim)
 
 
-def standard_hparams(g, arch: str, rope_type: int, rms_eps: float = 1e-5, **overrides) -> HParams:
+def standard_hparams(g, arch: str, rope_type: int, rms_eps: float = 1e-5,
+                     scaling_types=("none", "linear", "yarn"), **overrides) -> HParams:
     """HParams from the GGUF keys every llama-like architecture shares (`arch`.block_count,
-    .attention.head_count, .rope.*, ...); `overrides` sets fields an architecture fixes."""
+    .attention.head_count, .rope.*, ...); `scaling_types`: the rope.scaling.types it
+    computes; `overrides` sets fields an architecture fixes."""
     n_embd, n_head = g.require(f"{arch}.embedding_length"), g.require(f"{arch}.attention.head_count")
     if isinstance(n_head, list) or isinstance(g.get(f"{arch}.attention.head_count_kv"), list):
         raise ValueError(f"{arch}: a head count per layer is not supported")
@@ -267,23 +269,23 @@ def standard_hparams(g, arch: str, rope_type: int, rms_eps: float = 1e-5, **over
         n_head=n_head, n_head_kv=g.get(f"{arch}.attention.head_count_kv", n_head), head_dim=head_dim,
         n_rot=g.get(f"{arch}.rope.dimension_count", head_dim),
         rms_eps=g.get(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps), rope_type=rope_type,
-        n_ctx_train=g.get(f"{arch}.context_length", 4096), **rope_hparams(g, arch))
+        n_ctx_train=g.get(f"{arch}.context_length", 4096), **rope_hparams(g, arch, scaling_types))
     fields.update(overrides)
     return HParams(**fields)
 
 
-def rope_hparams(g, arch: str) -> dict:
-    """The RoPE fields of HParams from `arch`'s GGUF keys, as llama.cpp reads them:
-    rope.scaling.type none, linear (positions divided by rope.scaling.factor) or yarn
-    (YaRN's mix of interpolation and extrapolation); rope.scaling.attn_factor multiplies
-    cos and sin (for YaRN llama.cpp's own mscale cancels out: it divides by the same
-    1 + 0.1 ln(factor) it multiplies by). Anything else is refused here."""
+def rope_hparams(g, arch: str, scaling_types=("none", "linear", "yarn")) -> dict:
+    """The RoPE fields of HParams from `arch`'s GGUF keys, as llama.cpp reads them for
+    these architectures: rope.scaling.type none, linear (positions divided by
+    rope.scaling.factor), yarn (YaRN's mix of interpolation and extrapolation; llama.cpp's
+    own mscale cancels out: it divides by the same 1 + 0.1 ln(factor) the kernel multiplies
+    by, and it ignores the GGUF's yarn_* keys for them), or longrope where the architecture
+    allows it (phi3: its factors are tensors); rope.scaling.attn_factor multiplies cos and
+    sin. Any other type is refused here."""
     kind = g.get(f"{arch}.rope.scaling.type", "linear")
+    if kind not in scaling_types:
+        raise ValueError(f"{arch}: rope.scaling.type {kind!r} is not supported (supported: {', '.join(scaling_types)})")
     factor = g.get(f"{arch}.rope.scaling.factor") or g.get(f"{arch}.rope.scale_linear") or 0.0
-    if kind not in ("none", "linear", "yarn"):
-        raise ValueError(f"{arch}: rope.scaling.type {kind!r} is not supported (supported: none, linear, yarn)")
-    if g.get(f"{arch}.rope.scaling.yarn_log_multiplier"):
-        raise ValueError(f"{arch}: rope.scaling.yarn_log_multiplier is not supported")
     return {"rope_base": g.get(f"{arch}.rope.freq_base", 10000.0),
             "rope_scale": 1.0 / factor if factor and kind != "none" else 1.0,
             "rope_ext_factor": 1.0 if kind == "yarn" else 0.0,

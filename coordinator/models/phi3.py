@@ -35,7 +35,7 @@ def extra_weights(tensors) -> list[str]:
 
 def hparams(g) -> HParams:
     check_tensors(g, "phi3", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
-    hp = standard_hparams(g, "phi3", ROPE_NEOX)
+    hp = standard_hparams(g, "phi3", ROPE_NEOX, scaling_types=("none", "linear", "longrope"))
     for il in range(hp.n_layer):
         if f"blk.{il}.attn_qkv.weight" not in g.tensors:
             for n in SEPARATE_QKV:
