@@ -29,8 +29,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-
 from coordinator import Batch, Coordinator, DoesNotFit  # noqa: E402
 from coordinator.serving.local_workers import LocalWorker  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 
 from ggml_ffi import lib
 from rpc_daemon.wire.protocol import Command, Status
-from test_audit_findings import COMPUTE, F32, I32, INPUT, OUTPUT, Session, T, f32s, i32s
+from test_audit_findings import COMPUTE, F32, I32, INPUT, OUTPUT, Session, T, i32s
 
 MUL_MAT_ID, TOP_K, VIEW = lib.GGML_OP_MUL_MAT_ID, lib.GGML_OP_TOP_K, lib.GGML_OP_VIEW
 K, M, N_AS, TOKENS, N_USED = 8, 4, 3, 2, 2
