@@ -31,22 +31,23 @@ import structlog
 from coordinator.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
                                       seq_masks)
 from coordinator.endpoints import EndpointSet, Placement
-from coordinator.executors import make_executor
+from coordinator.executors import buffer_bytes, make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
 from coordinator.kv_cache import KVCells
 from coordinator.loop import LoopThread
 from coordinator.models import architecture
 from coordinator.pipeline import Pipeline, StepFailed
-from coordinator.planning import checked_setup, default_model_path, plan_rows, plan_split, split_weights
+from coordinator.planning import (PAGE, DoesNotFit, checked_setup, compute_reserve, default_model_path, endpoint_free,
+                                  fit_split, plan_rows, plan_split, split_weights)
 from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeResult, EndpointFailure,
                                  EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
 from coordinator.tokenizer import Tokenizer
 from rpc_daemon.wire.auth import load_secret
 
-__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "EndpointUnavailable",
-           "FailureKind", "default_model_path", "plan_rows", "plan_split"]
+__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "DoesNotFit", "EndpointFailure",
+           "EndpointUnavailable", "FailureKind", "default_model_path", "plan_rows", "plan_split"]
 
 log = structlog.get_logger("coordinator")
 
@@ -126,8 +127,17 @@ class Coordinator:
         places = self._places
         infos = await self._endpoints.open_all(self._new_executor)
         weights = split_weights(split, infos, len(places))
-        heads = plan_rows(self.hp.n_vocab, weights) if self.head_split else [None] * len(places)
-        for index, (p, layers, head_rows) in enumerate(zip(places, plan_split(self.hp.n_layer, weights), heads)):
+        reserve = compute_reserve(self.hp, self.n_batch, self.n_ctx)
+
+        def need(index: int, layers: range, head_rows) -> int:
+            stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx, head_rows)
+            return -(-buffer_bytes(stage) // PAGE) * PAGE + reserve
+
+        # checked against each worker's free memory before anything is uploaded (DoesNotFit)
+        layer_plan, heads = fit_split([p.endpoint for p in places], [endpoint_free(i) for i in infos],
+                                      self.hp.n_layer, self.hp.n_vocab, weights, self.head_split, split is not None,
+                                      need)
+        for index, (p, layers, head_rows) in enumerate(zip(places, layer_plan, heads)):
             p.layers = layers
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
                                    head_rows)

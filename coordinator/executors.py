@@ -21,8 +21,9 @@ from rpc_daemon.wire.tls import client_context
 ALIGN = 64
 UPLOAD_CHUNK = 16 << 20
 # the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
-GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "PERMUTE",
-             "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SUB", "SUM_ROWS", "UNARY", "VIEW")
+GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT",
+             "MUL_MAT_ID", "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB",
+             "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
 CACHE_MIN_BYTES = 128 << 10  # below this a send is cheaper than a hash look-up round trip, even on a LAN
 
 
@@ -56,6 +57,12 @@ def layout(tensors) -> tuple[dict, int]:
 
 def stage_tensors(stage) -> tuple[list, list]:
     return list(stage.weights.items()), stage.kv.tensors()
+
+
+def buffer_bytes(stage) -> int:
+    """The size of the one buffer a stage's weights and KV cache take on a worker."""
+    weights, kv = stage_tensors(stage)
+    return layout([t for _, t in weights] + kv)[1]
 
 
 class LocalExecutor:

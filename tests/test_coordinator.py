@@ -20,7 +20,7 @@ import pytest
 
 from conftest import DaemonProcess
 from coordinator import Batch, Coordinator, DecodeError, DecodeResult, default_model_path
-from tiny_llama import write_tiny_llama
+from tiny_models import write_tiny_llama
 
 OK = DecodeResult.OK
 N_GREEDY = 64

@@ -46,7 +46,7 @@ from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, assert_served, chain_graph
 
 try:
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
 except ImportError:  # pragma: no cover - the bundled gemma3 model is slower but works
     write_tiny_llama = None
 

@@ -337,7 +337,7 @@ def test_chat_template_flag_takes_a_builtin_or_a_file(tmp_path, kind):
     """--chat-template chatml (a built-in) or a Jinja file: chat renders with it
     (the prompt is the template's text, token for token), /props names it, and
     no fallback warning is logged."""
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     if kind == "builtin":
         choice, source = "chatml", "builtin"

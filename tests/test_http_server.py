@@ -386,7 +386,7 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
     its port and the server recovers by itself (it used to stay 503 forever,
     retrying a port nobody listened on, with the dead worker a zombie). Under
     --log-format json every line it prints, the restart's included, is JSON."""
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -121,7 +121,7 @@ def test_llamacpp_rpc_client_reports_a_version_mismatch_at_once(d):
 @pytest.mark.parametrize("tool", ["llama-completion", "llama-bench"])
 def test_llamacpp_tools_against_our_worker_report_a_version_mismatch(d, tmp_path, tool):
     """llama.cpp's programs with --rpc pointed at our worker, on a small GGUF."""
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
     model = str(write_tiny_llama(tmp_path / "tiny.gguf", seed=0))
     if tool == "llama-completion":
         cmd = [str(llamacpp_tool("llama-completion", "llama-cli")), "--rpc", d.endpoint, "-m", model,
@@ -150,7 +150,7 @@ def test_our_coordinator_against_llamacpp_rpc_server_names_the_likely_cause(tmp_
     says first that the peer is probably not our worker (e.g. llama.cpp's
     rpc-server), then the TLS hint."""
     rpc_server = llamacpp_tool("ggml-rpc-server", "rpc-server")
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     port = free_port()
     server = subprocess.Popen([str(rpc_server), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],

@@ -817,7 +817,7 @@ def test_tls_end_to_end(tlsd, tls_files):
 
 def test_coordinator_generate_with_secret_and_tls(tlsd, tls_files, secret_file, tmp_path):
     from coordinator import Coordinator
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
 
     model = str(write_tiny_llama(tmp_path / "tiny.gguf", seed=0))
     prompt = "The capital of France is"
