@@ -317,6 +317,23 @@ def test_a_model_without_a_chat_template_says_so(server):
     assert "gemma3-fallback" in warnings[0]["event"] and "--chat-template" in warnings[0]["event"], warnings
 
 
+def test_llama_server_flag_names_np_and_no_metrics(tmp_path):
+    """llama-server's spellings: -np is --parallel, and --no-metrics takes
+    /metrics away (it is on by default here; `--metrics` keeps it)."""
+    from tiny_models import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    s = Serve(str(tmp_path), "-m", str(model), "-np", "3", "--ctx-per-slot", "64", "--no-metrics")
+    try:
+        status, _, props = request("GET", s.url + "/props", headers=None)
+        assert status == 200 and props["total_slots"] == 3, props
+        status, _, _ = request("GET", s.url + "/metrics", headers=None)
+        assert status == 404
+        status, _, health = request("GET", s.url + "/health", headers=None)
+        assert status == 200, health
+    finally:
+        s.stop()
+
+
 def chat_prompt_tokens(url: str) -> int:
     status, _, body = request("POST", url + "/v1/chat/completions", {
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],

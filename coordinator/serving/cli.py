@@ -98,8 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _common(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_count(0, 65535), default=8080)
-    s.add_argument("--parallel", type=_count(1, MAX_SEQ), default=4,
+    s.add_argument("-np", "--parallel", type=_count(1, MAX_SEQ), default=4,
                    help="slots decoding together (continuous batching)")
+    s.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve Prometheus metrics at /metrics (default: on; llama-server's flag, which is off "
+                        "there by default)")
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
     s.add_argument("--alias", default=None, metavar="NAME",
                    help="the model id clients see (default: the GGUF's general.name, lowercased, spaces as '-')")
@@ -377,7 +380,7 @@ def _serve(args, socks) -> int:
         with c:
             name = model_id(c, args.alias)
             opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
-                    "chat_template": args.chat_template}
+                    "chat_template": args.chat_template, "metrics_endpoint": args.metrics}
 
             def announce() -> None:
                 slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"

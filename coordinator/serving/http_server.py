@@ -124,9 +124,10 @@ class Metrics:
 class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
                  api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, metrics_endpoint: bool = True):
         """`chat_template`: a built-in template's name or a Jinja file (--chat-template;
-        ChatTemplateError if it is neither); default the model's own, else a generic fallback."""
+        ChatTemplateError if it is neither); default the model's own, else a generic fallback.
+        `metrics_endpoint`: serve /metrics (--metrics/--no-metrics)."""
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
@@ -134,6 +135,7 @@ class CompletionServer:
         self.cluster = ClusterView(coord, self.scheduler, model_name)
         self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
         self.cors_origin = cors_origin
+        self.metrics_endpoint = metrics_endpoint
         self.created = int(time.time())
         tok = coord.tokenizer
         self.n_vocab = min(coord.hp.n_vocab, len(tok.tokens))  # an id beyond either is refused
@@ -154,7 +156,8 @@ class CompletionServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=4 << 20, middlewares=[self._frame])
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_handler)
+        if self.metrics_endpoint:
+            app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_post("/v1/completions", self.completions)
@@ -608,7 +611,7 @@ async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: st
                      ready: asyncio.Event | None = None, announce=None, **options) -> None:
     """Serve on `socks` (bound, listening sockets: cli.listen_sockets) until
     SIGTERM/SIGINT. `announce()` is called once requests are answered;
-    `options`: CompletionServer's api_key, cors_origin, max_queue, chat_template."""
+    `options`: CompletionServer's api_key, cors_origin, max_queue, chat_template, metrics_endpoint."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
