@@ -50,37 +50,49 @@ def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     return logits
 
 
+async def _failures_as_step_failed(coro):
+    try:
+        return await coro
+    except StageFailed as exc:
+        raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
+    except (StepFailed, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # a bug of ours: the decode reports it, never raises it
+        raise StepFailed(exc, []) from exc
+
+
 class Pipeline:
-    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool):
-        self.places, self.hp, self.kv, self.head_split = places, hp, kv, head_split
+    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None):
+        """`journal` (a StepJournal, or None): every step that succeeds is
+        recorded there, for rebuilding a lost KV cache by replay."""
+        self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
 
     async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
                    out_rows: np.ndarray, greedy: bool) -> np.ndarray:
         """The logits of the rows `out_rows` lists (f32[n_outputs, n_vocab]), or
         with `greedy` their argmax tokens (i32[n_outputs]); the KV rows `rows`
         written on every worker. Raises StepFailed."""
-        try:
-            return await self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
-        except StageFailed as exc:
-            raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
-        except (StepFailed, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # a bug of ours: the decode reports it, never raises it
-            raise StepFailed(exc, []) from exc
+        return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy))
 
-    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
-        n = len(tokens)
-        wanted = len(out_rows)
-        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped below
-            out_rows = np.array([n - 1], dtype=np.int32)
-        n_kv = self.kv.n_kv()
-        shape = StepShape(n, n_kv, len(out_rows), greedy)
-        mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
+    async def replay(self, step, through: int) -> None:
+        """Journal step `step` (kv_journal.JournalStep) again, as it was first
+        decoded, through the stages 0..`through` only: it rewrites their KV rows
+        (the ones after keep theirs); no head round. Raises StepFailed."""
+        mask, mask_swa = step.masks()
+        inputs = self._common(step.pos, step.rows, mask, mask_swa)
+        await _failures_as_step_failed(self._forward(step.tokens, step.shape, inputs, step.out_rows,
+                                                     self.places[: through + 1]))
+
+    def _common(self, tok_pos, rows, mask, mask_swa) -> dict:
         common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
         if self.hp.n_swa:
             common["mask_swa"] = mask_swa
-        hidden = None
-        for p in self.places:
+        return common
+
+    async def _forward(self, tokens, shape: StepShape, common: dict, out_rows, places) -> StageOutput:
+        """The stages in `places` one after another; the last one's output."""
+        hidden = out = None
+        for p in places:
             inputs = dict(common)
             if p.stage.first:
                 inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
@@ -90,15 +102,32 @@ class Pipeline:
                 inputs["out_rows"] = out_rows
             out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
             hidden = out.hidden
+        return out
+
+    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+        n = len(tokens)
+        wanted = len(out_rows)
+        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped below
+            out_rows = np.array([n - 1], dtype=np.int32)
+        n_kv = self.kv.n_kv()
+        shape = StepShape(n, n_kv, len(out_rows), greedy)
+        mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
+        out = await self._forward(tokens, shape, self._common(tok_pos, rows, mask, mask_swa), out_rows, self.places)
         if not wanted:  # the KV rows are written; no head round for rows nobody wants
-            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
-        if self.head_split:
-            return await self._head(hidden, shape)
-        last = self.places[-1].endpoint
-        if greedy:
-            _checked_logits(out.sums, last)
-            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
-        return _checked_logits(out.logits, last)
+            result = np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        elif self.head_split:
+            result = await self._head(out.hidden, shape)
+        else:
+            last = self.places[-1].endpoint
+            if greedy:
+                _checked_logits(out.sums, last)
+                result = _checked_tokens(out.tokens, self.hp.n_vocab, last)
+            else:
+                result = _checked_logits(out.logits, last)
+        if self.journal is not None:
+            self.journal.record(tokens, rows, tok_pos, tok_seq, out_rows, greedy, n_kv, mask,
+                                mask_swa if self.hp.n_swa else None, self.kv.pos >= 0)
+        return result
 
     async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
         """Every endpoint's shard of the output head at once; then the logits
