@@ -1,0 +1,315 @@
+"""Resuming through the loss of a worker (Coordinator(resume_within=...),
+docs/failure-semantics.md "Resuming"): real daemons, real signals, and the
+tokens (and logits, bit for bit) compared with a run without faults."""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess
+from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult
+from coordinator.sampling import Sampler
+
+try:
+    from tiny_llama import write_tiny_llama
+except ImportError:  # pragma: no cover - the bundled gemma3 model is slower but works
+    write_tiny_llama = None
+
+OK, ENDPOINT_FAILED = DecodeResult.OK, DecodeResult.ENDPOINT_FAILED
+LIVENESS = 1.0
+PROMPT = "water"  # the tiny model's greedy text after it runs 24 tokens without an end of generation
+N_GEN = 24
+N_CTX = 64
+RESTART_AFTER = 0.5
+SLACK = 2.0  # scheduling slack on top of a bound: two cores shared with everything else
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    if write_tiny_llama is None:
+        return None
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
+
+
+class Cluster:
+    """Workers on loopback with one tensor cache; any of them can be killed,
+    stopped and restarted on its port."""
+
+    def __init__(self, cache_dir, n: int):
+        self.cache = str(cache_dir)
+        self.workers = [self._start() for _ in range(n)]
+        self.restarts: list[threading.Thread] = []
+
+    def _start(self, port: int = 0, *args: str) -> DaemonProcess:
+        return DaemonProcess("-t", "1", "--cache", self.cache, *args, port=port)
+
+    def endpoint(self, i: int) -> str:
+        return self.workers[i].endpoint
+
+    def kill(self, i: int, restart_after: float | None = None) -> None:
+        """kill -9 worker i; with `restart_after`, start it again on its port that much later."""
+        w = self.workers[i]
+        w.kill()
+        if restart_after is not None:
+            def restart():
+                time.sleep(restart_after)
+                self.workers[i] = self._start(w.port)
+            t = threading.Thread(target=restart, daemon=True)
+            t.start()
+            self.restarts.append(t)
+
+    def restart(self, i: int, *args: str) -> None:
+        self.workers[i].kill()
+        self.workers[i] = self._start(self.workers[i].port, *args)
+
+    def join(self) -> None:
+        for t in self.restarts:
+            t.join(30)
+        self.restarts.clear()
+
+    def close(self) -> None:
+        self.join()
+        for w in self.workers:
+            w.stop()
+            w.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path_factory):
+    made = []
+
+    def make(n: int) -> Cluster:
+        made.append(Cluster(tmp_path_factory.mktemp("tensor-cache"), n))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def decode_run(c: Coordinator, n: int, sampled: bool, fault=None, prompt: str = PROMPT):
+    """n tokens after `prompt` by decode_resuming, greedy (the workers' argmax)
+    or sampled (seeded, from the logits); `fault(step)` runs before each step's
+    decode. The token ids, and the logits when sampled."""
+    c.kv_clear()
+    ids = c.tokenize(prompt)
+    sampler = Sampler(0.9, 40, 0.95, seed=7)
+    tokens, logits, pos, pending = [], [], 0, ids
+    for step in range(n):
+        if fault:
+            fault(step)
+        code = c.decode_resuming(Batch.single(pending, pos), greedy=not sampled)
+        assert code == OK, c.last_error
+        pos += len(pending)
+        if sampled:
+            logits.append(c.logits(-1).copy())
+            tokens.append(sampler.sample(logits[-1]))
+        else:
+            tokens.append(c.token(-1))
+        pending = [tokens[-1]]
+    return tokens, logits
+
+
+def coordinator(model, endpoints, **kw) -> Coordinator:
+    kw = {"split": [1] * len(endpoints), "n_ctx": N_CTX, "liveness_timeout": LIVENESS, "resume_within": 20.0,
+          **kw}
+    return Coordinator(endpoints, model=model, **kw)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_kill_and_restart_at_random_steps_gives_the_same_tokens(model, cluster, sampled):
+    """kill -9 the second worker at three seeded random steps, restart it on its
+    port 0.5 s later: the same tokens, and (sampled) the same logits bit for bit."""
+    w = cluster(2)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)]) as c:
+        want_tokens, want_logits = decode_run(c, N_GEN, sampled)
+        kill_at = sorted(random.Random(17 + sampled).sample(range(1, N_GEN), 3))
+
+        def fault(step):
+            if step in kill_at:
+                w.join()  # the previous restart is done
+                w.kill(1, restart_after=RESTART_AFTER)
+        tokens, logits = decode_run(c, N_GEN, sampled, fault)
+        assert tokens == want_tokens, kill_at
+        assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
+        assert c.stats["resumes"] == 3 and c.stats["kv_rebuilds"] == 3, c.stats
+        assert c.stats["replayed_tokens"] > 0 and c.needs_refeed() == [] and c.failed_endpoints() == []
+
+
+def test_stream_pauses_and_gives_the_same_text(model, cluster):
+    """stream(): the worker holding the last layers (and half the head) is
+    killed after the 4th piece and back 0.5 s later; the text is the same."""
+    w = cluster(2)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)]) as c:
+        want = c.generate(PROMPT, max_tokens=N_GEN)
+        got = []
+        for i, piece in enumerate(c.stream(PROMPT, max_tokens=N_GEN)):
+            got.append(piece)
+            if i == 3:
+                w.kill(1, restart_after=RESTART_AFTER)
+        assert "".join(got) == want
+        assert c.stats["resumes"] == 1
+
+
+def test_astream_pauses_and_gives_the_same_seeded_text(model, cluster):
+    w = cluster(2)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)]) as c:
+        want = c.generate(PROMPT, max_tokens=N_GEN, temperature=0.8, seed=3)
+
+        async def go():
+            got = []
+            async for piece in c.astream(PROMPT, max_tokens=N_GEN, temperature=0.8, seed=3):
+                got.append(piece)
+                if len(got) == 2:
+                    w.kill(0, restart_after=RESTART_AFTER)  # the first worker this time
+            return "".join(got)
+        assert asyncio.run(asyncio.wait_for(go(), 60)) == want
+        assert c.stats["resumes"] == 1
+
+
+def test_not_back_within_resume_within_fails_with_the_original_cause(model, cluster):
+    """No restart: after resume_within the stream raises the original
+    ENDPOINT_FAILED (the kill), emits nothing more, and once the worker is back
+    the next generation gives the fault-free text."""
+    w = cluster(2)
+    within = 1.5
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], resume_within=within) as c:
+        want = c.generate(PROMPT, max_tokens=N_GEN)
+        got = []
+        with pytest.raises(DecodeError) as err:
+            for i, piece in enumerate(c.stream(PROMPT, max_tokens=N_GEN)):
+                got.append(piece)
+                if i == 3:
+                    w.kill(1)
+                    killed = time.monotonic()
+        waited = time.monotonic() - killed
+        assert err.value.code == ENDPOINT_FAILED and err.value.endpoint == w.endpoint(1)
+        assert err.value.cause == "closed" and "closed the connection" in err.value.message
+        assert within <= waited < within + SLACK, waited
+        assert want.startswith("".join(got)) and len(got) == 4
+        assert c.health()["status"] == "reconnecting"
+        w.restart(1)
+        deadline = time.monotonic() + 20
+        while c.failed_endpoints() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.failed_endpoints() == []
+        assert c.generate(PROMPT, max_tokens=N_GEN) == want
+
+
+def test_stopped_then_continued_worker_resumes(model, cluster):
+    """SIGSTOP: detected by the liveness bound, the connection dropped; SIGCONT
+    1.5 s later and the reconnect finds the worker: the same text."""
+    w = cluster(2)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], connect_timeout=1.0) as c:
+        want = c.generate(PROMPT, max_tokens=N_GEN)
+        got = []
+        for i, piece in enumerate(c.stream(PROMPT, max_tokens=N_GEN)):
+            got.append(piece)
+            if i == 2:
+                w.workers[1].signal(signal.SIGSTOP)
+                timer = threading.Timer(LIVENESS + 1.5, w.workers[1].signal, (signal.SIGCONT,))
+                timer.start()
+        timer.join()
+        assert "".join(got) == want
+        assert c.stats["resumes"] == 1
+
+
+def test_spare_takes_over_and_several_losses_in_a_row(model, cluster):
+    """A worker that does not come back: the spare takes its stage (layers and
+    head rows) and the tokens are the same. Then the spare dies too, the first
+    worker is back on its port by then and takes the stage back as a spare."""
+    w = cluster(3)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2)]) as c:
+        want, _ = decode_run(c, N_GEN, False)
+        layers = c.endpoints()[1]["layers"]
+
+        def fault(step):
+            if step == 5:
+                w.kill(1)
+            elif step == 12:
+                assert c.health()["status"] == "degraded"
+                w.restart(1)
+                w.kill(2)
+        tokens, _ = decode_run(c, N_GEN, False, fault)
+        assert tokens == want
+        assert c.stats["spare_takeovers"] == 2 and c.stats["resumes"] == 2, c.stats
+        e = c.endpoints()[1]
+        assert e["endpoint"] == w.endpoint(1) and e["layers"] == layers
+        assert c.health()["status"] == "ok" and c.spares() == [w.endpoint(2)]
+
+
+def test_spare_after_spare_took_it_over(model, cluster):
+    """First the spare takes over, status degraded with spare_for."""
+    w = cluster(3)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2)]) as c:
+        want, _ = decode_run(c, N_GEN, False)
+        tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 3 and w.kill(1))
+        assert tokens == want
+        h = c.health()
+        assert h["status"] == "degraded"
+        assert h["endpoints"][1]["endpoint"] == w.endpoint(2) and h["endpoints"][1]["spare_for"] == w.endpoint(1)
+        assert c.spares() == [w.endpoint(1)]
+
+
+def test_a_spare_that_dies_during_takeover(model, cluster):
+    """The first spare is killed while its weights upload; the second takes over."""
+    w = cluster(4)
+    w.restart(2, "--test-fault", "cmd=SET_TENSOR|SET_TENSOR_HASH,after=1,action=kill")
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2), w.endpoint(3)]) as c:
+        want, _ = decode_run(c, N_GEN, False)
+        tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 4 and w.kill(1))
+        assert tokens == want
+        assert c.endpoints()[1]["endpoint"] == w.endpoint(3)
+        assert not w.workers[2].alive()
+        assert c.stats["spare_takeovers"] == 1
+
+
+def test_batched_sequences_with_removals_replay_exactly(model, cluster):
+    """Steps that mix sequences, sequences removed and new ones started (as the
+    HTTP server's batching does): after a kill and restart the logits of every
+    later step are the same bits, and the journal kept only what live rows need."""
+    w = cluster(2)
+    rng = random.Random(5)
+    script = []  # (new sequences this step, sequences removed before it)
+    for step in range(30):
+        script.append((rng.sample(range(4), rng.randint(0, 1)), rng.sample(range(4), rng.randint(0, 1))))
+
+    def run(c, fault=None):
+        c.kv_clear()
+        pos, logits = {}, []
+        for step, (start, remove) in enumerate(script):
+            for s in remove:
+                c.kv_seq_rm(s)
+                pos.pop(s, None)
+            if fault:
+                fault(step)
+            tokens, positions, seqs = [], [], []
+            for s in sorted(set(pos) | set(start)):
+                n = 3 if s not in pos else 1
+                p0 = pos.get(s, 0)
+                if p0 + n > 12:  # keep within n_ctx: the sequence starts over
+                    c.kv_seq_rm(s)
+                    p0 = 0
+                tokens += [(17 * s + 5 * (p0 + k)) % 250 + 3 for k in range(n)]
+                positions += list(range(p0, p0 + n))
+                seqs += [[s]] * n
+                pos[s] = p0 + n
+            if not tokens:
+                continue
+            assert c.decode_resuming(Batch(tokens, positions, seqs, [True] * len(tokens))) == OK, c.last_error
+            logits.append(c.logits(-1).copy())
+        return logits
+
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)]) as c:
+        want = run(c)
+        got = run(c, lambda step: step in (11, 23) and w.kill(1, restart_after=RESTART_AFTER))
+        w.join()
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+        assert c.stats["resumes"] == 2
+        assert len(c._resume.journal) < 30  # pruned: steps of removed sequences are gone
