@@ -157,8 +157,8 @@ class Coordinator:
 
     def _lose_kv(self) -> set[int]:
         """An endpoint latched: every sequence's KV cache is gone with its buffers
-        (resuming: the table stays, the rows are rebuilt when the stage is back)."""
-        self._out = NO_OUTPUT  # it continued sequences that are gone
+        (resuming: the table stays, the rows are rebuilt when the stage is back,
+        and the last step's outputs stay readable: they are right)."""
         if self._resume.enabled:
             return set()
         return self._forget_kv()
@@ -167,7 +167,7 @@ class Coordinator:
         """Clear the KV table; the sequences it held, to re-feed."""
         lost = self.kv.seqs_present()
         self.kv.clear()
-        self._out = NO_OUTPUT
+        self._out = NO_OUTPUT  # it continued sequences that are gone
         self._endpoints.needs_refeed |= lost
         return lost
 

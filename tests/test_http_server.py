@@ -26,12 +26,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, endpoints: list[str], parallel: int = 8):
+    def __init__(self, endpoints: list[str], parallel: int = 8, args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "coordinator", "serve", "--endpoints", ",".join(endpoints),
                "--port", str(self.port), "--parallel", str(parallel), "--ctx-per-slot", "256",
-               "--log-level", "info"]
+               "--log-level", "info", *args]
         self.log = open(f"/tmp/serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
@@ -121,7 +121,8 @@ def wait_healthy(server, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
-    server = Server([w.endpoint for w in workers])
+    # resuming off: the worker-fault tests here check what a request sees without it (tests/test_resume.py: with)
+    server = Server([w.endpoint for w in workers], args=("--resume-within", "0"))
     yield server, workers
     server.stop()
     for w in workers:

@@ -313,3 +313,46 @@ def test_batched_sequences_with_removals_replay_exactly(model, cluster):
         assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
         assert c.stats["resumes"] == 2
         assert len(c._resume.journal) < 30  # pruned: steps of removed sequences are gone
+
+
+def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
+    """serve (resuming on by default): a worker killed during two streaming
+    requests and back 0.5 s later; /health says degraded (200) meanwhile; both
+    streams complete with no error event, the greedy one with the text it has
+    alone without a fault."""
+    from test_http_server import Server, get, stream, stream_text
+
+    w = cluster(2)
+    server = Server([w.endpoint(0), w.endpoint(1)], parallel=2, args=("-m", str(model)))
+    try:
+        url = server.url + "/v1/completions"
+        greedy = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+        seeded = {"prompt": "one day", "max_tokens": 64, "temperature": 0.9, "seed": 4}
+        want = stream_text(asyncio.run(stream(url, greedy)))
+
+        async def scenario():
+            first = asyncio.create_task(stream(url, greedy))
+            second = asyncio.create_task(stream(url, seeded))
+            await asyncio.sleep(0.1)
+            w.kill(1, restart_after=RESTART_AFTER)
+            seen = []
+            while not first.done():
+                status, body = await get(server.url + "/health")
+                seen.append((status, body.get("status"), body.get("reasons")))
+                await asyncio.sleep(0.05)
+            return await first, await second, seen
+
+        first, second, seen = asyncio.run(scenario())
+        w.join()
+        for events in (first, second):
+            assert not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+            assert events[-1] == "[DONE]"
+        assert stream_text(first) == want
+        assert all(status == 200 for status, _, _ in seen), seen
+        assert any(s == "degraded" and any("resuming" in r for r in reasons) for _, s, reasons in seen), seen
+        status, text = asyncio.run(get(server.url + "/metrics"))
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["ggml_resumes_total"] >= 1 and values["ggml_replayed_tokens_total"] > 0, values
+    finally:
+        server.stop()
