@@ -59,7 +59,8 @@ class Coordinator:
                  use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
                  auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] | None = None,
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
-                 head_split: bool = True, resume_within: float | None = None, spares: Sequence[str] = ()):
+                 head_split: bool = True, resume_within: float | None = None, spares: Sequence[str] = (),
+                 spare_after: float | None = None):
         """Fault handling: `connect_timeout` bounds connecting plus HELLO;
         `liveness_timeout` is the detection bound for a stopped, hung or cut-off
         worker while a request is outstanding (None disables the liveness pings:
@@ -84,14 +85,15 @@ class Coordinator:
         instead of failing when a worker is lost: the endpoint is reconnected
         automatically (backoff 0.1 s doubling to 0.5 s unless
         `reconnect_backoff` says otherwise) or, once it has been down for a
-        while, its stage moves to one of `spares` (host:port workers); the KV
+        while (`spare_after` seconds; default min(1 s, resume_within / 4)),
+        its stage moves to one of `spares` (host:port workers); the KV
         cache is rebuilt by replaying the steps exactly as first decoded, and
         the step is retried: the same text as without the failure. Not back
         within `resume_within`: the original error."""
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
         spares = checked_setup(list(spares), None, n_batch, threads)[0] if spares else []
         self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0}
-        self._resume = Resumer(self, resume_within, spares, self.stats)
+        self._resume = Resumer(self, resume_within, spares, self.stats, spare_after)
         if self._resume.enabled:
             auto_reconnect = True  # the stage comes back by the automatic reconnect
         if reconnect_backoff is None:

@@ -190,6 +190,7 @@ class EndpointSet:
             # connect and upload outside the decode lock: decodes keep failing fast meanwhile
             targets = self.resumer.candidates(p) if spares and self.resumer is not None else [p.endpoint]
             ex, target, own_failure = None, None, None
+            started = time.monotonic()
             for target in targets:
                 if target != p.endpoint and not self.resumer.claim(target):
                     continue  # another stage took that spare meanwhile
@@ -213,8 +214,11 @@ class EndpointSet:
                 p.executor = ex
                 self.watch(p, ex)
                 p.failure = None
+                took = time.monotonic() - started
                 self.stats["reconnects"] += 1
-                log.info("endpoint reconnected", endpoint=p.endpoint, needs_refeed=sorted(self.needs_refeed))
+                self.stats["reconnect_seconds"] = self.stats.get("reconnect_seconds", 0.0) + took
+                log.info("endpoint reconnected", endpoint=p.endpoint, seconds=round(took, 3),
+                         needs_refeed=sorted(self.needs_refeed))
                 if self.resumer is not None:
                     await self.resumer.reconnected(self.places, self.latch)
 

@@ -47,6 +47,8 @@ class Resumer:
         self.spares: list[str] = list(spares)
         if self.spares and self.resume_within is None:
             raise ValueError("spares need resume_within: a spare takes over a stage while a generation waits")
+        if spare_after is not None and not spare_after >= 0:
+            raise ValueError(f"spare_after must be a number of seconds (at least 0) or None, not {spare_after!r}")
         # a spare takes over a stage that has been down this long (its own worker may be restarting)
         self.spare_after = (min(1.0, self.resume_within / 4) if spare_after is None and self.resume_within
                             else spare_after)

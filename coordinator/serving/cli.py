@@ -126,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"{SERVE_RESUME_WITHIN:g}; 0: fail at once)")
     s.add_argument("--spares", default=None, metavar="HOST:PORT,...",
                    help="workers that take over the stage of a worker that does not come back quickly")
+    s.add_argument("--spare-after", type=_seconds, default=None, metavar="S",
+                   help="how long a lost worker may take to come back before a spare takes its stage "
+                        "(default: 1 s, or a quarter of --resume-within if that is less)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -350,7 +353,8 @@ def _serve(args, socks) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
                             head_split=args.head_split, resume_within=args.resume_within or None,
-                            spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()])
+                            spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()],
+                            spare_after=args.spare_after)
         except (ConnectionError, OSError, ValueError) as exc:
             print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
             return EXIT_CONNECT_FAILED
