@@ -56,7 +56,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess lives in the tests' conftest
 
-from conftest import DaemonProcess  # noqa: E402
+from conftest import DaemonProcess, WorkerSet  # noqa: E402
 from coordinator.api import Batch, Coordinator, DecodeResult  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -125,7 +125,7 @@ def main() -> int:
     wargs = ("-t", str(args.threads), "--cache", cache)
     if args.resume:
         try:
-            return resume_bench(args, model, wargs)
+            return resume_bench(args, model, cache)
         finally:
             tmp.cleanup()
     a = DaemonProcess(*wargs)
@@ -187,51 +187,13 @@ RESUME_TOKENS = 48
 HTTP_PROMPTS = ("The capital of France is", "Once upon a time", "Water boils at", "My favourite food is")
 
 
-class Workers:
-    """A, B and the spare S on loopback; any can be killed and restarted on its port."""
-
-    def __init__(self, wargs):
-        self.wargs = wargs
-        self.procs = [DaemonProcess(*wargs) for _ in range(3)]
-        self.threads: list[threading.Thread] = []
-
-    def endpoint(self, i: int) -> str:
-        return f"127.0.0.1:{self.procs[i].port}"
-
-    def index(self, endpoint: str) -> int:
-        return [self.endpoint(i) for i in range(3)].index(endpoint)
-
-    def restart(self, i: int, after: float = 0.0, listening: list | None = None) -> None:
-        """Start worker i again on its port `after` seconds from now (in a thread if after > 0)."""
-        port = self.procs[i].port
-
-        def go():
-            time.sleep(after)
-            self.procs[i].kill()
-            self.procs[i] = DaemonProcess(*self.wargs, port=port)
-            if listening is not None:
-                listening.append(time.monotonic())
-        if after <= 0:
-            return go()
-        t = threading.Thread(target=go, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(60)
-        self.threads.clear()
-
-    def close(self) -> None:
-        self.join()
-        for d in self.procs:
-            d.stop()
-            d.kill()
-
-
 def baseline(c: Coordinator) -> tuple[str, int]:
     """The fault-free text of the stream, and its number of pieces."""
+    c.generate(PROMPT, max_tokens=4)  # warm: graphs sent
+    started = time.perf_counter()
     pieces = list(c.stream(PROMPT, max_tokens=RESUME_TOKENS))
+    print(f"fault-free stream: {(time.perf_counter() - started) / RESUME_TOKENS * 1000:.1f} ms a token",
+          file=sys.stderr)
     if len(pieces) < 4:
         raise SystemExit(f"the model stops after {len(pieces)} pieces of {PROMPT!r}: too few to fault")
     return "".join(pieces), len(pieces)
@@ -250,25 +212,25 @@ def faulted_stream(c: Coordinator, at: int, fault) -> tuple[str, float, float]:
     return "".join(pieces), killed, resumed
 
 
-def resume_bench(args, model, wargs) -> int:
+def resume_bench(args, model, cache) -> int:
     from coordinator.api import Coordinator as C
 
     global PROMPT
     if model and model.endswith("tiny.gguf"):
         PROMPT = "water"
     rng = random.Random(1)
-    w = Workers(wargs)
+    w = WorkerSet(cache, 3)
     rows_c, rows_d, http = [], [], None
     try:
         with C([w.endpoint(0), w.endpoint(1)], model=model, split=[1, 1], n_ctx=256, threads=args.threads,
                resume_within=30, spares=[w.endpoint(2)], spare_after=10.0) as c:
             want, n = baseline(c)
             for _ in range(args.reps):  # (c) kill -9, restart after 0.5 s: B comes back (spare_after is 10 s)
-                stats0, listening = dict(c.stats), []
-                text, killed, resumed = faulted_stream(c, rng.randint(1, n - 2), lambda: (
-                    w.procs[1].kill(), w.restart(1, 0.5, listening)))
+                stats0 = dict(c.stats)
+                text, killed, resumed = faulted_stream(c, rng.randint(1, n - 2), lambda: w.kill(1, 0.5))
                 w.join()
-                rows_c.append((text == want, resumed - killed, listening[0] - killed, resumed - listening[0],
+                back = w.listening[-1]
+                rows_c.append((text == want, resumed - killed, back - killed, resumed - back,
                                c.stats["replay_seconds"] - stats0["replay_seconds"],
                                c.stats["replayed_tokens"] - stats0["replayed_tokens"]))
         with C([w.endpoint(0), w.endpoint(1)], model=model, split=[1, 1], n_ctx=256, threads=args.threads,
@@ -277,7 +239,7 @@ def resume_bench(args, model, wargs) -> int:
             for _ in range(args.reps):  # (d) kill -9 of the second stage's worker, no restart: a spare takes it
                 holder = w.index(c.endpoints()[1]["endpoint"])
                 stats0 = dict(c.stats)
-                text, killed, resumed = faulted_stream(c, rng.randint(1, n - 2), lambda: w.procs[holder].kill())
+                text, killed, resumed = faulted_stream(c, rng.randint(1, n - 2), lambda: w.kill(holder))
                 took_over = c.endpoints()[1]["endpoint"] != w.endpoint(holder)
                 rows_d.append((text == want and took_over, resumed - killed,
                                c.stats["reconnect_seconds"] - stats0.get("reconnect_seconds", 0.0),
@@ -307,7 +269,7 @@ def resume_bench(args, model, wargs) -> int:
     return 0
 
 
-def http_faults(args, model, w: Workers, rng: random.Random):
+def http_faults(args, model, w: WorkerSet, rng: random.Random):
     import asyncio
 
     from test_http_server import Server, get, stream, stream_text
@@ -332,7 +294,7 @@ def http_faults(args, model, w: Workers, rng: random.Random):
         """Every worker up, the server serving on two of them."""
         w.join()
         for i in range(3):
-            if not w.procs[i].alive():
+            if not w.workers[i].alive():
                 w.restart(i)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -354,12 +316,10 @@ def http_faults(args, model, w: Workers, rng: random.Random):
 
             def fault():
                 if kind == "SIGSTOP + SIGCONT":
-                    w.procs[victim].signal(signal.SIGSTOP)
-                    threading.Timer(rng.uniform(1.0, 3.0), w.procs[victim].signal, (signal.SIGCONT,)).start()
+                    w.workers[victim].signal(signal.SIGSTOP)
+                    threading.Timer(rng.uniform(1.0, 3.0), w.workers[victim].signal, (signal.SIGCONT,)).start()
                 else:
-                    w.procs[victim].kill()
-                    if kind == "kill -9 + restart":
-                        w.restart(victim, rng.uniform(0.2, 1.5))
+                    w.kill(victim, rng.uniform(0.2, 1.5) if kind == "kill -9 + restart" else None)
             events = asyncio.run(round_(fault))
             errors += sum(1 for ev in events for e in ev if isinstance(e, dict) and "error" in e)
             differing += sum(1 for ev, t in zip(events, want) if stream_text(ev) != t)

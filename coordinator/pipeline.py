@@ -17,6 +17,8 @@ from coordinator.models.common import HParams, StepShape
 from coordinator.results import FailureKind, StageFailed
 from coordinator.stage import StageOutput
 
+REPLAY_AHEAD = 4  # replayed steps a stage may run ahead of the next one (hidden states held)
+
 
 class StepFailed(Exception):
     """`reported`: what the decode reports (a StageFailed, or any other
@@ -50,6 +52,19 @@ def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     return logits
 
 
+def _stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
+    """Stage `p`'s graph inputs: the step's common ones, and the tokens (first
+    stage) or the hidden state from the stage before, and the output rows (last)."""
+    inputs = dict(common)
+    if p.stage.first:
+        inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
+    else:
+        inputs["hidden"] = hidden
+    if p.stage.last:
+        inputs["out_rows"] = out_rows
+    return inputs
+
+
 async def _failures_as_step_failed(coro):
     try:
         return await coro
@@ -74,14 +89,38 @@ class Pipeline:
         written on every worker. Raises StepFailed."""
         return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy))
 
-    async def replay(self, step, through: int) -> None:
-        """Journal step `step` (kv_journal.JournalStep) again, as it was first
-        decoded, through the stages 0..`through` only: it rewrites their KV rows
-        (the ones after keep theirs); no head round. Raises StepFailed."""
-        mask, mask_swa = step.masks()
-        inputs = self._common(step.pos, step.rows, mask, mask_swa)
-        await _failures_as_step_failed(self._forward(step.tokens, step.shape, inputs, step.out_rows,
-                                                     self.places[: through + 1]))
+    async def replay(self, steps: list, through: int) -> None:
+        """Journal steps (kv_journal.JournalStep) again, in order, as they were
+        first decoded, through the stages 0..`through` only: their KV rows are
+        rewritten (the stages after keep theirs); no head round. The stages
+        work as a pipeline: stage k replays step i while stage k-1 replays step
+        i+1 (each takes the steps in order, as its KV rows need). Raises
+        StepFailed; the first failure cancels the rest (no request is left in
+        flight: a cancelled request's late reply is dropped)."""
+        places = self.places[: through + 1]
+        links = [asyncio.Queue(maxsize=REPLAY_AHEAD) for _ in places[1:]]
+
+        async def replay_stage(k: int, p) -> None:
+            for step in steps:
+                if k == 0:
+                    mask, mask_swa = step.masks()
+                    common, hidden = self._common(step.pos, step.rows, mask, mask_swa), None
+                else:
+                    common, hidden = await links[k - 1].get()
+                inputs = _stage_inputs(p, common, step.tokens, hidden, step.out_rows)
+                out = _read(p, await p.executor.run(p.stage, step.shape, inputs), step.shape)
+                if k < len(links):
+                    await links[k].put((common, out.hidden))
+
+        try:
+            async with asyncio.TaskGroup() as stages:
+                for k, p in enumerate(places):
+                    stages.create_task(replay_stage(k, p))
+        except BaseExceptionGroup as group:
+            failures = [exc for exc in group.exceptions if not isinstance(exc, asyncio.CancelledError)]
+            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
+            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
+            raise StepFailed(bug or (lost or failures)[0], lost) from None
 
     def _common(self, tok_pos, rows, mask, mask_swa) -> dict:
         common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
@@ -93,13 +132,7 @@ class Pipeline:
         """The stages in `places` one after another; the last one's output."""
         hidden = out = None
         for p in places:
-            inputs = dict(common)
-            if p.stage.first:
-                inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
-            else:
-                inputs["hidden"] = hidden
-            if p.stage.last:
-                inputs["out_rows"] = out_rows
+            inputs = _stage_inputs(p, common, tokens, hidden, out_rows)
             out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
             hidden = out.hidden
         return out

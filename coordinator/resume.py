@@ -102,8 +102,7 @@ class Resumer:
         steps = self.journal.prune(self.coord.kv.pos >= 0)
         started = time.perf_counter()
         try:
-            for step in steps:
-                await self.coord._pipeline.replay(step, through)
+            await self.coord._pipeline.replay(steps, through)
         except StepFailed as failed:
             if failed.lost:  # a worker failed during the replay: it latches and is resumed in turn
                 for exc in failed.lost:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
+from conftest import WorkerSet
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult
 from coordinator.sampling import Sampler
 
@@ -37,55 +37,12 @@ def model(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
 
 
-class Cluster:
-    """Workers on loopback with one tensor cache; any of them can be killed,
-    stopped and restarted on its port."""
-
-    def __init__(self, cache_dir, n: int):
-        self.cache = str(cache_dir)
-        self.workers = [self._start() for _ in range(n)]
-        self.restarts: list[threading.Thread] = []
-
-    def _start(self, port: int = 0, *args: str) -> DaemonProcess:
-        return DaemonProcess("-t", "1", "--cache", self.cache, *args, port=port)
-
-    def endpoint(self, i: int) -> str:
-        return self.workers[i].endpoint
-
-    def kill(self, i: int, restart_after: float | None = None) -> None:
-        """kill -9 worker i; with `restart_after`, start it again on its port that much later."""
-        w = self.workers[i]
-        w.kill()
-        if restart_after is not None:
-            def restart():
-                time.sleep(restart_after)
-                self.workers[i] = self._start(w.port)
-            t = threading.Thread(target=restart, daemon=True)
-            t.start()
-            self.restarts.append(t)
-
-    def restart(self, i: int, *args: str) -> None:
-        self.workers[i].kill()
-        self.workers[i] = self._start(self.workers[i].port, *args)
-
-    def join(self) -> None:
-        for t in self.restarts:
-            t.join(30)
-        self.restarts.clear()
-
-    def close(self) -> None:
-        self.join()
-        for w in self.workers:
-            w.stop()
-            w.kill()
-
-
 @pytest.fixture
 def cluster(tmp_path_factory):
     made = []
 
-    def make(n: int) -> Cluster:
-        made.append(Cluster(tmp_path_factory.mktemp("tensor-cache"), n))
+    def make(n: int) -> WorkerSet:
+        made.append(WorkerSet(tmp_path_factory.mktemp("tensor-cache"), n))
         return made[-1]
 
     yield make
@@ -270,6 +227,21 @@ def test_a_spare_that_dies_during_takeover(model, cluster):
         assert c.stats["spare_takeovers"] == 1
 
 
+def test_a_spare_that_dies_during_the_replay(model, cluster):
+    """The first spare takes the weights but is killed by its third compute, in
+    the middle of rebuilding the KV cache: it is latched in turn and the second
+    spare takes over; the tokens are the same."""
+    w = cluster(4)
+    w.restart(2, "--test-fault", "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=2,action=kill")
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2), w.endpoint(3)]) as c:
+        want, _ = decode_run(c, N_GEN, False)
+        tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 10 and w.kill(1))
+        assert tokens == want
+        assert not w.workers[2].alive()
+        assert c.endpoints()[1]["endpoint"] == w.endpoint(3)
+        assert c.stats["spare_takeovers"] == 2 and c.stats["kv_rebuilds"] == 1, c.stats
+
+
 def test_batched_sequences_with_removals_replay_exactly(model, cluster):
     """Steps that mix sequences, sequences removed and new ones started (as the
     HTTP server's batching does): after a kill and restart the logits of every
@@ -356,3 +328,15 @@ def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
         assert values["ggml_resumes_total"] >= 1 and values["ggml_replayed_tokens_total"] > 0, values
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    ({"resume_within": 0}, "resume_within must be a positive number"),
+    ({"resume_within": -1}, "resume_within must be a positive number"),
+    ({"spares": ["127.0.0.1:1"]}, "spares need resume_within"),
+    ({"resume_within": 5, "spares": ["nohost"]}, "nohost"),
+    ({"resume_within": 5, "spare_after": -1}, "spare_after must be"),
+])
+def test_bad_resume_settings_are_refused_before_connecting(model, kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Coordinator(["127.0.0.1:1"], model=model, **kw)  # nothing listens there: refused before connecting
