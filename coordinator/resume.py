@@ -134,6 +134,9 @@ class Resumer:
         if code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
             return code
         first = (c.last_error, c.last_cause, c.last_failed_endpoint)
+        for f in c._endpoints.failed():  # the failure itself, not a later fast-fail's "[latched ...]" form
+            if f.endpoint == first[2]:
+                first = (f.cause, f.kind, f.endpoint)
         paused = time.monotonic()
         deadline = paused + self.resume_within
         log.warning("decode paused: waiting for the stage to resume", endpoint=first[2], cause=first[0],

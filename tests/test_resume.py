@@ -4,6 +4,7 @@ tokens (and logits, bit for bit) compared with a run without faults."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import threading
@@ -340,3 +341,63 @@ def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
 def test_bad_resume_settings_are_refused_before_connecting(model, kw, fragment):
     with pytest.raises(ValueError, match=fragment):
         Coordinator(["127.0.0.1:1"], model=model, **kw)  # nothing listens there: refused before connecting
+
+
+def _http_stream_with_a_kill(server, w, body: dict, victim: int) -> list:
+    """The SSE events of a stream during which worker `victim` is killed (not
+    restarted), as soon as the first event has arrived."""
+    import aiohttp
+
+    async def scenario():
+        events = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(server.url + "/v1/completions", json=dict(body, stream=True)) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        payload = line[6:].strip().decode()
+                        events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        if len(events) == 1:
+                            w.kill(victim)
+        return events
+    return asyncio.run(scenario())
+
+
+def test_http_spare_takes_over_and_health_says_degraded(model, cluster):
+    from test_http_server import Server, get, stream, stream_text
+
+    w = cluster(3)
+    server = Server([w.endpoint(0), w.endpoint(1)], parallel=2,
+                    args=("-m", str(model), "--spares", w.endpoint(2)))
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+        want = stream_text(asyncio.run(stream(server.url + "/v1/completions", body)))
+        events = _http_stream_with_a_kill(server, w, body, 1)
+        assert not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+        assert stream_text(events) == want
+        status, health = asyncio.run(get(server.url + "/health"))
+        assert status == 200 and health["status"] == "degraded", health
+        assert health["reasons"] == [f"{w.endpoint(2)} holds the stage of {w.endpoint(1)} (spare)"], health
+        assert [e.get("spare_for") for e in health["endpoints"]] == [None, w.endpoint(1)], health
+        status, text = asyncio.run(get(server.url + "/metrics"))
+        assert "ggml_spare_takeovers_total 1.0" in text and "ggml_resumes_total 1.0" in text
+    finally:
+        server.stop()
+
+
+def test_http_gives_up_after_resume_within_with_the_original_cause(model, cluster):
+    from test_http_server import Server, get
+
+    w = cluster(2)
+    server = Server([w.endpoint(0), w.endpoint(1)], parallel=2,
+                    args=("-m", str(model), "--resume-within", "1.5"))
+    try:
+        events = _http_stream_with_a_kill(server, w, {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}, 1)
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == "ENDPOINT_FAILED", events[-3:]
+        assert errors[0]["endpoint"] == w.endpoint(1) and "closed the connection" in errors[0]["message"], errors
+        assert "latched" not in errors[0]["message"]  # the failure itself, not a later fast-fail
+        assert events[-1] == "[DONE]"
+        status, health = asyncio.run(get(server.url + "/health"))
+        assert status == 503 and "endpoints failed" in health["reasons"], health
+    finally:
+        server.stop()
