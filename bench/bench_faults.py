@@ -231,6 +231,7 @@ def resume_bench(args, model, cache) -> int:
                 w.join()
                 back = w.listening[-1]
                 rows_c.append((text == want, resumed - killed, back - killed, resumed - back,
+                               c.stats["reconnect_seconds"] - stats0.get("reconnect_seconds", 0.0),
                                c.stats["replay_seconds"] - stats0["replay_seconds"],
                                c.stats["replayed_tokens"] - stats0["replayed_tokens"]))
         with C([w.endpoint(0), w.endpoint(1)], model=model, split=[1, 1], n_ctx=256, threads=args.threads,
@@ -246,16 +247,17 @@ def resume_bench(args, model, cache) -> int:
                                c.stats["replay_seconds"] - stats0["replay_seconds"],
                                c.stats["replayed_tokens"] - stats0["replayed_tokens"]))
                 w.restart(holder)  # back as a spare for the next repetition
-        http = http_faults(args, model, w, rng)
+        http = http_faults(args, model, w, rng) if args.faults else None
     finally:
         w.close()
     print(f"model: {model or 'bundled Gemma 3 270M'}; workers A, B and spare S on loopback; "
           f"{RESUME_TOKENS}-token greedy streams")
     print("\n(c) kill -9 of B, restarted on its port 0.5 s later (seconds)")
-    print(f"    {'same text':>9} {'pause':>7} {'B back':>7} {'after':>7} {'replay':>7} {'tokens':>7}")
-    for same, pause, back, after, replay, tokens in rows_c:
-        print(f"    {str(same):>9} {pause:>7.3f} {back:>7.3f} {after:>7.3f} {replay:>7.3f} {tokens:>7}")
-    print("    pause: kill -> next piece; B back: kill -> B listening again; after: B listening -> next piece")
+    print(f"    {'same text':>9} {'pause':>7} {'B back':>7} {'after':>7} {'upload':>7} {'replay':>7} {'tokens':>7}")
+    for same, pause, back, after, upload, replay, tokens in rows_c:
+        print(f"    {str(same):>9} {pause:>7.3f} {back:>7.3f} {after:>7.3f} {upload:>7.3f} {replay:>7.3f} {tokens:>7}")
+    print("    pause: kill -> next piece; B back: kill -> B listening again; after: B listening -> next piece;")
+    print("    upload: connect and weights (tensor cache); replay: rebuilding the KV cache")
     print("\n(d) kill -9 of the second stage's worker, no restart: a spare takes over (seconds)")
     print(f"    {'same text':>9} {'pause':>7} {'upload':>7} {'replay':>7} {'tokens':>7}")
     for same, pause, upload, replay, tokens in rows_d:
