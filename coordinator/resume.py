@@ -34,7 +34,7 @@ from coordinator.results import DecodeResult
 log = structlog.get_logger("coordinator.resume")
 
 POLL = 0.01  # how often a paused decode looks whether the stages are back
-RESUME_BACKOFF = (0.1, 0.5)  # reconnect attempts while resuming: a restarted worker is found within 0.5 s
+RESUME_BACKOFF = (0.05, 0.25)  # reconnect attempts while resuming: a restarted worker is found within 0.25 s
 
 
 class Resumer:
