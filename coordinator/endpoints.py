@@ -198,10 +198,11 @@ class EndpointSet:
                     ex = await self.connect(p, target)
                     break
                 except StageFailed as exc:
-                    if target != p.endpoint:
+                    if target == p.endpoint:  # always among the targets: what the latch says
+                        own_failure = exc
+                    else:
                         self.resumer.release(target)
                         log.warning("spare could not take over", spare=target, cause=exc.message)
-                    own_failure = exc if own_failure is None or target == p.endpoint else own_failure
             if ex is None:
                 exc = own_failure
                 async with self.lock:
