@@ -1,6 +1,8 @@
 """One decode step through the stages: the forward pass (stage after stage,
 the hidden state coming back here between them) and, with the output head
-split, the head round (every endpoint's share at once).
+split, the head round (every endpoint's share at once). Each step that
+succeeds is recorded in the KV journal when there is one, and `replay` runs
+journal steps again to rebuild a lost KV cache (coordinator/resume.py).
 
 It touches no latch: a failure is raised as StepFailed, naming the failure the
 decode reports and every endpoint whose connection failed, for the caller to
