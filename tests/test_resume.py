@@ -401,3 +401,37 @@ def test_http_gives_up_after_resume_within_with_the_original_cause(model, cluste
         assert status == 503 and "endpoints failed" in health["reasons"], health
     finally:
         server.stop()
+
+
+def test_journal_keeps_exactly_the_steps_live_rows_depend_on():
+    """Pruning, on the KV bookkeeping alone: a step is kept while a live row,
+    or a row a kept token attended to, was written by it."""
+    from coordinator.kv_cache import KVCells
+    from coordinator.kv_journal import StepJournal
+
+    kv, journal = KVCells(32), StepJournal()
+
+    def step(seq_tokens: dict[int, int]) -> None:
+        """One step: n new tokens for each sequence, after its last position."""
+        pos = [kv.seq_pos_max(s) + 1 + k for s, n in seq_tokens.items() for k in range(n)]
+        seqs = np.array([1 << s for s, n in seq_tokens.items() for _ in range(n)], dtype=np.uint64)
+        rows = kv.find_slot(len(pos))
+        tok_pos = np.array(pos, dtype=np.int64)
+        kv.assign(rows, tok_pos, seqs)
+        mask, _ = kv.masks(kv.n_kv(), tok_pos, seqs)
+        journal.record(np.zeros(len(pos), np.int32), rows, tok_pos, seqs, np.array([0], np.int32), True,
+                       kv.n_kv(), mask, None, kv.pos >= 0)
+
+    step({0: 3})  # 0: seq 0's prompt
+    step({1: 2})  # 1: seq 1's prompt
+    step({0: 1, 1: 1})  # 2: both
+    step({1: 1})  # 3: seq 1 alone
+    step({2: 2})  # 4: seq 2's prompt
+    kv.seq_rm(1)
+    kept = journal.prune(kv.pos >= 0)
+    # seq 1's own steps go; the mixed step stays whole (seq 0's token in it is live)
+    assert [len(s.tokens) for s in kept] == [3, 2, 2], [len(s.tokens) for s in kept]
+    kv.seq_rm(0)
+    assert [len(s.tokens) for s in journal.prune(kv.pos >= 0)] == [2]
+    kv.seq_rm(2)
+    assert journal.prune(kv.pos >= 0) == [] and len(journal) == 0
