@@ -215,32 +215,24 @@ def test_spare_after_spare_took_it_over(model, cluster):
         assert c.spares() == [w.endpoint(1)]
 
 
-def test_a_spare_that_dies_during_takeover(model, cluster):
-    """The first spare is killed while its weights upload; the second takes over."""
+@pytest.mark.parametrize("phase, fault, takeovers", [
+    ("upload", "cmd=SET_TENSOR|SET_TENSOR_HASH,after=1,action=kill", 1),
+    # it takes the weights, then its third compute, in the middle of the replay, kills it: it
+    # is latched in turn and the second spare takes over from it
+    ("replay", "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=2,action=kill", 2),
+])
+def test_a_spare_that_dies_during_takeover(model, cluster, phase, fault, takeovers):
+    """The first spare is killed while it takes over (its upload, or the KV
+    rebuild); the second takes the stage and the tokens are the same."""
     w = cluster(4)
-    w.restart(2, "--test-fault", "cmd=SET_TENSOR|SET_TENSOR_HASH,after=1,action=kill")
-    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2), w.endpoint(3)]) as c:
-        want, _ = decode_run(c, N_GEN, False)
-        tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 4 and w.kill(1))
-        assert tokens == want
-        assert c.endpoints()[1]["endpoint"] == w.endpoint(3)
-        assert not w.workers[2].alive()
-        assert c.stats["spare_takeovers"] == 1
-
-
-def test_a_spare_that_dies_during_the_replay(model, cluster):
-    """The first spare takes the weights but is killed by its third compute, in
-    the middle of rebuilding the KV cache: it is latched in turn and the second
-    spare takes over; the tokens are the same."""
-    w = cluster(4)
-    w.restart(2, "--test-fault", "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=2,action=kill")
+    w.restart(2, "--test-fault", fault)
     with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2), w.endpoint(3)]) as c:
         want, _ = decode_run(c, N_GEN, False)
         tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 10 and w.kill(1))
         assert tokens == want
-        assert not w.workers[2].alive()
         assert c.endpoints()[1]["endpoint"] == w.endpoint(3)
-        assert c.stats["spare_takeovers"] == 2 and c.stats["kv_rebuilds"] == 1, c.stats
+        assert not w.workers[2].alive()
+        assert c.stats["spare_takeovers"] == takeovers and c.stats["kv_rebuilds"] == 1, c.stats
 
 
 def test_batched_sequences_with_removals_replay_exactly(model, cluster):
