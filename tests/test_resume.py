@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import threading
 import time
@@ -29,6 +30,7 @@ N_GEN = 24
 N_CTX = 64
 RESTART_AFTER = 0.5
 SLACK = 2.0  # scheduling slack on top of a bound: two cores shared with everything else
+KILLED = re.compile(r"closed the connection|connection reset by peer")  # how a kill -9 reaches us
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,7 @@ def test_not_back_within_resume_within_fails_with_the_original_cause(model, clus
                     killed = time.monotonic()
         waited = time.monotonic() - killed
         assert err.value.code == ENDPOINT_FAILED and err.value.endpoint == w.endpoint(1)
-        assert err.value.cause == "closed" and "closed the connection" in err.value.message
+        assert err.value.cause == "closed" and KILLED.search(err.value.message), err.value.message
         assert within <= waited < within + SLACK, waited
         assert want.startswith("".join(got)) and len(got) == 4
         assert c.health()["status"] == "reconnecting"
@@ -386,7 +388,7 @@ def test_http_gives_up_after_resume_within_with_the_original_cause(model, cluste
         events = _http_stream_with_a_kill(server, w, {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}, 1)
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["code"] == "ENDPOINT_FAILED", events[-3:]
-        assert errors[0]["endpoint"] == w.endpoint(1) and "closed the connection" in errors[0]["message"], errors
+        assert errors[0]["endpoint"] == w.endpoint(1) and KILLED.search(errors[0]["message"]), errors
         assert "latched" not in errors[0]["message"]  # the failure itself, not a later fast-fail
         assert events[-1] == "[DONE]"
         status, health = asyncio.run(get(server.url + "/health"))
