@@ -4,7 +4,6 @@ tokens (and logits, bit for bit) compared with a run without faults."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import signal
@@ -282,6 +281,28 @@ def test_batched_sequences_with_removals_replay_exactly(model, cluster):
         assert len(c._resume.journal) < 30  # pruned: steps of removed sequences are gone
 
 
+# Over HTTP the client may read the first event after the server has sent them all, so the
+# worker kills itself mid-stream: at its 4th compute after arm_self_kill().
+SELF_KILL = "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=3,action=kill,armed=0"
+
+
+def arm_self_kill(w, i: int, restart_after: float | None = None) -> None:
+    """Arm worker i's SELF_KILL fault; with `restart_after`, start it again (without the
+    fault) on its port that much after it died."""
+    mark = len(w.workers[i].log_lines)
+    w.workers[i].signal(signal.SIGUSR1)
+    w.workers[i].wait_log("test fault armed", start=mark)
+    if restart_after is not None:
+        def restart():
+            deadline = time.monotonic() + 30
+            while w.workers[i].alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            w.restart(i, after=restart_after)
+        t = threading.Thread(target=restart, daemon=True)
+        t.start()
+        w.restarts.append(t)
+
+
 def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
     """serve (resuming on by default): a worker killed during two streaming
     requests and back 0.5 s later; /health says degraded (200) meanwhile; both
@@ -290,6 +311,7 @@ def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
     from test_http_server import Server, get, stream, stream_text
 
     w = cluster(2)
+    w.restart(1, "--test-fault", SELF_KILL)
     server = Server([w.endpoint(0), w.endpoint(1)], parallel=2, args=("-m", str(model)))
     try:
         url = server.url + "/v1/completions"
@@ -300,8 +322,6 @@ def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
         async def scenario():
             first = asyncio.create_task(stream(url, greedy))
             second = asyncio.create_task(stream(url, seeded))
-            await asyncio.sleep(0.1)
-            w.kill(1, restart_after=RESTART_AFTER)
             seen = []
             while not first.done():
                 status, body = await get(server.url + "/health")
@@ -309,6 +329,7 @@ def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
                 await asyncio.sleep(0.05)
             return await first, await second, seen
 
+        arm_self_kill(w, 1, RESTART_AFTER)
         first, second, seen = asyncio.run(scenario())
         w.join()
         for events in (first, second):
@@ -337,35 +358,18 @@ def test_bad_resume_settings_are_refused_before_connecting(model, kw, fragment):
         Coordinator(["127.0.0.1:1"], model=model, **kw)  # nothing listens there: refused before connecting
 
 
-def _http_stream_with_a_kill(server, w, body: dict, victim: int) -> list:
-    """The SSE events of a stream during which worker `victim` is killed (not
-    restarted), as soon as the first event has arrived."""
-    import aiohttp
-
-    async def scenario():
-        events = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-            async with s.post(server.url + "/v1/completions", json=dict(body, stream=True)) as r:
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        payload = line[6:].strip().decode()
-                        events.append(payload if payload == "[DONE]" else json.loads(payload))
-                        if len(events) == 1:
-                            w.kill(victim)
-        return events
-    return asyncio.run(scenario())
-
-
 def test_http_spare_takes_over_and_health_says_degraded(model, cluster):
     from test_http_server import Server, get, stream, stream_text
 
     w = cluster(3)
+    w.restart(1, "--test-fault", SELF_KILL)
     server = Server([w.endpoint(0), w.endpoint(1)], parallel=2,
                     args=("-m", str(model), "--spares", w.endpoint(2)))
     try:
         body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}
         want = stream_text(asyncio.run(stream(server.url + "/v1/completions", body)))
-        events = _http_stream_with_a_kill(server, w, body, 1)
+        arm_self_kill(w, 1)
+        events = asyncio.run(stream(server.url + "/v1/completions", body))
         assert not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
         assert stream_text(events) == want
         status, health = asyncio.run(get(server.url + "/health"))
@@ -379,13 +383,16 @@ def test_http_spare_takes_over_and_health_says_degraded(model, cluster):
 
 
 def test_http_gives_up_after_resume_within_with_the_original_cause(model, cluster):
-    from test_http_server import Server, get
+    from test_http_server import Server, get, stream
 
     w = cluster(2)
+    w.restart(1, "--test-fault", SELF_KILL)
     server = Server([w.endpoint(0), w.endpoint(1)], parallel=2,
                     args=("-m", str(model), "--resume-within", "1.5"))
     try:
-        events = _http_stream_with_a_kill(server, w, {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}, 1)
+        arm_self_kill(w, 1)
+        events = asyncio.run(stream(server.url + "/v1/completions",
+                                    {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}))
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["code"] == "ENDPOINT_FAILED", events[-3:]
         assert errors[0]["endpoint"] == w.endpoint(1) and KILLED.search(errors[0]["message"]), errors
