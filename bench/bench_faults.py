@@ -20,6 +20,26 @@ and prints:
       that actually fire.
 
 Every loop is bounded; with the bundled Gemma 3 270M it takes about a minute.
+
+    python bench/bench_faults.py --resume [--reps N] [--faults N] [--model PATH|tiny]
+
+measures resuming instead (Coordinator(resume_within=...), two workers A and B
+plus one spare S, every one with a tensor cache):
+
+  (c) kill -9 of B at a random token of a stream, B restarted on its port
+      0.5 s later: the text against the fault-free one, the pause (from the
+      kill to the next piece of text), how long B took to listen again, and
+      the pause after that (reconnect with its upload from the cache, replay)
+      and the replay alone.
+  (d) kill -9 of the worker holding the second stage, no restart: the spare
+      takes over (after spare_after, 1 s); the pause, the upload and the
+      replay. The killed worker is restarted afterwards and serves as the next
+      repetition's spare.
+  (e) `ggml-coordinator serve` with the same three workers, 4 concurrent
+      greedy streams and --faults randomized faults (kill -9 with a restart
+      after 0.2-1.5 s, kill -9 without one, SIGSTOP with SIGCONT after 1-3 s)
+      at a random moment of each round, on a random worker holding a stage:
+      error events and texts that differ from the fault-free round's.
 """
 from __future__ import annotations
 
@@ -36,7 +56,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess lives in the tests' conftest
 
-from conftest import DaemonProcess  # noqa: E402
+from conftest import DaemonProcess, WorkerSet  # noqa: E402
 from coordinator.api import Batch, Coordinator, DecodeResult  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -93,6 +113,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="GGUF path, or 'tiny' (default: the bundled Gemma 3 270M)")
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--resume", action="store_true", help="measure resuming (c, d, e) instead of (a, b)")
+    ap.add_argument("--faults", type=int, default=20, help="--resume: faults injected into the HTTP server")
     args = ap.parse_args()
     model = args.model
     tmp = tempfile.TemporaryDirectory(prefix="bench-faults-")
@@ -101,6 +123,11 @@ def main() -> int:
         model = write_tiny_llama(pathlib.Path(tmp.name) / "tiny.gguf", seed=0)
     cache = str(pathlib.Path(tmp.name) / "cache")
     wargs = ("-t", str(args.threads), "--cache", cache)
+    if args.resume:
+        try:
+            return resume_bench(args, model, cache)
+        finally:
+            tmp.cleanup()
     a = DaemonProcess(*wargs)
     b = DaemonProcess(*wargs)
     port_b = b.port
@@ -153,6 +180,154 @@ def main() -> int:
     for n in names:
         print(f"    {n:<10} {med[n]:>9.1f} {med[n] / med['off']:>9.3f} {pings[n]:>9}")
     return 0
+
+
+PROMPT = "The capital of France is"  # --model tiny: "water" (its greedy text runs on)
+RESUME_TOKENS = 48
+HTTP_PROMPTS = ("The capital of France is", "Once upon a time", "Water boils at", "My favourite food is")
+
+
+def baseline(c: Coordinator) -> tuple[str, int]:
+    """The fault-free text of the stream, and its number of pieces."""
+    c.generate(PROMPT, max_tokens=4)  # warm: graphs sent
+    started = time.perf_counter()
+    pieces = list(c.stream(PROMPT, max_tokens=RESUME_TOKENS))
+    print(f"fault-free stream: {(time.perf_counter() - started) / RESUME_TOKENS * 1000:.1f} ms a token",
+          file=sys.stderr)
+    if len(pieces) < 4:
+        raise SystemExit(f"the model stops after {len(pieces)} pieces of {PROMPT!r}: too few to fault")
+    return "".join(pieces), len(pieces)
+
+
+def faulted_stream(c: Coordinator, at: int, fault) -> tuple[str, float, float]:
+    """The text of a stream with `fault()` run after piece `at`; the kill time and the next piece's time."""
+    pieces, killed, resumed = [], 0.0, 0.0
+    for i, piece in enumerate(c.stream(PROMPT, max_tokens=RESUME_TOKENS)):
+        pieces.append(piece)
+        if i == at:
+            killed = time.monotonic()
+            fault()
+        elif killed and not resumed:
+            resumed = time.monotonic()
+    return "".join(pieces), killed, resumed
+
+
+def resume_bench(args, model, cache) -> int:
+    from coordinator.api import Coordinator as C
+
+    global PROMPT
+    if model and model.endswith("tiny.gguf"):
+        PROMPT = "water"
+    rng = random.Random(1)
+    w = WorkerSet(cache, 3)
+    rows_c, rows_d, http = [], [], None
+    try:
+        with C([w.endpoint(0), w.endpoint(1)], model=model, split=[1, 1], n_ctx=256, threads=args.threads,
+               resume_within=30, spares=[w.endpoint(2)], spare_after=10.0) as c:
+            want, n = baseline(c)
+            for _ in range(args.reps):  # (c) kill -9, restart after 0.5 s: B comes back (spare_after is 10 s)
+                stats0 = dict(c.stats)
+                text, killed, resumed = faulted_stream(c, rng.randint(1, n - 2), lambda: w.kill(1, 0.5))
+                w.join()
+                back = w.listening[-1]
+                rows_c.append((text == want, resumed - killed, back - killed, resumed - back,
+                               c.stats["reconnect_seconds"] - stats0.get("reconnect_seconds", 0.0),
+                               c.stats["replay_seconds"] - stats0["replay_seconds"],
+                               c.stats["replayed_tokens"] - stats0["replayed_tokens"]))
+        with C([w.endpoint(0), w.endpoint(1)], model=model, split=[1, 1], n_ctx=256, threads=args.threads,
+               resume_within=30, spares=[w.endpoint(2)]) as c:
+            want, n = baseline(c)
+            for _ in range(args.reps):  # (d) kill -9 of the second stage's worker, no restart: a spare takes it
+                holder = w.index(c.endpoints()[1]["endpoint"])
+                stats0 = dict(c.stats)
+                text, killed, resumed = faulted_stream(c, rng.randint(1, n - 2), lambda: w.kill(holder))
+                took_over = c.endpoints()[1]["endpoint"] != w.endpoint(holder)
+                rows_d.append((text == want and took_over, resumed - killed,
+                               c.stats["reconnect_seconds"] - stats0.get("reconnect_seconds", 0.0),
+                               c.stats["replay_seconds"] - stats0["replay_seconds"],
+                               c.stats["replayed_tokens"] - stats0["replayed_tokens"]))
+                w.restart(holder)  # back as a spare for the next repetition
+        http = http_faults(args, model, w, rng) if args.faults else None
+    finally:
+        w.close()
+    print(f"model: {model or 'bundled Gemma 3 270M'}; workers A, B and spare S on loopback; "
+          f"{RESUME_TOKENS}-token greedy streams")
+    print("\n(c) kill -9 of B, restarted on its port 0.5 s later (seconds)")
+    print(f"    {'same text':>9} {'pause':>7} {'B back':>7} {'after':>7} {'upload':>7} {'replay':>7} {'tokens':>7}")
+    for same, pause, back, after, upload, replay, tokens in rows_c:
+        print(f"    {str(same):>9} {pause:>7.3f} {back:>7.3f} {after:>7.3f} {upload:>7.3f} {replay:>7.3f} {tokens:>7}")
+    print("    pause: kill -> next piece; B back: kill -> B listening again; after: B listening -> next piece;")
+    print("    upload: connect and weights (tensor cache); replay: rebuilding the KV cache")
+    print("\n(d) kill -9 of the second stage's worker, no restart: a spare takes over (seconds)")
+    print(f"    {'same text':>9} {'pause':>7} {'upload':>7} {'replay':>7} {'tokens':>7}")
+    for same, pause, upload, replay, tokens in rows_d:
+        print(f"    {str(same):>9} {pause:>7.3f} {upload:>7.3f} {replay:>7.3f} {tokens:>7}")
+    print("    pause: kill -> next piece (spare_after 1 s included); upload: connect and weights to the spare")
+    if http:
+        kinds, errors, differing, rounds = http
+        print(f"\n(e) serve, 4 concurrent streams, {rounds} rounds with one randomized fault each "
+              f"({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})")
+        print(f"    error events: {errors}; texts differing from the fault-free round: {differing} of {rounds * 4}")
+    return 0
+
+
+def http_faults(args, model, w: WorkerSet, rng: random.Random):
+    import asyncio
+
+    from test_http_server import Server, get, stream, stream_text
+
+    server = Server([w.endpoint(0), w.endpoint(1)], parallel=4,
+                    args=("--spares", w.endpoint(2), *(("-m", str(model)) if model else ())))
+    url = server.url + "/v1/completions"
+
+    async def round_(fault=None):
+        tasks = [asyncio.create_task(stream(url, {"prompt": p, "max_tokens": RESUME_TOKENS, "temperature": 0},
+                                            timeout=120)) for p in HTTP_PROMPTS]
+        if fault:
+            await asyncio.sleep(rng.uniform(0.1, 1.0))
+            await asyncio.get_running_loop().run_in_executor(None, fault)
+        return await asyncio.gather(*tasks)
+
+    def holders() -> list[int]:
+        _, body = asyncio.run(get(server.url + "/health"))
+        return [w.index(e["endpoint"]) for e in body["endpoints"]]
+
+    def settle() -> None:
+        """Every worker up, the server serving on two of them."""
+        w.join()
+        for i in range(3):
+            if not w.workers[i].alive():
+                w.restart(i)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status, body = asyncio.run(get(server.url + "/health"))
+            if status == 200 and not any(e.get("failed") for e in body["endpoints"]):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the server did not settle: {body}")
+
+    kinds: dict[str, int] = {}
+    errors = differing = 0
+    try:
+        want = [stream_text(ev) for ev in asyncio.run(round_())]
+        for _ in range(args.faults):
+            settle()
+            victim = rng.choice(holders())
+            kind = rng.choice(("kill -9 + restart", "kill -9", "SIGSTOP + SIGCONT"))
+            kinds[kind] = kinds.get(kind, 0) + 1
+
+            def fault():
+                if kind == "SIGSTOP + SIGCONT":
+                    w.workers[victim].signal(signal.SIGSTOP)
+                    threading.Timer(rng.uniform(1.0, 3.0), w.workers[victim].signal, (signal.SIGCONT,)).start()
+                else:
+                    w.kill(victim, rng.uniform(0.2, 1.5) if kind == "kill -9 + restart" else None)
+            events = asyncio.run(round_(fault))
+            errors += sum(1 for ev in events for e in ev if isinstance(e, dict) and "error" in e)
+            differing += sum(1 for ev, t in zip(events, want) if stream_text(ev) != t)
+        return kinds, errors, differing, args.faults
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

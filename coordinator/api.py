@@ -40,6 +40,7 @@ from coordinator.models import architecture
 from coordinator.pipeline import Pipeline, StepFailed
 from coordinator.planning import (PAGE, DoesNotFit, checked_setup, compute_reserve, default_model_path, endpoint_free,
                                   fit_split, plan_rows, plan_split, split_weights)
+from coordinator.resume import RESUME_BACKOFF, Resumer
 from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeResult, EndpointFailure,
                                  EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
@@ -57,9 +58,11 @@ class Coordinator:
                  split: Sequence[float] | None = None, n_ctx: int = 2048, n_batch: int = 512,
                  threads: int = 1, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
                  use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
-                 auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] = (0.25, 8.0),
+                 auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] | None = None,
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
-                 head_split: bool = True, on_upload: Callable[[int, int], None] | None = None):
+                 head_split: bool = True, on_upload: Callable[[int, int], None] | None = None,
+                 resume_within: float | None = None, spares: Sequence[str] = (),
+                 spare_after: float | None = None):
         """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
         extra (without it: FileNotFoundError, before anything is started).
 
@@ -86,8 +89,26 @@ class Coordinator:
         `on_upload(done, total)` (bytes of weights) is called when the upload
         starts and after every chunk, from the coordinator's I/O thread: the
         server uses it to keep systemd's start timeout from expiring while a big
-        model uploads (rpc_daemon/service/systemd.py, StartTimeoutExtender)."""
+        model uploads (rpc_daemon/service/systemd.py, StartTimeoutExtender).
+
+        Resuming (docs/failure-semantics.md, "Resuming"): with `resume_within`
+        (seconds) set, generate/stream/astream (and decode_resuming) pause
+        instead of failing when a worker is lost: the endpoint is reconnected
+        automatically (backoff 0.05 s doubling to 0.25 s unless
+        `reconnect_backoff` says otherwise) or, once it has been down for a
+        while (`spare_after` seconds; default min(1 s, resume_within / 4)),
+        its stage moves to one of `spares` (host:port workers); the KV
+        cache is rebuilt by replaying the steps exactly as first decoded, and
+        the step is retried: the same text as without the failure. Not back
+        within `resume_within`: the original error."""
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
+        spares = checked_setup(list(spares), None, n_batch, threads)[0] if spares else []
+        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0}
+        self._resume = Resumer(self, resume_within, spares, self.stats, spare_after)
+        if self._resume.enabled:
+            auto_reconnect = True  # the stage comes back by the automatic reconnect
+        if reconnect_backoff is None:
+            reconnect_backoff = RESUME_BACKOFF if self._resume.enabled else (0.25, 8.0)
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
         self.threads = threads
@@ -99,13 +120,12 @@ class Coordinator:
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
         self.last_cause: FailureKind | None = None
-        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0}
         self._io = LoopThread()
         self._lock = asyncio.Lock()  # one decode step at a time; latching and KV edits between steps
         self._out = NO_OUTPUT  # what the last decode left to read
         self._generations = Generations(self)
         self._endpoints = EndpointSet(endpoints, self._io, self._lock, self._connect, self._lose_kv,
-                                      auto_reconnect, reconnect_backoff, self.stats)
+                                      auto_reconnect, reconnect_backoff, self.stats, self._resume)
         self.gguf = GGUFFile(self.model_path)
         try:
             self.arch = architecture(self.gguf.architecture)
@@ -115,7 +135,7 @@ class Coordinator:
             if self.n_ctx < 1:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
-            self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split)
+            self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal)
             self._run(self._open(split, progress, on_upload))
         except BaseException:
             self.close()
@@ -146,9 +166,9 @@ class Coordinator:
     def _new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self._exec_opts)
 
-    async def _connect(self, p: Placement):
-        """A new connection to `p`'s endpoint with its stage's weights (reconnect)."""
-        ex = self._new_executor(p.endpoint)
+    async def _connect(self, p: Placement, endpoint: str):
+        """A new connection to `endpoint` (`p`'s, or a spare's) with `p`'s stage's weights (reconnect)."""
+        ex = self._new_executor(endpoint)
         try:
             await ex.open()
             await ex.load(p.stage, self.gguf)
@@ -158,10 +178,19 @@ class Coordinator:
         return ex
 
     def _lose_kv(self) -> set[int]:
-        """An endpoint latched: every sequence's KV cache is gone with its buffers."""
+        """An endpoint latched: every sequence's KV cache is gone with its buffers
+        (resuming: the table stays, the rows are rebuilt when the stage is back,
+        and the last step's outputs stay readable: they are right)."""
+        if self._resume.enabled:
+            return set()
+        return self._forget_kv()
+
+    def _forget_kv(self) -> set[int]:
+        """Clear the KV table; the sequences it held, to re-feed."""
         lost = self.kv.seqs_present()
         self.kv.clear()
         self._out = NO_OUTPUT  # it continued sequences that are gone
+        self._endpoints.needs_refeed |= lost
         return lost
 
     # the loop thread and the endpoints' state, by their old names
@@ -183,8 +212,11 @@ class Coordinator:
     def health(self) -> dict:
         """What a health check should report: "ok" when no endpoint is latched
         failed, else "reconnecting" (auto_reconnect on) or "failed", with the
-        failures. Decodes fail fast with ENDPOINT_FAILED unless it is "ok"."""
-        return self._endpoints.health()
+        failures. Decodes fail fast with ENDPOINT_FAILED unless it is "ok" or
+        "degraded". Resuming (resume_within set): "resuming" while a latched
+        endpoint is younger than resume_within (generations pause, they do not
+        fail), "degraded" while every stage serves but one is on a spare."""
+        return self._resume.health(self._endpoints.health(), self._endpoints.places)
 
     async def aprobe(self, timeout: float = 1.0) -> list[dict]:
         """Ask every connected worker, now, for a PING round trip and its memory
@@ -217,6 +249,25 @@ class Coordinator:
 
     async def adecode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
         return await self._io.call(self._decode(batch, greedy))
+
+    def decode_resuming(self, batch: Batch, greedy: bool = False) -> DecodeResult:
+        """decode(), but with `resume_within` set a step that fails because an
+        endpoint failed waits (at most resume_within seconds) for its stage to
+        be back, on its worker or a spare, with the KV cache rebuilt, and is
+        decoded again; only then, or past the bound, does it return. Without
+        resume_within it is decode()."""
+        return self._run(self._resume.decode(batch, greedy))
+
+    async def adecode_resuming(self, batch: Batch, greedy: bool = False) -> DecodeResult:
+        return await self._io.call(self._resume.decode(batch, greedy))
+
+    @property
+    def resume_within(self) -> float | None:
+        return self._resume.resume_within
+
+    def spares(self) -> list[str]:
+        """The spare endpoints not holding a stage now (a lost endpoint joins them)."""
+        return list(self._resume.spares)
 
     async def _decode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
         async with self._lock:
@@ -306,6 +357,8 @@ class Coordinator:
 
     def _kv_clear(self) -> None:
         self.kv.clear()
+        if self._resume.journal is not None:
+            self._resume.journal.clear()
         self._endpoints.needs_refeed.clear()
 
     def kv_seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:

@@ -33,6 +33,7 @@ class Placement:
     failure: EndpointFailure | None = None
     reconnect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     auto_task: asyncio.Task | None = None
+    home: str = ""  # the endpoint it was configured with (`endpoint` differs while a spare holds its stage)
 
 
 def _bounds(r: range | None) -> list[int] | None:
@@ -41,12 +42,15 @@ def _bounds(r: range | None) -> list[int] | None:
 
 class EndpointSet:
     def __init__(self, endpoints: list[str], io, lock: asyncio.Lock,
-                 connect: Callable[[Placement], Awaitable[object]], lose_kv: Callable[[], set[int]],
+                 connect: Callable[[Placement, str], Awaitable[object]], lose_kv: Callable[[], set[int]],
                  auto_reconnect: bool = False, backoff: tuple[float, float] = (0.25, 8.0),
-                 stats: dict | None = None):
+                 stats: dict | None = None, resumer=None):
         """`io`: the LoopThread; `lock`: the decode lock (latch and swap
-        connections between steps)."""
-        self.places = [Placement(e, range(0)) for e in endpoints]
+        connections between steps); `resumer` (coordinator/resume.py, when
+        resuming is on): keeps the KV cache through a latch, names spares to
+        reconnect to and rebuilds the KV cache after a reconnect."""
+        self.places = [Placement(e, range(0), home=e) for e in endpoints]
+        self.resumer = resumer if resumer is not None and resumer.enabled else None
         self.io, self.lock, self.connect, self.lose_kv = io, lock, connect, lose_kv
         self.auto_reconnect = bool(auto_reconnect)
         self.backoff = tuple(backoff)
@@ -179,6 +183,8 @@ class EndpointSet:
         if not first:  # still failed: since when stays the first failure's (alerts count from it)
             failure.attempts, failure.since = p.failure.attempts, p.failure.since
         p.failure = failure
+        if self.resumer is not None:  # the table stays: the rows are rebuilt once the stage is back
+            self.resumer.kv_lost(self.places.index(p))
         self.needs_refeed |= self.lose_kv()
         if first:
             log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)
@@ -196,7 +202,9 @@ class EndpointSet:
                 await self._reconnect_place(p, only_if_failed=False)
         return sorted(self.needs_refeed)
 
-    async def _reconnect_place(self, p: Placement, only_if_failed: bool) -> None:
+    async def _reconnect_place(self, p: Placement, only_if_failed: bool, spares: bool = False) -> None:
+        """A new connection for `p` (with `spares`, the resumer may name a spare
+        to take its stage), its weights uploaded; the latch cleared."""
         async with p.reconnect_lock:
             async with self.lock:
                 if p.failure is None:
@@ -210,19 +218,40 @@ class EndpointSet:
             if old is not None:
                 await old.close()
             # connect and upload outside the decode lock: decodes keep failing fast meanwhile
-            try:
-                ex = await self.connect(p)
-            except StageFailed as exc:
+            targets = self.resumer.candidates(p) if spares and self.resumer is not None else [p.endpoint]
+            ex, target, own_failure = None, None, None
+            started = time.monotonic()
+            for target in targets:
+                if target != p.endpoint and not self.resumer.claim(target):
+                    continue  # another stage took that spare meanwhile
+                try:
+                    ex = await self.connect(p, target)
+                    break
+                except StageFailed as exc:
+                    if target == p.endpoint:  # always among the targets: what the latch says
+                        own_failure = exc
+                    else:
+                        self.resumer.release(target)
+                        log.warning("spare could not take over", spare=target, cause=exc.message)
+            if ex is None:
+                exc = own_failure
                 async with self.lock:
                     self._set_failure(p, EndpointFailure(p.endpoint, exc.message, exc.cause, time.time()))
                 raise EndpointUnavailable(p.endpoint, exc.cause, exc.message) from None
             async with self.lock:
+                if target != p.endpoint:
+                    self.resumer.moved(p, target)
                 p.stage.graphs.clear()  # their wire form names the old connection's buffer
                 p.executor = ex
                 self.watch(p, ex)
                 p.failure = None
+                took = time.monotonic() - started
                 self.stats["reconnects"] += 1
-                log.info("endpoint reconnected", endpoint=p.endpoint, needs_refeed=sorted(self.needs_refeed))
+                self.stats["reconnect_seconds"] = self.stats.get("reconnect_seconds", 0.0) + took
+                log.info("endpoint reconnected", endpoint=p.endpoint, seconds=round(took, 3),
+                         needs_refeed=sorted(self.needs_refeed))
+                if self.resumer is not None:
+                    await self.resumer.reconnected(self.places, self.latch)
 
     def set_auto_reconnect(self, enabled: bool, backoff: tuple[float, float] | None = None) -> None:
         """On the loop thread: turn the policy on (retrying every latched
@@ -254,9 +283,11 @@ class EndpointSet:
             p.failure.attempts = attempt
             p.failure.next_attempt = None
             try:
-                await self._reconnect_place(p, only_if_failed=True)
-                log.info("endpoint reconnected automatically", endpoint=p.endpoint, attempts=attempt)
-                return
+                await self._reconnect_place(p, only_if_failed=True, spares=True)
+                if p.failure is None:
+                    log.info("endpoint reconnected automatically", endpoint=p.endpoint, attempts=attempt)
+                    return
+                continue  # it failed again at once (rebuilding its KV cache): this task retries it
             except EndpointUnavailable as exc:
                 log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt, cause=exc.message)
             except Exception:

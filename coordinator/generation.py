@@ -3,6 +3,7 @@
 Generations all use sequence 0, so they take turns (interleaved, their steps
 would continue each other's text). Text is yielded only after a step
 succeeded; a failed step raises DecodeError and what was held back is dropped.
+With resume_within set, a step pauses through a lost worker (resume.py).
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class Generations:
         for _ in range(max_tokens):
             for start in range(0, len(pending), c.n_batch):
                 chunk = pending[start: start + c.n_batch]
-                code = await c._decode(Batch.single(chunk, pos), greedy)
+                # with resume_within set it pauses through a lost worker (resume.py)
+                code = await c._resume.decode(Batch.single(chunk, pos), greedy)
                 if code != DecodeResult.OK:  # nothing of this step is emitted
                     raise DecodeError(code, c.last_failed_endpoint, c.last_error or code.name, c.last_cause)
                 pos += len(chunk)

@@ -1,6 +1,8 @@
 """One decode step through the stages: the forward pass (stage after stage,
 the hidden state coming back here between them) and, with the output head
-split, the head round (every endpoint's share at once).
+split, the head round (every endpoint's share at once). Each step that
+succeeds is recorded in the KV journal when there is one, and `replay` runs
+journal steps again to rebuild a lost KV cache (coordinator/resume.py).
 
 It touches no latch: a failure is raised as StepFailed, naming the failure the
 decode reports and every endpoint whose connection failed, for the caller to
@@ -16,6 +18,8 @@ from coordinator.kv_cache import KVCells
 from coordinator.models.common import HParams, StepShape
 from coordinator.results import FailureKind, StageFailed
 from coordinator.stage import StageOutput
+
+REPLAY_AHEAD = 4  # replayed steps a stage may run ahead of the next one (hidden states held)
 
 
 class StepFailed(Exception):
@@ -50,23 +54,90 @@ def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     return logits
 
 
+def _stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
+    """Stage `p`'s graph inputs: the step's common ones, and the tokens (first
+    stage) or the hidden state from the stage before, and the output rows (last)."""
+    inputs = dict(common)
+    if p.stage.first:
+        inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
+    else:
+        inputs["hidden"] = hidden
+    if p.stage.last:
+        inputs["out_rows"] = out_rows
+    return inputs
+
+
+async def _failures_as_step_failed(coro):
+    try:
+        return await coro
+    except StageFailed as exc:
+        raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
+    except (StepFailed, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # a bug of ours: the decode reports it, never raises it
+        raise StepFailed(exc, []) from exc
+
+
 class Pipeline:
-    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool):
-        self.places, self.hp, self.kv, self.head_split = places, hp, kv, head_split
+    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None):
+        """`journal` (a StepJournal, or None): every step that succeeds is
+        recorded there, for rebuilding a lost KV cache by replay."""
+        self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
 
     async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
                    out_rows: np.ndarray, greedy: bool) -> np.ndarray:
         """The logits of the rows `out_rows` lists (f32[n_outputs, n_vocab]), or
         with `greedy` their argmax tokens (i32[n_outputs]); the KV rows `rows`
         written on every worker. Raises StepFailed."""
+        return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy))
+
+    async def replay(self, steps: list, through: int) -> None:
+        """Journal steps (kv_journal.JournalStep) again, in order, as they were
+        first decoded, through the stages 0..`through` only: their KV rows are
+        rewritten (the stages after keep theirs); no head round. The stages
+        work as a pipeline: stage k replays step i while stage k-1 replays step
+        i+1 (each takes the steps in order, as its KV rows need). Raises
+        StepFailed; the first failure cancels the rest (no request is left in
+        flight: a cancelled request's late reply is dropped)."""
+        places = self.places[: through + 1]
+        links = [asyncio.Queue(maxsize=REPLAY_AHEAD) for _ in places[1:]]
+
+        async def replay_stage(k: int, p) -> None:
+            for step in steps:
+                if k == 0:
+                    mask, mask_swa = step.masks()
+                    common, hidden = self._common(step.pos, step.rows, mask, mask_swa), None
+                else:
+                    common, hidden = await links[k - 1].get()
+                inputs = _stage_inputs(p, common, step.tokens, hidden, step.out_rows)
+                out = _read(p, await p.executor.run(p.stage, step.shape, inputs), step.shape)
+                if k < len(links):
+                    await links[k].put((common, out.hidden))
+
         try:
-            return await self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
-        except StageFailed as exc:
-            raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
-        except (StepFailed, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # a bug of ours: the decode reports it, never raises it
-            raise StepFailed(exc, []) from exc
+            async with asyncio.TaskGroup() as stages:
+                for k, p in enumerate(places):
+                    stages.create_task(replay_stage(k, p))
+        except BaseExceptionGroup as group:
+            failures = [exc for exc in group.exceptions if not isinstance(exc, asyncio.CancelledError)]
+            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
+            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
+            raise StepFailed(bug or (lost or failures)[0], lost) from None
+
+    def _common(self, tok_pos, rows, mask, mask_swa) -> dict:
+        common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
+        if self.hp.n_swa:
+            common["mask_swa"] = mask_swa
+        return common
+
+    async def _forward(self, tokens, shape: StepShape, common: dict, out_rows, places) -> StageOutput:
+        """The stages in `places` one after another; the last one's output."""
+        hidden = out = None
+        for p in places:
+            inputs = _stage_inputs(p, common, tokens, hidden, out_rows)
+            out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+            hidden = out.hidden
+        return out
 
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
         n = len(tokens)
@@ -76,29 +147,22 @@ class Pipeline:
         n_kv = self.kv.n_kv()
         shape = StepShape(n, n_kv, len(out_rows), greedy)
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
-        if self.hp.n_swa:
-            common["mask_swa"] = mask_swa
-        hidden = None
-        for p in self.places:
-            inputs = dict(common)
-            if p.stage.first:
-                inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
-            else:
-                inputs["hidden"] = hidden
-            if p.stage.last:
-                inputs["out_rows"] = out_rows
-            out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
-            hidden = out.hidden
+        out = await self._forward(tokens, shape, self._common(tok_pos, rows, mask, mask_swa), out_rows, self.places)
         if not wanted:  # the KV rows are written; no head round for rows nobody wants
-            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
-        if self.head_split:
-            return await self._head(hidden, shape)
-        last = self.places[-1].endpoint
-        if greedy:
-            _checked_logits(out.sums, last)
-            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
-        return _checked_logits(out.logits, last)
+            result = np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        elif self.head_split:
+            result = await self._head(out.hidden, shape)
+        else:
+            last = self.places[-1].endpoint
+            if greedy:
+                _checked_logits(out.sums, last)
+                result = _checked_tokens(out.tokens, self.hp.n_vocab, last)
+            else:
+                result = _checked_logits(out.logits, last)
+        if self.journal is not None:
+            self.journal.record(tokens, rows, tok_pos, tok_seq, out_rows, greedy, n_kv, mask,
+                                mask_swa if self.hp.n_swa else None, self.kv.pos >= 0)
+        return result
 
     async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
         """Every endpoint's shard of the output head at once; then the logits

@@ -184,3 +184,48 @@ def d(shared):
     assert_served(shared)
     yield shared
     assert_served(shared)
+
+
+class WorkerSet:
+    """n workers on loopback sharing one tensor cache; any of them can be
+    killed and restarted on its port (tests/test_resume.py, bench/bench_faults.py)."""
+
+    def __init__(self, cache_dir, n: int, *args: str):
+        self.args = ("-t", "1", "--cache", str(cache_dir), *args)
+        self.workers = [DaemonProcess(*self.args) for _ in range(n)]
+        self.restarts: list = []
+        self.listening: list[float] = []  # when each restart's worker was listening (monotonic)
+
+    def endpoint(self, i: int) -> str:
+        return self.workers[i].endpoint
+
+    def index(self, endpoint: str) -> int:
+        return [w.endpoint for w in self.workers].index(endpoint)
+
+    def kill(self, i: int, restart_after: float | None = None) -> None:
+        """kill -9 worker i; with `restart_after`, start it again on its port that much later."""
+        self.workers[i].kill()
+        if restart_after is not None:
+            import threading
+
+            t = threading.Thread(target=self.restart, args=(i,), kwargs={"after": restart_after}, daemon=True)
+            t.start()
+            self.restarts.append(t)
+
+    def restart(self, i: int, *args: str, after: float = 0.0) -> None:
+        """Worker i again on its port (with extra daemon `args`), `after` seconds from now."""
+        time.sleep(after)
+        self.workers[i].kill()
+        self.workers[i] = DaemonProcess(*self.args, *args, port=self.workers[i].port)
+        self.listening.append(time.monotonic())
+
+    def join(self) -> None:
+        for t in self.restarts:
+            t.join(60)
+        self.restarts.clear()
+
+    def close(self) -> None:
+        self.join()
+        for w in self.workers:
+            w.stop()
+            w.kill()

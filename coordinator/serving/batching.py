@@ -200,7 +200,8 @@ class Scheduler:
         self.decode_started = time.monotonic()
         started = time.perf_counter()
         try:
-            code = await self.coord.adecode(Batch(tokens, pos, seqs, want))
+            # with resume_within set, a lost worker is a pause here, not an error (coordinator/resume.py)
+            code = await self.coord.adecode_resuming(Batch(tokens, pos, seqs, want))
         finally:
             self.decode_started = None
             self.last_step_end = time.monotonic()

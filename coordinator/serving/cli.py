@@ -25,6 +25,7 @@ EXIT_CONNECT_FAILED = 3
 EXIT_LISTEN_FAILED = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+SERVE_RESUME_WITHIN = 30.0  # serve's default: a worker restarted by systemd is back well within it
 
 
 def _defaults(fn) -> dict:
@@ -49,6 +50,17 @@ def _count(minimum: int, maximum: int | None = None):
             raise argparse.ArgumentTypeError(f"must be at most {maximum}, not {value}")
         return value
     return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, at least 0, not {text!r}")
+    return value
 
 
 def _proportions(text: str) -> list[float]:
@@ -116,6 +128,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                    help="the chat template of /v1/chat/completions: a built-in (chatml, gemma, llama3, mistral, "
                         "phi3) or a Jinja template file (default: the model's own, else a generic fallback)")
+    s.add_argument("--resume-within", type=_seconds, default=SERVE_RESUME_WITHIN, metavar="S",
+                   help="a request in flight when a worker fails pauses up to S seconds for its stage to come "
+                        f"back (restarted, or on a spare), then goes on with the same text (default: "
+                        f"{SERVE_RESUME_WITHIN:g}; 0: fail at once)")
+    s.add_argument("--spares", default=None, metavar="HOST:PORT,...",
+                   help="workers that take over the stage of a worker that does not come back quickly")
+    s.add_argument("--spare-after", type=_seconds, default=None, metavar="S",
+                   help="how long a lost worker may take to come back before a spare takes its stage "
+                        "(default: 1 s, or a quarter of --resume-within if that is less)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -373,7 +394,9 @@ def _serve(args, socks) -> int:
         try:  # under systemd, a big model's upload extends the start timeout while it progresses
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-                            head_split=args.head_split, on_upload=StartTimeoutExtender())
+                            head_split=args.head_split, resume_within=args.resume_within or None,
+                            spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()],
+                            spare_after=args.spare_after, on_upload=StartTimeoutExtender())
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server over a Coordinator, with health that tells the truth.
 
 /health answers 200 only while the model is loaded, every endpoint is
-connected and not latched failed, and the decode loop is alive and not stuck.
+connected and not latched failed (or its stage resuming: requests pause, then
+go on), and the decode loop is alive and not stuck; "degraded" (still 200,
+with reasons) while a stage resumes or runs on a spare.
 A failed decode ends a stream with an SSE error event, or answers 503 (worker
 unreachable or timed out) / 500 (compute failed) / 400 (context full).
 The web page at / and the cluster view behind it (/cluster, /cluster/events)
@@ -97,8 +99,14 @@ class Metrics:
         self.tpot = Histogram("ggml_time_per_output_token_seconds", "A request's mean time between its tokens "
                               "after the first", registry=r,
                               buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2))
+        self.resumes = Counter("ggml_resumes", "Decode steps that paused for a lost worker and went on", registry=r)
+        self.resume_seconds = Counter("ggml_resume_seconds", "Seconds decode steps were paused for a lost worker",
+                                      registry=r)
+        self.replayed_tokens = Counter("ggml_replayed_tokens", "Tokens replayed to rebuild a lost KV cache",
+                                       registry=r)
+        self.spare_takeovers = Counter("ggml_spare_takeovers", "Stages moved to a spare worker", registry=r)
         self.coord = coord
-        self._reconnects_seen = 0
+        self._seen = {}  # the coordinator's counters as last copied into the metrics
 
     def observe_decode(self, seconds: float, code: DecodeResult, n_tokens: int) -> None:
         self.decode_latency.observe(seconds)
@@ -115,10 +123,13 @@ class Metrics:
                 self.endpoint_rtt.labels(endpoint=e["endpoint"]).set(e["rtt"])
         self.slots_busy.set(scheduler.busy)
         self.requests_waiting.set(scheduler.waiting)
-        reconnects = self.coord.stats["reconnects"]
-        if reconnects > self._reconnects_seen:
-            self.reconnects.inc(reconnects - self._reconnects_seen)
-            self._reconnects_seen = reconnects
+        for key, counter in (("reconnects", self.reconnects), ("resumes", self.resumes),
+                             ("resume_seconds", self.resume_seconds), ("replayed_tokens", self.replayed_tokens),
+                             ("spare_takeovers", self.spare_takeovers)):
+            value = self.coord.stats.get(key, 0)
+            if value > self._seen.get(key, 0):
+                counter.inc(value - self._seen.get(key, 0))
+                self._seen[key] = value
 
 
 class CompletionServer:
@@ -178,7 +189,8 @@ class CompletionServer:
         self.scheduler.start()
         self.cluster.start()
         # a failed worker is retried in the background with backoff; service resumes by itself
-        self.coord.set_auto_reconnect(True, backoff=(self.reconnect_interval, 10.0))
+        if self.coord.resume_within is None:  # resuming keeps its own, faster backoff (coordinator/resume.py)
+            self.coord.set_auto_reconnect(True, backoff=(self.reconnect_interval, 10.0))
 
     async def _cleanup(self, app) -> None:
         self.coord.set_auto_reconnect(False)
@@ -262,24 +274,33 @@ class CompletionServer:
         and not stuck."""
         health = self.coord.health()
         reasons = [] if self.loaded else ["model loading"]
-        if health["status"] != "ok":
+        degraded = []  # serving, with a pause or on a spare: 200
+        if health["status"] == "resuming":
+            degraded += [f"stage on {e['endpoint']} resuming: requests pause" for e in health["endpoints"]
+                         if not e["ok"]]
+        elif health["status"] not in ("ok", "degraded"):
             reasons.append("endpoints failed")
             if health["status"] == "reconnecting":
                 reasons.append("reconnecting")
-        reasons += self._decode_loop_problems()
+        degraded += [f"{e['endpoint']} holds the stage of {e['spare_for']} (spare)" for e in health["endpoints"]
+                     if e.get("spare_for")]
+        reasons += self._decode_loop_problems(health["status"])
         failures = {e["endpoint"]: {"cause": e["cause"], "failed_since": e["since"]}
                     for e in health["endpoints"] if not e["ok"]}
-        body = {"status": "ok" if not reasons else "unavailable", "slots_busy": self.scheduler.busy,
-                "slots": self.scheduler.n_slots,
-                "endpoints": [dict(e, **failures.get(e["endpoint"], {})) for e in self.coord.endpoints()]}
-        if reasons:
-            body["reasons"] = reasons
+        spare_for = {e["endpoint"]: {"spare_for": e["spare_for"]} for e in health["endpoints"] if e.get("spare_for")}
+        status = "unavailable" if reasons else "degraded" if degraded else "ok"
+        body = {"status": status, "slots_busy": self.scheduler.busy, "slots": self.scheduler.n_slots,
+                "endpoints": [dict(e, **failures.get(e["endpoint"], {}), **spare_for.get(e["endpoint"], {}))
+                              for e in self.coord.endpoints()]}
+        if reasons or degraded:
+            body["reasons"] = reasons + degraded
         return (200 if not reasons else 503), body
 
-    def _decode_loop_problems(self) -> list[str]:
+    def _decode_loop_problems(self, status: str | None = None) -> list[str]:
         problems = [] if self.scheduler.alive else ["decode loop stopped"]
         started = self.scheduler.decode_started
-        if started is not None and time.monotonic() - started > DECODE_STALL_SECONDS:
+        resuming = (status or self.coord.health()["status"]) == "resuming"  # a paused step is not a stuck one
+        if started is not None and not resuming and time.monotonic() - started > DECODE_STALL_SECONDS:
             problems.append(f"decode step in flight for {time.monotonic() - started:.0f} s")
         return problems
 

@@ -1,0 +1,178 @@
+"""Resuming through the loss of a worker (Coordinator(resume_within=...)):
+the one place that decides how a decode survives an endpoint failure, for the
+library's generate/stream/astream and the HTTP server's batching alike.
+docs/failure-semantics.md, "Resuming", states the behaviour and the guarantee.
+
+* The KV table is kept when an endpoint latches (today's policy clears it):
+  the workers that stayed up still hold their rows, and the journal
+  (kv_journal.py) holds every step a live row depends on.
+* The endpoint's automatic reconnect brings the stage back, on its own
+  endpoint or, once it has been down `spare_after` seconds, on a spare
+  (`candidates`, `claim`, `moved`). Every reconnect of one stage holds that
+  stage's reconnect lock, so two resumes never race for it; a spare is
+  claimed before it is tried, so two stages never take the same one.
+* When no endpoint is latched any more, `reconnected` replays the journal
+  through the stages that lost their KV cache (under the decode lock, before
+  any new step), in the step shapes first decoded: the rows get the same bits.
+* `decode` is decode() plus waiting: a step that failed with ENDPOINT_FAILED
+  waits (up to `resume_within` from the failure) until every endpoint is
+  serving again and is retried; it decodes the same batch on the same KV
+  table, so it gives the same logits. Past the bound it returns the original
+  failure, as decode() would have.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from coordinator.kv_journal import StepJournal
+from coordinator.pipeline import StepFailed
+from coordinator.results import DecodeResult
+
+log = structlog.get_logger("coordinator.resume")
+
+POLL = 0.01  # how often a paused decode looks whether the stages are back
+RESUME_BACKOFF = (0.05, 0.25)  # reconnect attempts while resuming: a restarted worker is found within 0.25 s
+
+
+class Resumer:
+    def __init__(self, coord, resume_within: float | None, spares=(), stats: dict | None = None,
+                 spare_after: float | None = None):
+        if resume_within is not None and not resume_within > 0:
+            raise ValueError(f"resume_within must be a positive number of seconds or None, not {resume_within!r}")
+        self.coord = coord
+        self.resume_within = None if resume_within is None else float(resume_within)
+        self.spares: list[str] = list(spares)
+        if self.spares and self.resume_within is None:
+            raise ValueError("spares need resume_within: a spare takes over a stage while a generation waits")
+        if spare_after is not None and not spare_after >= 0:
+            raise ValueError(f"spare_after must be a number of seconds (at least 0) or None, not {spare_after!r}")
+        # a spare takes over a stage that has been down this long (its own worker may be restarting)
+        self.spare_after = (min(1.0, self.resume_within / 4) if spare_after is None and self.resume_within
+                            else spare_after)
+        self.journal = StepJournal() if self.enabled else None
+        self.lost: set[int] = set()  # stages whose worker lost our KV rows, to rebuild
+        self.stats = stats if stats is not None else {}  # the coordinator's, shared with its metrics
+        self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
+                           "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0})
+
+    @property
+    def enabled(self) -> bool:
+        return self.resume_within is not None
+
+    # ------------------------------------------------------------ hooks of the EndpointSet
+    def kv_lost(self, index: int) -> None:
+        """Stage `index`'s worker freed our buffers (its endpoint latched)."""
+        self.lost.add(index)
+
+    def candidates(self, p) -> list[str]:
+        """The endpoints to try, in order, in one reconnect attempt for `p`."""
+        down = time.time() - p.failure.since if p.failure is not None else 0.0
+        if self.spares and self.spare_after is not None and down >= self.spare_after:
+            return [*self.spares, p.endpoint]  # a stopped worker would hold a connect for connect_timeout
+        return [p.endpoint]
+
+    def claim(self, endpoint: str) -> bool:
+        if endpoint in self.spares:
+            self.spares.remove(endpoint)
+            return True
+        return False
+
+    def release(self, endpoint: str) -> None:
+        """A spare that failed to take over: tried again last."""
+        self.spares.append(endpoint)
+
+    def moved(self, p, spare: str) -> None:
+        """`p`'s stage now runs on `spare`; its old endpoint may serve as a spare once back."""
+        old, p.endpoint = p.endpoint, spare
+        self.spares.append(old)
+        self.stats["spare_takeovers"] += 1
+        log.warning("spare took over a stage", stage=p.stage.index, spare=spare, lost=old,
+                    layers=[p.layers.start, p.layers.stop])
+
+    async def reconnected(self, places: list, latch) -> None:
+        """Under the decode lock, after a reconnect cleared a latch: once no
+        endpoint is latched, rebuild the KV rows the reconnected stages lost.
+        `latch(exc)` latches an endpoint whose connection fails meanwhile."""
+        if not self.enabled or not self.lost or any(p.failure is not None for p in places):
+            return
+        through = max(self.lost)
+        steps = self.journal.prune(self.coord.kv.pos >= 0)
+        started = time.perf_counter()
+        try:
+            await self.coord._pipeline.replay(steps, through)
+        except StepFailed as failed:
+            if failed.lost:  # a worker failed during the replay: it latches and is resumed in turn
+                for exc in failed.lost:
+                    latch(exc)
+                log.warning("KV rebuild interrupted by another endpoint failure", cause=failed.reported)
+                return
+            # a compute failure or a bug: the cache cannot be rebuilt exactly; today's policy
+            log.error("KV rebuild failed; the sequences must be re-fed", error=str(failed.reported))
+            self.lost.clear()
+            self.journal.clear()
+            self.coord._forget_kv()
+            return
+        seconds = time.perf_counter() - started
+        n_tokens = sum(len(s.tokens) for s in steps)
+        self.lost.clear()
+        self.stats["kv_rebuilds"] += 1
+        self.stats["replayed_steps"] += len(steps)
+        self.stats["replayed_tokens"] += n_tokens
+        self.stats["replay_seconds"] += seconds
+        log.info("KV cache rebuilt by replay", stages=through + 1, steps=len(steps), tokens=n_tokens,
+                 seconds=round(seconds, 3))
+
+    # ------------------------------------------------------------ decoding through a failure
+    async def decode(self, batch, greedy: bool = False) -> DecodeResult:
+        """decode(), waiting through endpoint failures for at most resume_within
+        seconds from the first; on the coordinator's loop."""
+        c = self.coord
+        code = await c._decode(batch, greedy)
+        if code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
+            return code
+        first = (c.last_error, c.last_cause, c.last_failed_endpoint)
+        for f in c._endpoints.failed():  # the failure itself, not a later fast-fail's "[latched ...]" form
+            if f.endpoint == first[2]:
+                first = (f.cause, f.kind, f.endpoint)
+        paused = time.monotonic()
+        deadline = paused + self.resume_within
+        log.warning("decode paused: waiting for the stage to resume", endpoint=first[2], cause=first[0],
+                    within=self.resume_within)
+        while code == DecodeResult.ENDPOINT_FAILED:
+            while c._endpoints.failed():
+                if time.monotonic() >= deadline:
+                    c.last_error, c.last_cause, c.last_failed_endpoint = first
+                    log.error("resume gave up: the stage did not come back in time", endpoint=first[2],
+                              cause=first[0], waited=round(time.monotonic() - paused, 3))
+                    return code
+                await asyncio.sleep(POLL)
+            code = await c._decode(batch, greedy)
+        seconds = time.monotonic() - paused
+        if code == DecodeResult.OK:
+            self.stats["resumes"] += 1
+            self.stats["resume_seconds"] += seconds
+            log.info("decode resumed", endpoint=first[2], paused_seconds=round(seconds, 3))
+        return code
+
+    # ------------------------------------------------------------ health
+    def health(self, health: dict, places: list) -> dict:
+        """The EndpointSet's health with what resuming adds: status
+        "resuming" while decodes pause for a latched endpoint (younger than
+        resume_within), "degraded" while a spare holds a stage; each endpoint's
+        `spare_for` (the endpoint whose stage it holds)."""
+        if not self.enabled:
+            return health
+        failures = [p.failure for p in places if p.failure is not None]
+        for entry, p in zip(health["endpoints"], places):
+            if p.endpoint != p.home:
+                entry["spare_for"] = p.home
+        if failures and time.time() - min(f.since for f in failures) < self.resume_within:
+            health["status"] = "resuming"
+        elif not failures and any(p.endpoint != p.home for p in places):
+            health["status"] = "degraded"
+        health["spares"] = list(self.spares)
+        return health
+
