@@ -45,10 +45,7 @@ from rpc_daemon.client import PeerFailed, RpcClient
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, assert_served, chain_graph
 
-try:
-    from tiny_models import write_tiny_llama
-except ImportError:  # pragma: no cover - the bundled gemma3 model is slower but works
-    write_tiny_llama = None
+from tiny_models import write_tiny_llama
 
 OK, ENDPOINT_FAILED, COMPUTE_FAILED = DecodeResult.OK, DecodeResult.ENDPOINT_FAILED, DecodeResult.COMPUTE_FAILED
 LIVENESS = 1.0  # the matrix's detection bound (the default bound, 2 s, has a test of its own)
@@ -68,8 +65,6 @@ def run(coro, timeout: float = 60.0):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    if write_tiny_llama is None:
-        return None
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
 
 

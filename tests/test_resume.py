@@ -17,10 +17,7 @@ from conftest import WorkerSet
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult
 from coordinator.sampling import Sampler
 
-try:
-    from tiny_llama import write_tiny_llama
-except ImportError:  # pragma: no cover - the bundled gemma3 model is slower but works
-    write_tiny_llama = None
+from tiny_models import write_tiny_llama
 
 OK, ENDPOINT_FAILED = DecodeResult.OK, DecodeResult.ENDPOINT_FAILED
 LIVENESS = 1.0
@@ -34,8 +31,6 @@ KILLED = re.compile(r"closed the connection|connection reset by peer")  # how a 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    if write_tiny_llama is None:
-        return None
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
 
 
