@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 
 import aiohttp
@@ -242,14 +243,16 @@ def test_killed_worker_shows_failed_within_2s_then_recovered(browser, cluster):
     assert "ago" in memory, memory
     status, _, body = asyncio.run(call("GET", server.url + "/cluster", headers=AUTH))
     failed = body["workers"][1]
-    assert status == 200 and body["status"] == "reconnecting" and failed["state"] == "failed", body
+    assert status == 200 and body["status"] == "resuming" and failed["state"] == "failed", body  # serve resumes by default
     assert cause.startswith(failed["failure"]["cause"]) and failed["failure"]["kind"] in ("closed", "unreachable"), failed
     assert failed["compute_busy"] is None and failed["step_rtt"] is None, failed
     # the server retries it (1 s, then 2 s, ...): the first attempt finds nobody, and says so
     wait_for(browser, lambda d: d.find_elements(
         "css selector", f'#events li[data-kind="reconnect_failed"][data-endpoint="{victim.endpoint}"]'), 10,
         "a failed reconnect attempt")
-    assert "1 reconnect attempt failed" in text_of(browser, f'#workers tr[data-detail-for="{victim.endpoint}"]')
+    # resuming retries every 0.05-0.25 s: one attempt or several may have failed by now
+    detail = text_of(browser, f'#workers tr[data-detail-for="{victim.endpoint}"]')
+    assert re.search(r"\b[1-9]\d* reconnect attempts? failed\b", detail), detail
     if SCREENSHOTS:
         browser.save_screenshot(os.path.join(SCREENSHOTS, "web-cluster-worker-failed.png"))
 
