@@ -9,6 +9,7 @@ import asyncio
 import os
 import pathlib
 import signal
+import threading
 import sys
 import time
 
@@ -25,11 +26,6 @@ from rpc_daemon.client import PeerFailed, RpcClient, RpcError  # noqa: E402
 from rpc_daemon.request_window import HEADER_ALLOWANCE, RequestWindow  # noqa: E402
 from rpc_daemon.wire.protocol import Command, Status  # noqa: E402
 
-try:
-    from tiny_llama import write_tiny_llama
-except ImportError:  # pragma: no cover - the bundled gemma3 model is slower but works
-    write_tiny_llama = None
-
 SLOW = Link(0.1, 0.03)  # the issue's far case: 100 +- 30 ms one way
 LAN = Link(0.02, 0.005)
 SLACK = 0.5  # scheduling slack on top of a bound: two cores shared with everything else
@@ -39,13 +35,6 @@ CHUNK = 128 << 10
 
 def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    if write_tiny_llama is None:
-        return None
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
 
 
 async def _upload(client: RpcClient, window: RequestWindow, chunks: list[bytes]) -> int:
@@ -160,25 +149,25 @@ def slow_pair(start_daemon):
         yield a, b, pa, pb
 
 
-def test_generation_behind_100ms_completes_without_a_latch(model, slow_pair):
+def test_generation_behind_100ms_completes_without_a_latch(tiny_model, slow_pair):
     """The default liveness bound (2 s) behind 100 +- 30 ms with stalls and a
     3 s compute: the text is the one generated without the proxies, nothing
     latched, and the long compute was bridged by pings."""
     a, b, pa, pb = slow_pair
-    with Coordinator([pa.endpoint, pb.endpoint], model=model, split=[1, 1], n_ctx=64) as c:
+    with Coordinator([pa.endpoint, pb.endpoint], model=tiny_model, split=[1, 1], n_ctx=64) as c:
         slow = c.generate(PROMPT, max_tokens=4)
         assert c.failed_endpoints() == [] and c.health()["status"] == "ok"
         assert c._places[1].executor.client.pings_sent >= 2  # the 3 s compute was watched, not given up
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=64) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, split=[1, 1], n_ctx=64) as c:
         assert c.generate(PROMPT, max_tokens=4) == slow
 
 
-def test_worker_killed_behind_100ms_is_that_worker_within_the_bound(model, slow_pair):
+def test_worker_killed_behind_100ms_is_that_worker_within_the_bound(tiny_model, slow_pair):
     """A worker SIGKILLed between decodes, behind the proxy: latched as that
     worker, kind `closed`, within the documented bound plus the one-way delay;
     the next decode fails fast with ENDPOINT_FAILED naming it."""
     a, b, pa, pb = slow_pair
-    with Coordinator([pa.endpoint, pb.endpoint], model=model, split=[1, 1], n_ctx=64) as c:
+    with Coordinator([pa.endpoint, pb.endpoint], model=tiny_model, split=[1, 1], n_ctx=64) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
         killed = time.monotonic()
@@ -192,3 +181,34 @@ def test_worker_killed_behind_100ms_is_that_worker_within_the_bound(model, slow_
         assert latched <= deadline, latched - killed
         assert c.decode(Batch.single([5], len(ids))) is DecodeResult.ENDPOINT_FAILED
         assert c.last_failed_endpoint == pb.endpoint and c.last_cause == "closed"
+
+
+def test_worker_stopped_behind_100ms_times_out_within_the_bound_plus_the_delay(tiny_model, slow_pair):
+    """SIGSTOP 0.5 s into B's 3 s compute (pings answered until then), behind
+    the proxy, with a 1 s bound: `timeout`, as that worker, no sooner than the
+    bound minus one ping interval after the stop and no later than the bound
+    plus the delay, a stall and slack."""
+    a, b, pa, pb = slow_pair
+    bound = 1.0
+    with Coordinator([pa.endpoint, pb.endpoint], model=tiny_model, split=[1, 1], n_ctx=64,
+                     liveness_timeout=bound) as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error  # B's compute 1
+        stopped = []
+
+        def stop_when_computing():
+            b.wait_log("test fault fired", timeout=30)
+            time.sleep(0.5)
+            stopped.append(time.monotonic())
+            b.signal(signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_when_computing)
+        stopper.start()
+        try:
+            code = c.decode(Batch.single([5], len(ids)))  # B's compute 2: the 3 s one
+            detected = time.monotonic() - stopped[0]
+        finally:
+            stopper.join(35)
+        assert code is DecodeResult.ENDPOINT_FAILED and c.last_cause == "timeout", c.last_error
+        assert c.last_failed_endpoint == pb.endpoint
+        assert bound * 0.75 - 0.1 <= detected <= bound + SLOW.delay + SLOW.jitter + 0.25 + SLACK, detected
