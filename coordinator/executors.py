@@ -166,6 +166,9 @@ class RemoteExecutor:
         self.buffer: int | None = None
         self.compute_us = 0  # worker-side compute time, summed
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
+        # the last load: chunks sent, hash look-ups and hits, and the most requests in flight at once
+        self.load_stats = {"sent": 0, "lookups": 0, "cache_hits": 0, "max_sends_in_flight": 0,
+                           "max_lookups_in_flight": 0}
 
     async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE):
         try:
@@ -196,6 +199,7 @@ class RemoteExecutor:
         reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error=FailureKind.ALLOC)
         self.buffer = reply["buffer"]
         self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
+        self.load_stats = dict.fromkeys(self.load_stats, 0)
         chunks = []  # (range, bytes) in buffer order
         for name, t in weights:
             data = stage.weight_data(gguf, name)
@@ -209,6 +213,7 @@ class RemoteExecutor:
             for where, chunk in chunks:
                 _count_when_done(await window.submit(Command.SET_TENSOR, where, chunk), len(chunk), progress)
             await window.drain()
+            self.load_stats.update(sent=len(chunks), max_sends_in_flight=window.peak_requests)
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:
@@ -228,10 +233,13 @@ class RemoteExecutor:
             asked.append((where, chunk, await window.submit(Command.SET_TENSOR_HASH, dict(where, hash=digest),
                                                              accept=(Status.NOT_FOUND,))))
         await window.drain()
+        self.load_stats.update(lookups=len(asked), max_lookups_in_flight=window.peak_requests)
         for where, chunk, task in asked:
             if task.result()[0].get("status") == Status.NOT_FOUND:
                 rest.append((dict(where, cache=True), chunk))
-            elif progress:
+                continue
+            self.load_stats["cache_hits"] += 1
+            if progress:
                 progress(len(chunk))
         return rest
 
