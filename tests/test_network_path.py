@@ -119,15 +119,20 @@ def test_worker_killed_mid_windowed_upload_is_that_worker_closed(start_daemon):
 
     async def go():
         client = await RpcClient.connect(proxy.endpoint)
+        window = RequestWindow(client, max_requests=16)
         try:
-            async def kill_soon():
-                await asyncio.sleep(0.4)  # HELLO and ALLOC are done, the window is full
+            async def kill_when_the_window_is_full():
+                for _ in range(1000):  # bounded: 10 s
+                    if window.peak_requests >= 16:
+                        break
+                    await asyncio.sleep(0.01)
                 killed.append(time.monotonic())
                 os.killpg(d.proc.pid, signal.SIGKILL)
-            killer = asyncio.ensure_future(kill_soon())
+            killer = asyncio.ensure_future(kill_when_the_window_is_full())
             with pytest.raises(PeerFailed) as info:
-                await _upload(client, RequestWindow(client, max_requests=16), chunks)
+                await _upload(client, window, chunks)
             await killer
+            assert window.peak_requests >= 16
             return info.value, time.monotonic()
         finally:
             await client.aclose()
