@@ -97,7 +97,7 @@ def main() -> int:
     model = args.model
     tmp = tempfile.TemporaryDirectory(prefix="bench-faults-")
     if model == "tiny":
-        from tiny_llama import write_tiny_llama
+        from tiny_models import write_tiny_llama
         model = write_tiny_llama(pathlib.Path(tmp.name) / "tiny.gguf", seed=0)
     cache = str(pathlib.Path(tmp.name) / "cache")
     wargs = ("-t", str(args.threads), "--cache", cache)

@@ -50,6 +50,25 @@ def models_dir() -> pathlib.Path:
     return cache_dir() / f"llama.cpp-vocab-{SDIST_VERSION}" / "models"
 
 
+def sdist_path() -> pathlib.Path:
+    """The llama-cpp-python sdist in the cache, downloaded with pip on first use (also what
+    bench/record_reference_logits.py builds llama.cpp from). RuntimeError if that fails."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    name = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+    if (cache_dir() / name).exists():
+        return cache_dir() / name
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               f"{SDIST}=={SDIST_VERSION}", "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        got = pathlib.Path(tmp) / name
+        if done.returncode != 0 or not got.exists():
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+            raise RuntimeError(f"could not download the {SDIST} {SDIST_VERSION} sdist: {tail}")
+        os.replace(got, cache_dir() / name)
+    return cache_dir() / name
+
+
 def fetch(quiet: bool = True) -> pathlib.Path:
     """The directory of ggml-vocab-* files, downloading and unpacking them on first use.
 
@@ -58,21 +77,12 @@ def fetch(quiet: bool = True) -> pathlib.Path:
     target = models_dir()
     if (target / ".complete").exists():
         return target
-    cache_dir().mkdir(parents=True, exist_ok=True)
+    sdist = sdist_path()
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         tmp = pathlib.Path(tmp)
-        sdists = list(cache_dir().glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
-        if not sdists:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   f"{SDIST}=={SDIST_VERSION}", "-d", str(tmp)]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            sdists = list(tmp.glob("*.tar.gz"))
-            if done.returncode != 0 or not sdists:
-                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-                raise RuntimeError(f"could not download the {SDIST} {SDIST_VERSION} sdist: {tail}")
         unpacked = tmp / "models"
         unpacked.mkdir()
-        with tarfile.open(sdists[0]) as tar:
+        with tarfile.open(sdist) as tar:
             for member in tar:
                 parts = member.name.split("/")
                 if (member.isfile() and parts[-2:-1] == ["models"]
@@ -82,7 +92,7 @@ def fetch(quiet: bool = True) -> pathlib.Path:
                     with open(unpacked / parts[-1], "wb") as dst:
                         shutil.copyfileobj(src, dst)
         if not any(unpacked.glob("*.gguf")):
-            raise RuntimeError(f"no models/ggml-vocab-*.gguf inside {sdists[0].name}")
+            raise RuntimeError(f"no models/ggml-vocab-*.gguf inside {sdist.name}")
         (unpacked / ".complete").write_text(f"{SDIST} {SDIST_VERSION}\n")
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():

@@ -9,6 +9,7 @@ from coordinator.api import (
     Coordinator,
     DecodeError,
     DecodeResult,
+    DoesNotFit,
     EndpointFailure,
     FailureKind,
     default_model_path,
@@ -16,5 +17,5 @@ from coordinator.api import (
 )
 from coordinator.tokenizer import Detokenizer, Tokenizer
 
-__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "FailureKind",
+__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "DoesNotFit", "EndpointFailure", "FailureKind",
            "default_model_path", "plan_split", "Tokenizer", "Detokenizer"]

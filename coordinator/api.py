@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import numpy as np
 import structlog
@@ -31,22 +31,23 @@ import structlog
 from coordinator.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
                                       seq_masks)
 from coordinator.endpoints import EndpointSet, Placement
-from coordinator.executors import make_executor
+from coordinator.executors import buffer_bytes, make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
 from coordinator.kv_cache import KVCells
 from coordinator.loop import LoopThread
 from coordinator.models import architecture
 from coordinator.pipeline import Pipeline, StepFailed
-from coordinator.planning import checked_setup, default_model_path, plan_rows, plan_split, split_weights
+from coordinator.planning import (PAGE, DoesNotFit, checked_setup, compute_reserve, default_model_path, endpoint_free,
+                                  fit_split, plan_rows, plan_split, split_weights)
 from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeResult, EndpointFailure,
                                  EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
 from coordinator.tokenizer import Tokenizer
 from rpc_daemon.wire.auth import load_secret
 
-__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "EndpointFailure", "EndpointUnavailable",
-           "FailureKind", "default_model_path", "plan_rows", "plan_split"]
+__all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "DoesNotFit", "EndpointFailure",
+           "EndpointUnavailable", "FailureKind", "default_model_path", "plan_rows", "plan_split"]
 
 log = structlog.get_logger("coordinator")
 
@@ -58,8 +59,11 @@ class Coordinator:
                  use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
                  auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] = (0.25, 8.0),
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
-                 head_split: bool = True):
-        """Fault handling: `connect_timeout` bounds connecting plus HELLO;
+                 head_split: bool = True, on_upload: Callable[[int, int], None] | None = None):
+        """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
+        extra (without it: FileNotFoundError, before anything is started).
+
+        Fault handling: `connect_timeout` bounds connecting plus HELLO;
         `liveness_timeout` is the detection bound for a stopped, hung or cut-off
         worker while a request is outstanding (None disables the liveness pings:
         for measurements only); `request_timeout` bounds any single request even
@@ -67,8 +71,9 @@ class Coordinator:
         failed endpoint in the background, waiting `reconnect_backoff[0]` seconds
         before the first attempt and doubling up to `reconnect_backoff[1]`.
 
-        Security (docs/security.md): `secret` or `secret_file` (else the
-        environment variable GGML_RPC_SECRET) is the workers' shared secret,
+        Security (docs/security.md): `secret` or `secret_file` (else systemd's
+        credential $CREDENTIALS_DIRECTORY/rpc-secret, else the environment
+        variable GGML_RPC_SECRET) is the workers' shared secret,
         proven in both directions at HELLO; `tls_ca` (a PEM CA bundle) turns on
         TLS and verifies each worker's certificate against it.
 
@@ -76,7 +81,12 @@ class Coordinator:
         of the output head's vocabulary rows, in the split's proportions, all at
         once after the last layer, instead of the last endpoint computing all of
         it (coordinator/stage.py). Same logits; faster when the head is a large
-        part of a step."""
+        part of a step.
+
+        `on_upload(done, total)` (bytes of weights) is called when the upload
+        starts and after every chunk, from the coordinator's I/O thread: the
+        server uses it to keep systemd's start timeout from expiring while a big
+        model uploads (rpc_daemon/service/systemd.py, StartTimeoutExtender)."""
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
@@ -84,7 +94,7 @@ class Coordinator:
         self.head_split = bool(head_split) and len(endpoints) > 1
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
-                           # security (docs/security.md): the workers' shared secret (else $GGML_RPC_SECRET), TLS CA
+                           # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
                            "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
@@ -106,23 +116,32 @@ class Coordinator:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
             self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split)
-            self._run(self._open(split, progress))
+            self._run(self._open(split, progress, on_upload))
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------ loading
-    async def _open(self, split, progress: bool) -> None:
+    async def _open(self, split, progress: bool, on_upload) -> None:
         """Connect, plan the split (layers, head rows), build the stages, upload."""
         places = self._places
         infos = await self._endpoints.open_all(self._new_executor)
         weights = split_weights(split, infos, len(places))
-        heads = plan_rows(self.hp.n_vocab, weights) if self.head_split else [None] * len(places)
-        for index, (p, layers, head_rows) in enumerate(zip(places, plan_split(self.hp.n_layer, weights), heads)):
+        reserve = compute_reserve(self.hp, self.n_batch, self.n_ctx)
+
+        def need(index: int, layers: range, head_rows) -> int:
+            stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx, head_rows)
+            return -(-buffer_bytes(stage) // PAGE) * PAGE + reserve
+
+        # checked against each worker's free memory before anything is uploaded (DoesNotFit)
+        layer_plan, heads = fit_split([p.endpoint for p in places], [endpoint_free(i) for i in infos],
+                                      self.hp.n_layer, self.hp.n_vocab, weights, self.head_split, split is not None,
+                                      need)
+        for index, (p, layers, head_rows) in enumerate(zip(places, layer_plan, heads)):
             p.layers = layers
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
                                    head_rows)
-        await self._endpoints.load_all(self.gguf, progress)
+        await self._endpoints.load_all(self.gguf, progress, on_upload)
 
     def _new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self._exec_opts)
@@ -166,6 +185,15 @@ class Coordinator:
         failed, else "reconnecting" (auto_reconnect on) or "failed", with the
         failures. Decodes fail fast with ENDPOINT_FAILED unless it is "ok"."""
         return self._endpoints.health()
+
+    async def aprobe(self, timeout: float = 1.0) -> list[dict]:
+        """Ask every connected worker, now, for a PING round trip and its memory
+        (DEVICE_INFO), each bounded by `timeout`; one dict per endpoint, in
+        order: `ping_rtt` (s), `total_memory`, `free_memory` (bytes),
+        `compute_seconds` (worker compute time summed over the current
+        connection), or `error` (a message) for what could not be had. It
+        does not take the decode lock: decodes go on meanwhile."""
+        return await self._io.call(self._endpoints.probe(timeout))
 
     def needs_refeed(self) -> list[int]:
         """Sequences whose KV cache was lost with a failed endpoint and that have

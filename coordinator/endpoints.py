@@ -66,17 +66,30 @@ class EndpointSet:
             self.watch(p, p.executor)
         return infos
 
-    async def load_all(self, gguf, progress: bool) -> None:
-        """Upload every stage's weights, to all endpoints at once (a progress bar on request)."""
+    async def load_all(self, gguf, progress: bool, on_upload=None) -> None:
+        """Upload every stage's weights, to all endpoints at once (a progress bar on
+        request; `on_upload(done, total)` at the start and after every chunk)."""
         total = sum(len(p.stage.weight_data(gguf, n)) for p in self.places for n in p.stage.weights)
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="uploading weights", leave=False)
+        done = 0
+
+        def uploaded(n: int) -> None:
+            nonlocal done
+            done += n
+            if bar:
+                bar.update(n)
+            if on_upload:
+                on_upload(done, total)
+
+        if on_upload:
+            on_upload(0, total)
         try:
             # all at once: each upload is bound by its own link, not by the others' turns
-            results = await asyncio.gather(*(p.executor.load(p.stage, gguf, bar.update if bar else None)
-                                             for p in self.places), return_exceptions=True)
+            results = await asyncio.gather(*(p.executor.load(p.stage, gguf, uploaded) for p in self.places),
+                                           return_exceptions=True)
             for p, result in zip(self.places, results):
                 if isinstance(result, StageFailed) and result.lost_connection:
                     self._latch(p, result)
@@ -118,6 +131,23 @@ class EndpointSet:
         return [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
                  "head_rows": _bounds(p.stage.head_rows) if p.stage else None,
                  "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self.places]
+
+    async def probe(self, timeout: float) -> list[dict]:
+        """Every connected endpoint's probe (its executor's: ping round trip,
+        memory), all at once and outside the decode lock, so a step is never
+        held up; with the worker compute time summed over the current
+        connection. A latched endpoint is not asked: its `error` is the cause."""
+        async def one(p: Placement) -> dict:
+            ex = p.executor
+            if ex is None:
+                return {"error": f"worker {p.endpoint} is being reconnected"}
+            if p.failure is not None:
+                return {"error": p.failure.cause}
+            found = await ex.probe(timeout)
+            compute_us = getattr(ex, "compute_us", None)  # a remote worker's; None in this process
+            return dict(found, compute_seconds=None if compute_us is None else compute_us / 1e6)
+
+        return list(await asyncio.gather(*(one(p) for p in self.places)))
 
     def failed(self) -> list[EndpointFailure]:
         return [p.failure for p in self.places if p.failure is not None]

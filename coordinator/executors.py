@@ -22,8 +22,9 @@ from rpc_daemon.wire.tls import client_context
 ALIGN = 64
 UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
 # the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
-GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "PERMUTE",
-             "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SUB", "SUM_ROWS", "UNARY", "VIEW")
+GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT",
+             "MUL_MAT_ID", "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB",
+             "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
 CACHE_MIN_BYTES = 128 << 10  # below this sending the bytes costs less than hashing them and a look-up
 
 
@@ -65,6 +66,12 @@ def stage_tensors(stage) -> tuple[list, list]:
     return list(stage.weights.items()), stage.kv.tensors()
 
 
+def buffer_bytes(stage) -> int:
+    """The size of the one buffer a stage's weights and KV cache take on a worker."""
+    weights, kv = stage_tensors(stage)
+    return layout([t for _, t in weights] + kv)[1]
+
+
 class LocalExecutor:
     """The in-process path: the correctness reference and the local baseline."""
 
@@ -79,6 +86,10 @@ class LocalExecutor:
         self.allocated: set[int] = set()  # graphs placed once keep their addresses: no allocator pass per step
         self.buffers = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
+
+    async def probe(self, timeout: float) -> dict:
+        """Nothing to ask over a network: the stage runs in this process."""
+        return {}
 
     async def open(self) -> dict:
         self.backend = CpuBackend(self.threads)
@@ -283,6 +294,28 @@ class RemoteExecutor:
         compute = reply.get("compute_us", 0)
         self.compute_us += compute
         self.rtt = max(0.0, elapsed - compute / 1e6)
+
+    async def probe(self, timeout: float) -> dict:
+        """For the cluster view: a PING's round trip and the worker's memory
+        (DEVICE_INFO) over this connection, each bounded by `timeout` seconds.
+        A request abandoned at its timeout stays harmless (its reply is
+        dropped); a worker that stops answering altogether is the liveness
+        watchdog's to declare dead, as for any request. Errors are values."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return {"error": f"no connection to worker {self.endpoint}"}
+        out: dict = {}
+        try:
+            started = time.monotonic()
+            await asyncio.wait_for(client.request(Command.PING), timeout)
+            out["ping_rtt"] = time.monotonic() - started
+            info, _ = await asyncio.wait_for(client.request(Command.DEVICE_INFO), timeout)
+            out.update(total_memory=info.get("total_memory"), free_memory=info.get("free_memory"))
+        except asyncio.TimeoutError:
+            out["error"] = f"worker {self.endpoint} did not answer the probe within {timeout:g} s"
+        except (PeerFailed, RpcError) as exc:
+            out["error"] = str(exc) or type(exc).__name__
+        return out
 
     async def close(self) -> None:
         if self.client is not None:

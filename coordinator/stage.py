@@ -48,6 +48,7 @@ class StageKV:
     """Per-layer K and V caches of one stage (metadata; placed by the executor)."""
 
     def __init__(self, hp: HParams, layers: range, n_ctx: int):
+        self.n_ctx = n_ctx  # cache rows; what Phi-3 picks its LongRoPE factors by
         self.ctx = Context(2 * len(layers) + 4)
         self._layers = {}
         for il in layers:

@@ -156,7 +156,12 @@ class RpcClient(asyncio.BufferedProtocol):
                 raise PeerFailed(FailureKind.TIMEOUT, f"worker {endpoint} accepted the connection but did not answer "
                                             f"HELLO in time ({exc.message})") from None
             if exc.kind == "closed" and ssl_context is None:
-                raise PeerFailed(FailureKind.CLOSED, f"{exc.message}; if the worker serves TLS, give its CA "
+                # a worker of ours answers any HELLO, even a refused one; a peer that hangs up on it speaks
+                # another protocol (or TLS): say the likely one first
+                raise PeerFailed(FailureKind.CLOSED, f"worker {endpoint} is probably not a ggml-distributed worker: "
+                                           f"it hung up on our HELLO ({exc.message}), as llama.cpp's rpc-server "
+                                           f"(which also uses port 50052) does with clients of another protocol; "
+                                           f"run ggml-distributed's ggml-rpc-server there. If it is one that serves TLS, give its CA "
                                            f"(tls_ca / --tls-ca)") from None
             raise
         except BaseException:

@@ -20,6 +20,13 @@ if os.environ.get("CI"):
 _LISTEN = re.compile(r"listening.*port=(\d+)")
 
 
+def daemon_module(args) -> str:
+    """The module to run for daemon flags `args`: the production CLI, or, for a
+    test-only flag (which ggml-rpc-server refuses), the test entry point."""
+    from rpc_daemon.testing.daemon_cli import TEST_FLAGS
+    return "rpc_daemon.testing.daemon_cli" if any(a in TEST_FLAGS for a in args) else "rpc_daemon"
+
+
 class DaemonProcess:
     """A real daemon process on a loopback port: a free one, or `port` (e.g. to
     restart a worker where its clients expect it)."""
@@ -28,7 +35,7 @@ class DaemonProcess:
                  nofile: tuple[int, int] | None = None):
         """`nofile`: the daemon's RLIMIT_NOFILE (soft, hard)."""
         self.args = args
-        cmd = [sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", str(port), *args]
+        cmd = [sys.executable, "-m", daemon_module(args), "-H", "127.0.0.1", "-p", str(port), *args]
 
         def limit_files():
             import resource
@@ -104,6 +111,14 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+def free_port() -> int:
+    """A loopback port free now (for a program that cannot be told to pick one)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     """SIGTERM, and if it has not exited within `timeout` s, SIGKILL to its whole group."""
     if proc.poll() is None:
@@ -154,8 +169,8 @@ def daemon(start_daemon) -> DaemonProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The path of tests/tiny_llama.py's model (seed 0), written once per session."""
-    from tiny_llama import write_tiny_llama
+    """The path of tests/tiny_models.py's tiny llama (seed 0), written once per session."""
+    from tiny_models import write_tiny_llama
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
 
 

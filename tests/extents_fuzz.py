@@ -22,9 +22,12 @@ bench/fuzz_extents.py (long runs).
   graph_codec.build_graph, allocated with Gallocr and computed on CpuBackend
   exactly as rpc_daemon/compute/worker.py does; then every byte of every area
   outside the byte ranges the graph's buffer-writing nodes (CPY, SET_ROWS)
-  declare, [offset, offset + extent), must still hold the canary. A fault or
-  abort kills the child: the harness reports the case (and its signal) and
-  starts a new child.
+  declare, [offset, offset + extent), must still hold the canary. The graph's
+  intermediates are moved into a fenced copy of Gallocr's buffer (ComputeFence)
+  and the CPU backend's work memory is placed at the end of a fenced,
+  canary-filled area (WorkFence: MUL_MAT_ID's row map, TOP_K's index rows,
+  MUL_MAT's converted src1 live there). A fault or abort kills the child: the
+  harness reports the case (and its signal) and starts a new child.
 """
 from __future__ import annotations
 
@@ -552,6 +555,36 @@ def op_arange(g: Gen):
     return g.node(OP.ARANGE, F32, [steps, 1, 1, 1], [], f32s(start, stop, step))
 
 
+def op_top_k(g: Gen):
+    ne = g.shape()
+    a = g.src(F32, ne)
+    return g.node(OP.TOP_K, I32, [g.r.randint(1, ne[0])] + ne[1:], [a])
+
+
+def op_mul_mat_id(g: Gen):
+    """ggml_mul_mat_id as build_moe_ffn uses it: experts [k, m, n_as], src1 [k, 1 or n_ids, tokens],
+    ids [n_ids, tokens] inline (checked per request) or from a TOP_K over n_as scores (whole, or a view
+    of its first columns, as ggml_argsort_top_k takes them)."""
+    r = g.r
+    wt = r.choice(list(G.WEIGHT_TYPES))
+    k = g.row(wt) if type_traits(wt).blck_size > 1 else r.choice([1, 4, 8, 16, 32, r.randint(1, 40)])
+    m, n_as, tokens = g.dim(8), r.choice([1, 2, 3, 4, 8, r.randint(1, 12)]), g.dim(4)
+    a = g.src(wt, [k, m, n_as, 1])
+    if r.random() < 0.5:
+        b1 = r.choice([1, 1, 2])
+        n_ids = b1 * r.choice([1, 2, 3])
+        ids = ids_input(g, I32, [n_ids, tokens, 1, 1], n_as)
+    else:
+        b1 = 1
+        n_ids = r.randint(1, n_as)
+        top = g.node(OP.TOP_K, I32, [r.randint(n_ids, n_as), tokens, 1, 1], [g.src(F32, [n_as, tokens, 1, 1])])
+        ids = top
+        if g.tensors[top]["ne"][0] != n_ids or r.random() < 0.3:
+            ids = g.view(top, [n_ids, tokens, 1, 1], g.tensors[top]["nb"], 0)
+    b = g.src(F32, [k, b1, tokens, 1])
+    return g.node(OP.MUL_MAT_ID, F32, [m, n_ids, tokens, 1], [a, b, ids])
+
+
 BUILDERS = {
     OP.ADD: lambda g: op_binary(g, OP.ADD), OP.SUB: lambda g: op_binary(g, OP.SUB),
     OP.MUL: lambda g: op_binary(g, OP.MUL), OP.DIV: lambda g: op_binary(g, OP.DIV),
@@ -561,6 +594,7 @@ BUILDERS = {
     OP.PERMUTE: lambda g: op_cont(g, OP.PERMUTE), OP.TRANSPOSE: lambda g: op_cont(g, OP.TRANSPOSE),
     OP.ROPE: op_rope, OP.SOFT_MAX: op_soft_max, OP.FLASH_ATTN_EXT: op_flash, OP.UNARY: op_unary,
     OP.GLU: op_glu, OP.ARGMAX: op_argmax, OP.SUM_ROWS: op_sum_rows, OP.ARANGE: op_arange,
+    OP.TOP_K: op_top_k, OP.MUL_MAT_ID: op_mul_mat_id,
 }
 OPS = sorted(op for op in G.OP_RULES if op != OP.NONE)
 assert set(OPS) == set(BUILDERS), "every op the validator accepts needs a builder here"
@@ -838,6 +872,7 @@ def _child(threads: int) -> None:
     patterns = [rng.integers(0, 256, AREA, dtype=np.uint8) for _ in range(MAX_BUFFERS)]
     backend = CpuBackend(threads)
     cfence = ComputeFence(libc)
+    wfence = WorkFence(libc, backend)
 
     def reply(res):
         data = pickle.dumps((res.ok, res.kind, res.detail))  # plain values: this module is __main__ here
@@ -872,8 +907,8 @@ def _child(threads: int) -> None:
             fence = cfence.move(ptrs, gbufs)
             for t, data in inputs:  # the inputs, now in the fenced copy
                 ffi.memmove(ptrs[t].data, data, len(data))
-            status = backend.compute(gf)
-            stray = fence() if fence else ""
+            status, stray = wfence.compute(gf)
+            stray = stray or (fence() if fence else "")
             if stray:
                 reply(Result(False, "canary", stray))
                 continue
@@ -963,6 +998,45 @@ class ComputeFence:
                         f"{int(bad[0])} of {size}")
             return ""
         return check
+
+
+WORK_AREA = 4 << 20  # room for a case's work memory (MUL_MAT's converted src1, MUL_MAT_ID's row map...)
+
+
+class WorkFence:
+    """The CPU backend's work memory (per graph: ggml_graph_plan's work_size) is a heap
+    allocation no guard page fences. The fence computes as ggml_backend_graph_compute
+    does (plan, then ggml_graph_compute on the backend's threadpool) with the work
+    memory at the end of a guarded area: a write past it faults, and the bytes before
+    it (and the few of alignment slack after it) hold a canary that must survive."""
+
+    def __init__(self, libc, backend):
+        self.backend = backend
+        self.region = mmap.mmap(-1, WORK_AREA + 2 * GUARD, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.region))
+        assert libc.mprotect(self.base, GUARD, 0) == 0
+        assert libc.mprotect(self.base + GUARD + WORK_AREA, GUARD, 0) == 0
+        self.area = np.frombuffer(self.region, np.uint8, WORK_AREA, GUARD)
+        self.pattern = np.frombuffer(b"\x3c\xa5\xc3\x5a" * (WORK_AREA // 4), np.uint8)
+
+    def compute(self, gf) -> tuple[int, str]:
+        from ggml_ffi import ffi
+        plan = ffi.new("struct ggml_cplan *", lib.ggml_graph_plan(gf, self.backend.n_threads,
+                                                                  self.backend.threadpool))
+        size = int(plan.work_size)
+        if size > WORK_AREA - 64:
+            return self.backend.compute(gf), ""
+        start = (WORK_AREA - size) & ~63  # the backend's new[] gives at least 16-byte alignment; 64 is safe
+        self.area[:] = self.pattern
+        plan.work_data = ffi.cast("uint8_t *", self.base + GUARD + start)
+        status = lib.ggml_graph_compute(gf, plan)
+        outside = np.ones(WORK_AREA, bool)
+        outside[start:start + size] = False
+        bad = np.flatnonzero((self.area != self.pattern) & outside)
+        if bad.size:
+            return status, (f"work memory: {bad.size} bytes outside [{start}, {start + size}) of the work area "
+                            f"changed, first at {int(bad[0])}")
+        return status, ""
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":

@@ -7,6 +7,7 @@ thread count (1 everywhere here) the logits are bitwise equal.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import pytest
 
 from conftest import DaemonProcess
 from coordinator import Batch, Coordinator, DecodeError, DecodeResult, default_model_path
-from tiny_llama import write_tiny_llama
+from tiny_models import write_tiny_llama
 
 OK = DecodeResult.OK
 N_GREEDY = 64
@@ -733,6 +734,19 @@ def test_cli_generate_stopped_by_a_signal_exits_cleanly(model_paths, sig, code, 
     assert proc.returncode == code, (proc.returncode, err[-2000:])
     assert f"ggml-coordinator: {word}" in err and "Traceback" not in err, err[-2000:]
     assert_gone(children, "the stopped coordinator")
+
+
+def test_cli_generate_json_logs_every_stderr_line(model_paths):
+    """`generate --log-format json`: the text on stdout, and every line on
+    stderr JSON, the summary included (event "generated", with its numbers)."""
+    r = subprocess.run(_cli() + ["generate", "-p", "Once upon a time", "-n", "4", "--log-format", "json",
+                                 "--log-level", "info", "-m", str(model_paths["tiny"])],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and r.stdout, r.stderr
+    events = [json.loads(line) for line in r.stderr.splitlines()]
+    summary = [e for e in events if e["event"] == "generated"]
+    assert len(summary) == 1 and summary[0]["tokens"] == 4 and summary[0]["level"] == "info", events[-3:]
+    assert len(summary[0]["endpoints"]) == 2 and summary[0]["tokens_per_second"] > 0
 
 
 @pytest.mark.parametrize("where", ["local x2", "2 workers", "2 workers head whole"])

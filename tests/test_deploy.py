@@ -1,10 +1,13 @@
-"""deploy/: the systemd units verify, and both services speak the notify
-protocol for real: READY=1 once serving, WATCHDOG=1 from the event loop, and
-no WATCHDOG=1 while the process is stopped (a wedged loop gets restarted)."""
+"""deploy/: the systemd units verify and score "OK" in systemd-analyze
+security, and both services speak the notify protocol for real: READY=1 once
+serving, WATCHDOG=1 from the event loop, no WATCHDOG=1 while the process is
+stopped (a wedged loop gets restarted), and EXTEND_TIMEOUT_USEC while the
+coordinator uploads weights."""
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -39,8 +42,67 @@ def test_units_declare_notify_watchdog_and_hardening():
         text = (DEPLOY / name).read_text()
         for needed in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "DynamicUser=yes",
                        "ProtectSystem=strict", "NoNewPrivileges=yes", "PrivateTmp=yes", "CacheDirectory=",
-                       "LimitNOFILE=", "EnvironmentFile="):
+                       "LimitNOFILE=", "CapabilityBoundingSet=\n", "SystemCallFilter=@system-service",
+                       "UMask=0077", "LoadCredential=rpc-secret:/etc/ggml-distributed/rpc-secret"):
             assert needed in text, f"{name} lacks {needed}"
+        # the env file is required (no "-" prefix), and the secret never travels in the environment
+        env_files = [line for line in text.splitlines() if line.startswith("EnvironmentFile=")]
+        assert env_files and all(line.startswith("EnvironmentFile=/etc/ggml-distributed/") for line in env_files)
+        assert "GGML_RPC_SECRET" not in text and "--secret-file" not in text
+    for example in DEPLOY.glob("*.example"):
+        assert "GGML_RPC_SECRET=" not in example.read_text(), example
+    # no default for what must come from the env file: unset, it reaches the command line empty (refused below)
+    coordinator = (DEPLOY / "ggml-coordinator.service").read_text()
+    assert "--endpoints ${GGML_ENDPOINTS}" in coordinator and "--model ${GGML_MODEL}" in coordinator
+    assert "Environment=GGML_ENDPOINTS" not in coordinator and "Environment=GGML_MODEL" not in coordinator
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.parametrize("name", ["ggml-rpc-server@.service", "ggml-coordinator.service"])
+def test_unit_security_exposure_is_ok(tmp_path, name):
+    """`systemd-analyze security` rates both units "OK" (2.5 or less; 5.7 and
+    5.6 before they were hardened), offline, from the unit file alone."""
+    target = tmp_path / name.replace("@.", "@50052.")
+    target.write_text((DEPLOY / name).read_text())
+    r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(target)],
+                       capture_output=True, text=True, timeout=60)
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", r.stdout + r.stderr)
+    assert found, r.stdout + r.stderr
+    assert float(found.group(1)) <= 2.5, r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--endpoints", "", "--model", ""], "--endpoints is empty (under systemd: set GGML_ENDPOINTS"),
+    (["--endpoints", "127.0.0.1:1", "--model", ""], "--model is empty (under systemd: set GGML_MODEL"),
+])
+def test_coordinator_refuses_empty_endpoints_or_model(argv, message):
+    """What the unit's `--endpoints ${GGML_ENDPOINTS}` becomes when the env
+    file does not set it: an empty argument, refused at once, instead of local
+    workers serving the bundled model."""
+    r = subprocess.run([sys.executable, "-m", "coordinator", "serve", "--port", "0", *argv], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("source", ["env", "credential", "file"])
+def test_coordinator_refuses_weak_secret_at_start(tmp_path, source):
+    weak = "a" * 40
+    env = dict(os.environ)
+    env.pop("GGML_RPC_SECRET", None)
+    args = []
+    if source == "env":
+        env["GGML_RPC_SECRET"] = weak
+    elif source == "credential":
+        (tmp_path / "rpc-secret").write_text(weak + "\n")
+        env["CREDENTIALS_DIRECTORY"] = str(tmp_path)
+    else:
+        (tmp_path / "secret").write_text("change-me-to-a-long-random-string\n")
+        args = ["--secret-file", str(tmp_path / "secret")]
+    r = subprocess.run([sys.executable, "-m", "coordinator", "serve", "--port", "0", *args], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert ("example value" if source == "file" else "1-byte pattern repeated") in r.stderr, r.stderr
+    assert "openssl rand -hex 32" in r.stderr and "serving" not in r.stderr
 
 
 class NotifySocket:
@@ -179,3 +241,60 @@ def test_daemon_version():
     out = subprocess.run([sys.executable, "-m", "rpc_daemon", "--version"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and version("ggml-distributed") in out.stdout, out
+
+
+def test_coordinator_extends_start_timeout_while_uploading(tmp_path, secret_file):
+    """While `serve` uploads the model it tells systemd EXTEND_TIMEOUT_USEC
+    (with the progress as STATUS=), so a big model does not outlive
+    TimeoutStartSec=; READY=1 comes after the upload. The workers' secret comes
+    from systemd's credentials directory, as the unit passes it."""
+    from rpc_helpers import SECRET
+    notify = NotifySocket(tmp_path / "notify.sock")
+    worker = DaemonProcess("-t", "1", "--secret-file", secret_file)
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "rpc-secret").write_bytes(SECRET + b"\n")
+    env = dict(os.environ, NOTIFY_SOCKET=notify.path, CREDENTIALS_DIRECTORY=str(creds))
+    env.pop("GGML_RPC_SECRET", None)
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "--endpoints", worker.endpoint,
+                             "--port", "0", "--parallel", "1", "--ctx-per-slot", "64"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        messages, deadline = [], time.monotonic() + 120
+        while not any("READY=1" in m.split("\n") for m in messages) and time.monotonic() < deadline:
+            messages += [m for _, m in notify.messages(0.2)]
+            assert proc.poll() is None, f"coordinator exited {proc.returncode}: {messages}"
+        ready = next(i for i, m in enumerate(messages) if "READY=1" in m.split("\n"))
+        fields = [dict(line.split("=", 1) for line in m.split("\n")) for m in messages]
+        extends = [f for f in fields[:ready] if "EXTEND_TIMEOUT_USEC" in f]
+        assert len(extends) >= 3, messages
+        assert all(int(f["EXTEND_TIMEOUT_USEC"]) >= 10_000_000 for f in extends), messages
+        percents = [int(re.match(r"uploading weights: (\d+)% of \d+ MiB", f["STATUS"]).group(1)) for f in extends]
+        assert percents == sorted(percents) and percents[0] == 0 and percents[-1] == 100, percents
+        assert fields[ready].get("STATUS") == "serving", messages
+        assert not any("EXTEND_TIMEOUT_USEC" in f for f in fields[ready:]), messages
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        worker.stop()
+        notify.close()
+
+
+def test_start_timeout_extender_sends_on_progress_only(tmp_path):
+    """At the start, at each twentieth of the total, and at least every
+    `every` seconds of progress; nothing without progress."""
+    from rpc_daemon.service.systemd import StartTimeoutExtender
+    notify = NotifySocket(tmp_path / "notify.sock")
+    now = [0.0]
+    extend = StartTimeoutExtender(extend_by=30.0, every=5.0, env={"NOTIFY_SOCKET": notify.path},
+                                  clock=lambda: now[0])
+    try:
+        sent = []
+        for t, done in ((0, 0), (1, 1), (2, 2), (4.9, 3), (5.1, 4), (5.2, 5), (5.3, 6), (60, 100)):
+            now[0] = t
+            extend(done, 100)
+            sent += [m for _, m in notify.messages(0.05)]
+        assert [m.split("\n")[1] for m in sent] == [f"STATUS=uploading weights: {p}% of 0 MiB" for p in (0, 4, 5, 100)]
+        assert all(m.startswith("EXTEND_TIMEOUT_USEC=30000000\n") for m in sent)
+    finally:
+        notify.close()

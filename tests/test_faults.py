@@ -37,7 +37,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, free_port
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
@@ -46,7 +46,7 @@ from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, assert_served, chain_graph
 
 try:
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
 except ImportError:  # pragma: no cover - the bundled gemma3 model is slower but works
     write_tiny_llama = None
 
@@ -427,12 +427,6 @@ def test_reconnect_to_a_dead_worker_keeps_the_latch(rig):
 
 
 # ---------------------------------------------------------------- construction
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_daemon_never_started(model):
     endpoint = f"127.0.0.1:{free_port()}"

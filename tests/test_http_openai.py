@@ -300,3 +300,75 @@ def test_request_ids_access_log_and_latency_histograms(server):
     assert values['ggml_http_requests_total{path="/v1/completions",status="200"}'] >= 1
     assert values["ggml_time_to_first_token_seconds_count"] >= 1
     assert values["ggml_time_per_output_token_seconds_count"] >= 1
+
+
+# ---------------------------------------------------------------- chat templates
+
+def test_a_model_without_a_chat_template_says_so(server):
+    """The bundled base model has no tokenizer.chat_template: the server warns
+    at start, naming the fallback and the flag, and /props says which template
+    chat uses and where it came from."""
+    status, _, props = request("GET", server.url + "/props")
+    assert status == 200 and props["chat_template_source"] == "fallback", props
+    assert props["chat_template_name"] == "gemma3-fallback" and "{%" in props["chat_template"], props
+    warnings = [json.loads(line) for line in server.text().splitlines()
+                if line.startswith("{") and "no chat template" in line]
+    assert len(warnings) == 1 and warnings[0]["level"] == "warning", warnings
+    assert "gemma3-fallback" in warnings[0]["event"] and "--chat-template" in warnings[0]["event"], warnings
+
+
+def chat_prompt_tokens(url: str) -> int:
+    status, _, body = request("POST", url + "/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        "max_tokens": 1, "temperature": 0}, headers=None)
+    assert status == 200, body
+    return body["usage"]["prompt_tokens"]
+
+
+def tokens_of(url: str, text: str) -> int:
+    """How many tokens chat's rendering `text` is (chat tokenizes it as /tokenize does by default)."""
+    status, _, body = request("POST", url + "/tokenize", {"content": text}, headers=None)
+    assert status == 200, body
+    return len(body["tokens"])
+
+
+@pytest.mark.parametrize("kind", ["builtin", "file"])
+def test_chat_template_flag_takes_a_builtin_or_a_file(tmp_path, kind):
+    """--chat-template chatml (a built-in) or a Jinja file: chat renders with it
+    (the prompt is the template's text, token for token), /props names it, and
+    no fallback warning is logged."""
+    from tiny_models import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    if kind == "builtin":
+        choice, source = "chatml", "builtin"
+        expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    else:
+        choice, source = str(tmp_path / "mine.jinja"), "file"
+        with open(choice, "w") as f:
+            f.write("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
+                    "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+        expected = "<<system>>Be brief.<<user>>Hello<<assistant>>"
+    s = Serve(str(tmp_path), "-m", str(model), "--parallel", "1", "--ctx-per-slot", "128", "--chat-template", choice)
+    try:
+        status, _, props = request("GET", s.url + "/props", headers=None)
+        assert (props["chat_template_name"], props["chat_template_source"]) == (choice, source), props
+        assert chat_prompt_tokens(s.url) == tokens_of(s.url, expected)
+        assert "no chat template" not in s.text()
+    finally:
+        s.stop()
+
+
+def test_bad_chat_template_fails_before_the_model_is_read(tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    binary = tmp_path / "binary.jinja"
+    binary.write_bytes(b"\xff\xfe{{ x }}")
+    for choice, fragment in (("chatml2", "neither a built-in template (chatml, gemma, llama3, mistral, phi3)"),
+                             (str(tmp_path / "missing.jinja"), "nor a template file"),
+                             (str(broken), "not a valid Jinja template: line 1"),
+                             (str(binary), "not UTF-8")):
+        # no worker to reach and no model file: only the template can be what it reports
+        r = coordinator("serve", "--port", "0", "--endpoints", "127.0.0.1:1", "-m", "/nonexistent.gguf",
+                        "--chat-template", choice)
+        assert r.returncode == 2 and fragment in r.stderr, (choice, r.stderr)

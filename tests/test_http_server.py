@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,9 @@ import time
 import aiohttp
 import pytest
 
-from conftest import DaemonProcess, stop_process
+from conftest import DaemonProcess, free_port, stop_process
 
 PROMPT = "The capital of France is"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -349,8 +342,8 @@ def test_chat_templates_get_what_hf_templates_call_in_a_sandbox():
     import jinja2
     from jinja2.sandbox import SecurityError
 
-    from coordinator.serving.http_server import _chat_environment
-    env = _chat_environment()
+    from coordinator.serving.chat_templates import sandbox
+    env = sandbox()
     alternate = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                  "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
                  "{{ m['content'] }}{% endfor %}{{ strftime_now('%Y') }}")
@@ -391,14 +384,16 @@ def test_sigterm_ends_requests_in_flight_with_an_answer(cluster):
 def test_serve_restarts_a_local_worker_that_dies(tmp_path):
     """`serve` without --endpoints owns its workers: one killed is restarted on
     its port and the server recovers by itself (it used to stay 503 forever,
-    retrying a port nobody listened on, with the dead worker a zombie)."""
-    from tiny_llama import write_tiny_llama
+    retrying a port nobody listened on, with the dead worker a zombie). Under
+    --log-format json every line it prints, the restart's included, is JSON."""
+    from tiny_models import write_tiny_llama
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "-m", str(model), "--port", str(port),
-                             "--parallel", "1", "--ctx-per-slot", "64"], stdout=log, stderr=subprocess.STDOUT,
+                             "--parallel", "1", "--ctx-per-slot", "64", "--log-format", "json"], stdout=log,
+                            stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         server = type("S", (), {"url": url})()
@@ -416,7 +411,6 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
         status, body = asyncio.run(post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 4}))
         assert status == 200, body
         assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] != "Z"
-        assert "restarting it" in open(log.name).read()
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -424,3 +418,8 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+    lines = open(log.name).read().splitlines()
+    events = [json.loads(line) for line in lines]  # every line, stdout and stderr: JSON
+    restarts = [e for e in events if e["event"] == "local worker exited; restarting it"]
+    assert len(restarts) == 1 and restarts[0]["exit_status"] == -signal.SIGKILL, restarts
+    assert any(e["event"].startswith(f"serving {url} ") and e["url"] == url for e in events), lines[:5]

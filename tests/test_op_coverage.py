@@ -451,6 +451,36 @@ def _(b):  # greedy decoding on the worker: the output head's argmax per row
     b.output(lib.ggml_argmax(b.c, logits))
 
 
+@case("TOP_K", "router-8-of-64")
+def _(b):  # a mixture of experts picks each token's best experts
+    b.output(lib.ggml_top_k(b.c, lib.ggml_soft_max(b.c, b.input(F32, [64, 5], lo=-4, hi=4)), 8))
+
+
+for _t in (F32, F16, Q8_0, Q4_0, Q4_K):
+    def _moe(b, t=_t):  # build_moe_ffn's expert products: ids from a TOP_K, and inline
+        x = b.input(F32, [256, 1, 3])
+        experts = b.weight(t, [256, 32, 6])
+        chosen = lib.ggml_top_k(b.c, b.input(F32, [6, 3], lo=-4, hi=4), 2)
+        b.output(lib.ggml_mul_mat_id(b.c, experts, x, chosen))
+        ids = b.input(I32, [4, 3], np.array([5, 0, 5, 1, 2, 3, 4, 0, 1, 1, 1, 1], np.int32).tobytes())
+        b.output(lib.ggml_mul_mat_id(b.c, experts, b.input(F32, [256, 2, 3]), ids))
+
+    case("MUL_MAT_ID", f"{TNAME[_t]}")(_moe)
+
+
+@case("MUL_MAT_ID", "moe-ffn-qwen3moe")
+def _(b):  # common.moe_ffn as a qwen3moe layer builds it, on 4 tokens
+    from coordinator.models.common import GraphBuilder, HParams
+    hp = HParams(arch="qwen3moe", n_vocab=1, n_embd=256, n_layer=1, n_ff=64, n_head=1, n_head_kv=1, head_dim=256,
+                 n_rot=256, rms_eps=1e-6, rope_type=2, rope_base=1e6, n_expert=8, n_expert_used=2)
+    w = {"blk.0.ffn_gate_inp.weight": b.weight(F32, [256, 8], lo=-2, hi=2),
+         "blk.0.ffn_gate_exps.weight": b.weight(Q8_0, [256, 64, 8]),
+         "blk.0.ffn_up_exps.weight": b.weight(Q8_0, [256, 64, 8]),
+         "blk.0.ffn_down_exps.weight": b.weight(F16, [64, 256, 8])}
+    builder = GraphBuilder(b.ctx, hp, w, None, None, None, None)
+    b.output(builder.moe_ffn(0, b.input(F32, [256, 4])))
+
+
 @case("SUM_ROWS", "f32")
 def _(b):
     b.output(lib.ggml_sum_rows(b.c, b.input(F32, [1000, 3], lo=-4, hi=4)))

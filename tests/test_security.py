@@ -519,6 +519,51 @@ def test_load_secret(tmp_path):
     assert A.secret_file_too_open(str(f))
     f.chmod(0o600)
     assert not A.secret_file_too_open(str(f))
+    # precedence: --secret-file, then systemd's credential, then the environment variable
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / A.CREDENTIAL).write_bytes(WRONG + b"\n")
+    both = {"CREDENTIALS_DIRECTORY": str(creds), A.ENV_VAR: "x" + SECRET.decode()}
+    assert A.load_secret(secret_file=str(f), environ=both) == SECRET
+    assert A.load_secret(environ=both) == WRONG
+    (creds / A.CREDENTIAL).unlink()  # a credentials directory without ours: the variable
+    assert A.load_secret(environ=both) == b"x" + SECRET
+
+
+@pytest.mark.parametrize("weak, problem", [
+    (b"change-me-to-a-long-random-string", "example value"),
+    (b"0123456789abcdef0123456789abcde", "31 bytes; use at least 32"),
+    (b"a" * 64, "1-byte pattern repeated"),
+    (b"password1234" * 3, "12-byte pattern repeated"),
+    (b"ab" * 20 + b"b" * 20, "only 2 distinct bytes"),
+])
+def test_weak_secrets_are_refused(weak, problem):
+    with pytest.raises(A.SecretError, match=problem) as e:
+        A.check_secret(weak)
+    assert "openssl rand -hex 32" in str(e.value)
+
+
+def test_random_secrets_are_accepted():
+    import secrets
+    for _ in range(2000):  # what the documentation tells operators to make, and raw random bytes
+        A.check_secret(secrets.token_hex(16).encode())
+        A.check_secret(secrets.token_hex(32).encode())
+        A.check_secret(secrets.token_bytes(32))
+    A.check_secret(SECRET)
+    A.check_secret(WRONG)
+
+
+def test_example_files_hold_no_usable_secret():
+    """A value in deploy/*.example is known to everyone: none may be accepted."""
+    import pathlib
+    deploy = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+    values = [line.split("=", 1)[1].strip().encode() for path in deploy.glob("*.example")
+              for line in path.read_text().splitlines()
+              if "=" in line and "SECRET" in line.split("=", 1)[0].upper() and not line.startswith("#")]
+    for value in values + sorted(A.EXAMPLE_SECRETS):
+        if value:
+            with pytest.raises(A.SecretError):
+                A.check_secret(value)
 
 
 def test_token_bucket_pure():
@@ -697,6 +742,32 @@ def test_secret_from_env_is_not_inherited(start_daemon):
     assert checked, "no compute process"  # the spare at least
 
 
+def test_secret_from_systemd_credential(start_daemon, secret_file, tmp_path):
+    """Under systemd (LoadCredential=rpc-secret:PATH) the daemon reads
+    $CREDENTIALS_DIRECTORY/rpc-secret: it beats $GGML_RPC_SECRET, and an
+    explicit --secret-file beats it."""
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / A.CREDENTIAL).write_bytes(SECRET + b"\n")
+    env = {"CREDENTIALS_DIRECTORY": str(creds), A.ENV_VAR: WRONG.decode()}
+    d = start_daemon("-t", "1", env=env)
+    served_with(d, secret=SECRET)
+    for secret, fragment in ((None, "requires authentication"), (WRONG, "wrong shared secret")):
+        with pytest.raises(PeerFailed, match=fragment):
+            run(RpcClient.connect(d.endpoint, secret=secret))
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_bytes(WRONG)
+    wrong_file.chmod(0o600)
+    d2 = start_daemon("-t", "1", "--secret-file", str(wrong_file), env=env)
+    served_with(d2, secret=WRONG)
+    with pytest.raises(PeerFailed, match="wrong shared secret"):
+        run(RpcClient.connect(d2.endpoint, secret=SECRET))
+    # a weak credential is refused at start like any other secret
+    (creds / A.CREDENTIAL).write_bytes(b"change-me-to-a-long-random-string\n")
+    r = start_and_fail("-H", "127.0.0.1", env={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert r.returncode == 2 and "example value" in r.stderr and str(creds) in r.stderr, r.stderr
+
+
 # ================================================================ TLS
 
 def test_tls_wrong_certificate_refused(tlsd, tls_files, start_daemon, secret_file):
@@ -746,7 +817,7 @@ def test_tls_end_to_end(tlsd, tls_files):
 
 def test_coordinator_generate_with_secret_and_tls(tlsd, tls_files, secret_file, tmp_path):
     from coordinator import Coordinator
-    from tiny_llama import write_tiny_llama
+    from tiny_models import write_tiny_llama
 
     model = str(write_tiny_llama(tmp_path / "tiny.gguf", seed=0))
     prompt = "The capital of France is"
@@ -809,7 +880,7 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
     short = tls_files.ca + ".short"
     with open(short, "w") as f:
         f.write("short")
-    for args, fragment in [(("--secret-file", short), "use at least 16"),
+    for args, fragment in [(("--secret-file", short), "use at least 32"),
                            (("--secret-file", "/nonexistent/secret"), "cannot read secret file"),
                            (("--tls-cert", tls_files.cert), "go together"),
                            (("--tls-cert", tls_files.ca, "--tls-key", tls_files.key), "cannot load TLS"),
@@ -817,7 +888,31 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
         r = start_and_fail("-H", "127.0.0.1", *args)
         assert r.returncode == 2 and fragment in r.stderr, (args, r.stderr)
     r = start_and_fail("-H", "127.0.0.1", env={A.ENV_VAR: "tooshort"})
-    assert r.returncode == 2 and "use at least 16" in r.stderr
+    assert r.returncode == 2 and "use at least 32" in r.stderr
+
+
+def test_test_only_flags_are_not_in_the_production_cli(start_daemon):
+    """ggml-rpc-server refuses --test-fault and --unsafe-no-validation; only the
+    test entry point (not an installed script) has them."""
+    import tomllib
+    for flag in (("--test-fault", "cmd=PING,action=close"), ("--unsafe-no-validation",)):
+        r = start_and_fail("-H", "127.0.0.1", *flag)
+        assert r.returncode == 2 and "unrecognized arguments" in r.stderr and flag[0] in r.stderr, r.stderr
+    help_text = subprocess.run([sys.executable, "-m", "rpc_daemon", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    assert "--secret-file" in help_text and "--test-fault" not in help_text and "unsafe" not in help_text
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert not any("testing" in target for target in scripts.values()), scripts
+    # the test entry point takes them, with every production flag
+    dd = start_daemon("-t", "1", "--unsafe-no-validation", "--test-fault", "cmd=DEVICE_INFO,action=close",
+                      "--max-clients", "8")
+    assert "unsafe_no_validation=True" in dd.wait_log("listening")
+    assert dd.wait_log("TEST FAULT INJECTION ENABLED")
+    assert dd.proc.args[2] == "rpc_daemon.testing.daemon_cli"
+    r = subprocess.run([sys.executable, "-m", "rpc_daemon.testing.daemon_cli", "--test-fault", "action=explode"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "action" in r.stderr, r.stderr
 
 
 # ================================================================ limits

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import pathlib
-import socket
 import urllib.request
 
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, free_port
 from rpc_daemon.client import RpcClient, RpcError
 from rpc_daemon.wire.protocol import Command, Status
 
@@ -98,11 +97,6 @@ def test_coordinator_loads_weights_from_a_restarted_workers_cache(tmp_path):
     """A worker restarted with its cache gets the weights from disk: the second
     load sends a small fraction of the bytes over the network, same text."""
     from coordinator import Coordinator
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     cache = str(tmp_path / "cache")
     texts, sent, stats = [], [], []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ggml_ffi import lib
-from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams
+from coordinator.models.common import ROPE_NEOX, GraphBuilder, HParams, check_tensors, no_extra_weights
 
 
 # the chat template when the GGUF carries none (tokenizer.chat_template)
@@ -19,13 +19,16 @@ FALLBACK_CHAT_TEMPLATE = (
     "<start_of_turn>{{ role }}\n{% endif %}{{ m['content'] }}<end_of_turn>\n{% endif %}"
     "{% endfor %}<start_of_turn>model\n")
 
-
-def extra_weights(tensors) -> list[str]:
-    """Weights every stage holds besides its layers': none."""
-    return []
+extra_weights = no_extra_weights
+LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+                                         "attn_k_norm", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
+                                         "ffn_down", "post_ffw_norm")}
+OPTIONAL = {"output.weight"}
+GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight"}
 
 
 def hparams(g) -> HParams:
+    check_tensors(g, "gemma3", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
     n_embd, n_head = g.require("gemma3.embedding_length"), g.require("gemma3.attention.head_count")
     head_dim = g.get("gemma3.attention.key_length", n_embd // n_head)
     n_layer = g.require("gemma3.block_count")
@@ -55,9 +58,8 @@ def layer(b: GraphBuilder, il: int, x, pos):
     c, p = b.c, f"blk.{il}."
     cur = b.norm(x, b.w[p + "attn_norm.weight"])
     q, k, v = b.qkv(il, cur)
-    q = b.rope(b.norm(q, b.w[p + "attn_q_norm.weight"]), pos, il)
-    k = b.rope(b.norm(k, b.w[p + "attn_k_norm.weight"]), pos, il)
-    q = lib.ggml_scale(c, q, b.hp.attn_scale)
+    q, k = b.qk_norm(il, q, k)
+    q, k = lib.ggml_scale(c, b.rope(q, pos, il), b.hp.attn_scale), b.rope(k, pos, il)
     cur = b.attention(il, q, k, v, 1.0)
     cur = b.norm(lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), b.w[p + "post_attention_norm.weight"])
     attn_out = lib.ggml_add(c, cur, x)

@@ -1,15 +1,25 @@
-"""llama: RMSNorm, GQA attention with RoPE (NORMAL), SwiGLU FFN."""
+"""llama: RMSNorm, GQA attention with RoPE (NORMAL), SwiGLU FFN.
+
+Also Llama 2/3/3.1/3.2, Mistral (dense), SmolLM, TinyLlama and others that convert to
+this architecture. Llama 3.1+ carries `rope_freqs` (llama3 RoPE scaling: a frequency
+divisor per dimension pair), applied as ggml_rope_ext's freq_factors in every layer.
+"""
 from __future__ import annotations
 
 import math
 
-from ggml_ffi import lib
-from coordinator.models.common import ROPE_NORMAL, GraphBuilder, HParams
+from coordinator.models.common import ROPE_NORMAL, GraphBuilder, HParams, check_tensors, standard_hparams
+from coordinator.models.common import embed  # noqa: F401 (this module's embed)
 
 
 # the chat template when the GGUF carries none (tokenizer.chat_template)
 FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                           "[assistant] ")
+
+LAYER_TENSORS = {f"{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                                         "ffn_gate", "ffn_up", "ffn_down")}
+OPTIONAL = {"output.weight", "rope_freqs.weight"}
+GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
 
 
 def extra_weights(tensors) -> list[str]:
@@ -18,29 +28,18 @@ def extra_weights(tensors) -> list[str]:
 
 
 def hparams(g) -> HParams:
-    n_embd, n_head = g.require("llama.embedding_length"), g.require("llama.attention.head_count")
-    head_dim = g.get("llama.attention.key_length", n_embd // n_head)
-    factor = g.get("llama.rope.scaling.factor")
-    return HParams(
-        arch="llama", n_vocab=g.tensor("token_embd.weight").ne[1], n_embd=n_embd,
-        n_layer=g.require("llama.block_count"), n_ff=g.require("llama.feed_forward_length"),
-        n_head=n_head, n_head_kv=g.get("llama.attention.head_count_kv", n_head), head_dim=head_dim,
-        n_rot=g.get("llama.rope.dimension_count", head_dim),
-        rms_eps=g.get("llama.attention.layer_norm_rms_epsilon", 1e-5), rope_type=ROPE_NORMAL,
-        rope_base=g.get("llama.rope.freq_base", 10000.0), rope_scale=1.0 / factor if factor else 1.0,
-        n_ctx_train=g.get("llama.context_length", 4096))
-
-
-def embed(b: GraphBuilder, tokens):
-    return lib.ggml_get_rows(b.c, b.w["token_embd.weight"], tokens)
+    if g.get("llama.expert_count", 0):
+        raise ValueError("llama with experts (Mixtral-style MoE) is not supported")
+    check_tensors(g, "llama", LAYER_TENSORS, GLOBAL_TENSORS, OPTIONAL)
+    hp = standard_hparams(g, "llama", ROPE_NORMAL)
+    if hp.n_rot != hp.head_dim:  # llama.cpp refuses it too ("invalid n_rot")
+        raise ValueError(f"llama: rope.dimension_count {hp.n_rot} must equal the head size {hp.head_dim}")
+    return hp
 
 
 def layer(b: GraphBuilder, il: int, x, pos):
-    c, p = b.c, f"blk.{il}."
-    cur = b.norm(x, b.w[p + "attn_norm.weight"])
-    q, k, v = b.qkv(il, cur)
-    q, k = b.rope(q, pos, il), b.rope(k, pos, il)
+    q, k, v = b.qkv(il, b.norm(x, b.w[f"blk.{il}.attn_norm.weight"]))
+    factors = b.w.get("rope_freqs.weight")
+    q, k = b.rope(q, pos, il, factors), b.rope(k, pos, il, factors)
     cur = b.attention(il, q, k, v, 1.0 / math.sqrt(b.hp.head_dim))
-    ffn_in = lib.ggml_add(c, lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), x)
-    cur = b.gated_ffn(il, b.norm(ffn_in, b.w[p + "ffn_norm.weight"]), lib.ggml_swiglu_split)
-    return lib.ggml_add(c, cur, ffn_in)
+    return b.swiglu_residual(il, b.attn_residual(il, cur, x))

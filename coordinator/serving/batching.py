@@ -82,6 +82,7 @@ class Scheduler:
         self.decode_started: float | None = None  # set while a step is in flight
         self.closing = False
         self.last_step_end = time.monotonic()
+        self.generated = 0  # tokens sampled for any request, ever (the cluster view's tokens/s)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -231,6 +232,7 @@ class Scheduler:
         if self.coord.tokenizer.is_eog(token):
             return self._finish(slot, "stop")
         slot.generated += 1
+        self.generated += 1
         if self.metrics:
             self.metrics.tokens_generated.inc()
         piece = slot.text.feed(token)

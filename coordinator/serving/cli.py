@@ -17,6 +17,7 @@ import time
 
 from coordinator.api import Coordinator
 from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
+from rpc_daemon.service.logs import say  # stderr lines: plain, or JSON under --log-format json
 from rpc_daemon.service.version import package_version
 
 EXIT_DECODE_FAILED = 2
@@ -64,7 +65,7 @@ def _proportions(text: str) -> list[float]:
 def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
     p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
-    p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M)")
+    p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M, from 'ggml-distributed[model]')")
     p.add_argument("-t", "--threads", type=_count(1), default=LIBRARY["threads"], help="compute threads per worker")
     p.add_argument("-c", "--ctx-size", type=_count(1), default=None,
                    help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: --parallel x --ctx-per-slot)")
@@ -75,7 +76,8 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
-                   help="the workers' shared secret (else $GGML_RPC_SECRET); local workers get it too")
+                   help="the workers' shared secret (else systemd's credential $CREDENTIALS_DIRECTORY/rpc-secret, "
+                        "else $GGML_RPC_SECRET); local workers get it too")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
 
 
@@ -108,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the Access-Control-Allow-Origin every response carries (default: *)")
     s.add_argument("--max-queue", type=_count(0), default=None, metavar="N",
                    help="requests that may wait for a free slot; more get 429 (default: no limit)")
+    s.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help="the chat template of /v1/chat/completions: a built-in (chatml, gemma, llama3, mistral, "
+                        "phi3) or a Jinja template file (default: the model's own, else a generic fallback)")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -119,8 +124,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.command == "serve" and args.ctx_size is not None:
         s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
+    if args.command == "serve" and args.chat_template is not None:
+        from coordinator.serving.chat_templates import ChatTemplateError, chosen
+        try:  # before any worker is started or the model read
+            chosen(args.chat_template)
+        except ChatTemplateError as exc:
+            s.error(str(exc))
     if args.ctx_size is None:
         args.ctx_size = LIBRARY["n_ctx"]
+    _check_settings(p, args)
+    from coordinator.planning import NO_DEFAULT_MODEL, default_model_available
+    if args.model is None and not default_model_available():  # at once: before any worker is started
+        p.error(NO_DEFAULT_MODEL)
     if args.command == "generate":
         from coordinator.sampling import Sampler
         try:  # before any worker is started or the model read
@@ -128,6 +143,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as exc:
             g.error(str(exc))
     return args
+
+
+def _check_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any worker is started or the model read: a weak or
+    example secret (the workers would refuse it too), and an --endpoints or
+    --model that was given but is empty: a systemd unit's ${GGML_ENDPOINTS}
+    with the variable unset, which would otherwise mean local workers serving
+    the bundled model."""
+    from rpc_daemon.wire.auth import SecretError, load_secret
+
+    for flag, value, variable in (("--endpoints", args.endpoints, "GGML_ENDPOINTS"),
+                                  ("--model", args.model, "GGML_MODEL")):
+        if value is not None and not value.strip():
+            p.error(f"{flag} is empty (under systemd: set {variable} in /etc/ggml-distributed/coordinator.env); "
+                    f"leave the flag out for the default")
+    try:
+        args.secret = load_secret(secret_file=args.secret_file)
+    except SecretError as exc:
+        p.error(str(exc))
 
 
 @contextlib.contextmanager
@@ -146,7 +180,7 @@ def endpoints_for(args, supervise: bool = False):
 
 def _security(args) -> dict:
     """Coordinator options for the workers' shared secret and TLS (docs/security.md)."""
-    return {"secret_file": args.secret_file, "tls_ca": args.tls_ca}
+    return {"secret": args.secret, "tls_ca": args.tls_ca}
 
 
 def cmd_generate(args) -> int:
@@ -157,7 +191,7 @@ def cmd_generate(args) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
                             threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
         except (ConnectionError, OSError, ValueError) as exc:
-            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
         with c:
             started, n = time.perf_counter(), 0
@@ -168,7 +202,7 @@ def cmd_generate(args) -> int:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             except DecodeError as exc:
-                print(f"\nggml-coordinator: generation failed: {exc}", file=sys.stderr)
+                say(f"generation failed: {exc}", "error", new_line=True)
                 return EXIT_DECODE_FAILED
             elapsed = time.perf_counter() - started
             n = c.stats["generated"] - generated0
@@ -177,7 +211,11 @@ def cmd_generate(args) -> int:
                               f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
                               + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
                                  if e["head_rows"] else "") for e in c.endpoints())
-            print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
+            if args.log_format == "json":
+                say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
+                    endpoints=c.endpoints())
+            else:
+                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
     return 0
 
 
@@ -312,9 +350,9 @@ def cmd_serve(args) -> int:
     try:
         socks = listen_sockets(args.host, args.port)
     except OSError as exc:
-        print(f"ggml-coordinator: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
-              f"{' (another server on that port? choose one with --port)' if exc.errno == errno.EADDRINUSE else ''}",
-              file=sys.stderr)
+        say(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+            f"{' (another server on that port? choose one with --port)' if exc.errno == errno.EADDRINUSE else ''}",
+            "error")
         return EXIT_LISTEN_FAILED
     try:
         return _serve(args, socks)
@@ -326,23 +364,25 @@ def cmd_serve(args) -> int:
 def _serve(args, socks) -> int:
     from coordinator.loop import run_async
     from coordinator.serving.http_server import serve_http
+    from rpc_daemon.service.systemd import StartTimeoutExtender
 
     with endpoints_for(args, supervise=True) as endpoints:
-        try:
+        try:  # under systemd, a big model's upload extends the start timeout while it progresses
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-                            head_split=args.head_split)
+                            head_split=args.head_split, on_upload=StartTimeoutExtender())
         except (ConnectionError, OSError, ValueError) as exc:
-            print(f"ggml-coordinator: cannot start: {exc}", file=sys.stderr)
+            say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
         with c:
             name = model_id(c, args.alias)
-            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue}
+            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
+                    "chat_template": args.chat_template}
 
             def announce() -> None:
                 slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
-                print(f"ggml-coordinator: serving {serving_url(args.host, socks[0])} (model {name}, "
-                      f"{slots} x {args.ctx_per_slot} tokens)", file=sys.stderr, flush=True)
+                url = serving_url(args.host, socks[0])
+                say(f"serving {url} (model {name}, {slots} x {args.ctx_per_slot} tokens)", url=url, model=name)
 
             run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce, **opts))
     return 0
@@ -368,10 +408,10 @@ def main(argv=None) -> int:
     try:
         return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
     except KeyboardInterrupt:
-        print("\nggml-coordinator: interrupted", file=sys.stderr)
+        say("interrupted", "warning", new_line=True)
         return EXIT_INTERRUPTED
     except Terminated:
-        print("\nggml-coordinator: terminated", file=sys.stderr)
+        say("terminated", "warning", new_line=True)
         return EXIT_TERMINATED
 
 

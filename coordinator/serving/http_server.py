@@ -4,6 +4,8 @@
 connected and not latched failed, and the decode loop is alive and not stuck.
 A failed decode ends a stream with an SSE error event, or answers 503 (worker
 unreachable or timed out) / 500 (compute failed) / 400 (context full).
+The web page at / and the cluster view behind it (/cluster, /cluster/events)
+are web_page.py's and cluster_view.py's; this module only routes to them.
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from coordinator.results import DecodeResult
+from coordinator.serving import chat_templates
+from coordinator.serving import web_page
 from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
+from coordinator.serving.cluster_view import ClusterView
 from coordinator.sampling import Sampler
 from rpc_daemon.service.lifecycle import serve_until_signalled
 
@@ -29,7 +34,8 @@ log = structlog.get_logger("http")
 
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
 QUEUE_FULL_RETRY_SECONDS = 1  # Retry-After of a 429: a slot frees as soon as any request ends
-PUBLIC_PATHS = ("/health", "/metrics")  # open even with --api-key: probes and scrapers
+# open even with --api-key: probes, scrapers, and the web page (which asks for the key)
+PUBLIC_PATHS = ("/health", "/metrics", *web_page.PATHS)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # a client's X-Request-Id we take as it is
 
 
@@ -44,19 +50,6 @@ UNSUPPORTED = {  # OpenAI parameters this server does not implement: refused, no
     "suffix": None, "tools": None, "tool_choice": None, "functions": None, "presence_penalty": 0,
     "frequency_penalty": 0,
 }
-
-
-def _chat_environment() -> jinja2.Environment:
-    """What HF-style chat templates expect: a sandbox (the template comes
-    from the model file), raise_exception and strftime_now."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), autoescape=False, keep_trailing_newline=True)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
-    return env
 
 
 class ApiError(Exception):
@@ -130,11 +123,15 @@ class Metrics:
 
 class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
-                 api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None):
+                 api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None,
+                 chat_template: str | None = None):
+        """`chat_template`: a built-in template's name or a Jinja file (--chat-template;
+        ChatTemplateError if it is neither); default the model's own, else a generic fallback."""
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
         self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics, max_queue=max_queue)
+        self.cluster = ClusterView(coord, self.scheduler, model_name)
         self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
         self.cors_origin = cors_origin
         self.created = int(time.time())
@@ -143,9 +140,15 @@ class CompletionServer:
         self.n_ctx_slot = n_ctx_slot
         self.reconnect_interval = reconnect_interval
         self.loaded = True
-        template = coord.gguf.get("tokenizer.chat_template") or coord.arch.FALLBACK_CHAT_TEMPLATE
-        self.chat_template_source = template
-        self.chat_template = _chat_environment().from_string(template)
+        self.chat = chat_templates.select(chat_template, coord.gguf.get("tokenizer.chat_template"),
+                                          coord.hp.arch, coord.arch.FALLBACK_CHAT_TEMPLATE)
+        if self.chat.source == "fallback":
+            log.warning(f"the model has no chat template (tokenizer.chat_template): chat uses the generic "
+                        f"{self.chat.name} template, and a base model mostly continues the user's text; choose "
+                        f"one with --chat-template NAME or FILE", chat_template=self.chat.name,
+                        builtin=sorted(chat_templates.BUILTIN))
+        else:
+            log.info("chat template", chat_template=self.chat.name, source=self.chat.source)
 
     # ------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -159,13 +162,18 @@ class CompletionServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/props", self.props)
+        app.router.add_get("/cluster", self.cluster.handle_snapshot)
+        app.router.add_get("/cluster/events", self.cluster.handle_stream)
+        web_page.add_routes(app, auth_required=self.api_key is not None)
         app.on_response_prepare.append(self._response_headers)
         app.on_startup.append(self._startup)
+        app.on_shutdown.append(self.cluster.close)  # ends the event streams before the wait for handlers
         app.on_cleanup.append(self._cleanup)
         return app
 
     async def _startup(self, app) -> None:
         self.scheduler.start()
+        self.cluster.start()
         # a failed worker is retried in the background with backoff; service resumes by itself
         self.coord.set_auto_reconnect(True, backoff=(self.reconnect_interval, 10.0))
 
@@ -304,7 +312,8 @@ class CompletionServer:
         return web.json_response({
             "model_alias": self.model_name, "total_slots": self.scheduler.n_slots,
             "default_generation_settings": {"n_ctx": self.n_ctx_slot},
-            "chat_template": self.chat_template_source, "build_info": f"ggml-distributed {package_version()}"})
+            "chat_template": self.chat.text, "chat_template_name": self.chat.name,
+            "chat_template_source": self.chat.source, "build_info": f"ggml-distributed {package_version()}"})
 
     # ------------------------------------------------------------ tokens
     def _token_ids(self, value, name: str) -> list[int]:
@@ -478,11 +487,12 @@ class CompletionServer:
         include_usage = self._stream_options(body, stream)
         tok = self.coord.tokenizer
         try:
-            text = self.chat_template.render(messages=messages, add_generation_prompt=True,
+            text = self.chat.template.render(messages=messages, add_generation_prompt=True,
                                              bos_token=tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
                                              eos_token=tok.tokens[tok.eos_id] if tok.eos_id is not None else "")
         except jinja2.TemplateError as exc:  # e.g. the template's raise_exception("roles must alternate")
-            raise ApiError(400, f"the model's chat template refused the messages: {exc}", param="messages") from None
+            raise ApiError(400, f"the chat template ({self.chat.name}) refused the messages: {exc}",
+                           param="messages") from None
         ids = await self._tokenize(text, max_tokens or 1, chat=True)
         if max_tokens is None:
             max_tokens = self.n_ctx_slot - len(ids)
@@ -598,7 +608,7 @@ async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: st
                      ready: asyncio.Event | None = None, announce=None, **options) -> None:
     """Serve on `socks` (bound, listening sockets: cli.listen_sockets) until
     SIGTERM/SIGINT. `announce()` is called once requests are answered;
-    `options`: CompletionServer's api_key, cors_origin, max_queue."""
+    `options`: CompletionServer's api_key, cors_origin, max_queue, chat_template."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)

@@ -11,6 +11,10 @@ import sys
 import threading
 import time
 
+import structlog
+
+log = structlog.get_logger("coordinator")
+
 # the daemon's "listening" log line, console or JSON format
 _PORT = re.compile(r'\bport"?[=:] ?(\d+)')
 
@@ -111,13 +115,12 @@ class LocalWorkers:
                 with self._lock:
                     if self._stopping.is_set():
                         return
-                    print(f"ggml-coordinator: local worker on port {w.port} exited ({status}); restarting it",
-                          file=sys.stderr, flush=True)
+                    # a structured line: under --log-format json every line the coordinator prints is JSON
+                    log.warning("local worker exited; restarting it", port=w.port, exit_status=status)
                     try:
                         self.workers[i] = LocalWorker(self.threads, self.extra_args, port=w.port)
                     except Exception as exc:  # e.g. the port is taken meanwhile: try again next round
-                        print(f"ggml-coordinator: restarting the local worker failed: {exc}", file=sys.stderr,
-                              flush=True)
+                        log.error("restarting the local worker failed; trying again", port=w.port, error=str(exc))
 
     def stop(self) -> None:
         self._stopping.set()

@@ -17,8 +17,9 @@ _C = DaemonConfig()  # every default below is DaemonConfig's (security_cli: Limi
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
 
 
-def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="ggml-rpc-server", description="ggml RPC worker daemon")
+def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
+    """The production flags; rpc_daemon/testing/daemon_cli.py adds the test-only ones to the same parser."""
+    p = argparse.ArgumentParser(prog=prog, description="ggml RPC worker daemon")
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument("-H", "--host", default=_C.host, help=f"address to bind (default {_C.host})")
     p.add_argument("-p", "--port", type=int, default=_C.port, help=f"port (default {_C.port}; 0 picks a free one)")
@@ -38,11 +39,12 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     p.add_argument("--max-clients", type=int, default=_C.max_clients)
     p.add_argument("--metrics-port", type=int, default=_C.metrics_port,
                    help="serve Prometheus metrics over HTTP on this port (same --host)")
-    p.add_argument("--unsafe-no-validation", action="store_true", help=argparse.SUPPRESS)
-    # tests only: misbehave on purpose at a chosen point (see rpc_daemon/testing/faults.py)
-    p.add_argument("--test-fault", action="append", default=[], metavar="SPEC", help=argparse.SUPPRESS)
     security_cli.add_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonConfig:
+    """The DaemonConfig the production flags in `args` ask for (p.error on a bad one)."""
     if not 0 <= args.port <= 65535:
         p.error("--port must be 0..65535")
     if args.threads < 1 or args.mem < 0:
@@ -50,22 +52,24 @@ def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
-                          unsafe_no_validation=args.unsafe_no_validation, test_faults=tuple(args.test_fault),
                           metrics_port=args.metrics_port)
-    config = security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
-    if args.test_fault:
-        from rpc_daemon.testing.faults import FaultSpec, FaultSpecError
-        try:
-            for spec in args.test_fault:
-                FaultSpec.parse(spec)
-        except FaultSpecError as exc:
-            p.error(str(exc))
-    return config, args
+    return security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
+
+
+def parse_args(argv=None) -> tuple[DaemonConfig, argparse.Namespace]:
+    p = build_parser()
+    args = p.parse_args(argv)
+    return config_from(p, args), args
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     config, args = parse_args(argv)
+    return run_daemon(config, args)
+
+
+def run_daemon(config: DaemonConfig, args: argparse.Namespace) -> int:
+    """Configure logging and serve `config` until SIGTERM/SIGINT; the exit status."""
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     from rpc_daemon.service import logs
     logs.configure(args.log_format, args.log_level)
     from rpc_daemon.daemon.app import serve

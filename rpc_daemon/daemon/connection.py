@@ -28,6 +28,7 @@ from rpc_daemon.daemon.tensor_cache import TensorCache
 from rpc_daemon.service import hoptrace
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import framing as F
+from rpc_daemon.wire import llamacpp
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
 from rpc_daemon.wire.sockets import tune_socket
@@ -38,6 +39,8 @@ log = structlog.get_logger("rpc")
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
+LLAMACPP_HINT = ("llama.cpp's own rpc-server serves llama.cpp clients (it also uses port 50052); "
+                 "this worker serves ggml-coordinator")
 
 
 class Daemon:
@@ -94,6 +97,13 @@ class Connection(asyncio.BufferedProtocol):
         # straight into its SET_TENSOR destination.
         self.reader = F.FrameReader(self.limits, PREAUTH_RX_SIZE, sink=self, authenticated=False,
                                     eager_blobs=False)
+        # a connection's first bytes are looked at before the reader parses them, until they tell whether
+        # they are a llama.cpp client's HELLO (answered in its framing, then closed) or go to the reader
+        # (wire/llamacpp.py); meanwhile they are kept here (at most one pre-auth receive, once)
+        self._opening: bytearray | None = bytearray()
+        self._opening_rx: memoryview | None = None  # the receive buffer handed out while looking
+        self._llamacpp_hello_left: int | None = None  # bytes of a llama.cpp HELLO still to read
+        self._llamacpp_input_size = 0
         self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
         self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
@@ -128,6 +138,9 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ framing (moving bytes; protocol.FrameReader cuts frames)
     def get_buffer(self, sizehint: int):
+        if self._opening is not None or self._llamacpp_hello_left is not None:
+            self._opening_rx = self.reader.buffer()  # read back by _opening_received, not by the reader
+            return self._opening_rx
         return self.reader.buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -136,9 +149,45 @@ class Connection(asyncio.BufferedProtocol):
         if hoptrace.ON and not self.reader.partial:
             hoptrace.mark("daemon rx")
         try:
-            self.reader.received(nbytes)
+            if self._opening_rx is not None:
+                data, self._opening_rx = bytes(self._opening_rx[:nbytes]), None
+                self._opening_received(data)
+            else:
+                self.reader.received(nbytes)
         except ProtocolError as exc:
             self._framing_broken(exc)
+
+    def _opening_received(self, data: bytes) -> None:
+        """A connection's first bytes: a llama.cpp client's HELLO is read whole
+        (so closing sends FIN, not RST, before it reads the reply) and answered
+        with a version llama.cpp refuses; anything else goes to the frame reader.
+        At most 9 + 24 bytes are looked at; the hello timeout bounds the wait."""
+        if self._llamacpp_hello_left is not None:
+            self._llamacpp_hello_left -= len(data)
+            if self._llamacpp_hello_left <= 0:
+                self._answer_llamacpp()
+            return
+        self._opening += data
+        kind = llamacpp.classify(self._opening)
+        if kind is llamacpp.UNDECIDED:
+            return
+        if kind is None:  # ours (or anything but llama.cpp): framing as usual, from the first byte
+            opening, self._opening = bytes(self._opening), None
+            self.reader.feed(opening)
+            return
+        self.log.warning("a llama.cpp RPC client connected; this worker speaks the ggml-distributed protocol",
+                         hint=LLAMACPP_HINT)
+        self._llamacpp_input_size = kind
+        self._llamacpp_hello_left = llamacpp.OPENING + kind - len(self._opening)
+        self._opening = None
+        if self._llamacpp_hello_left <= 0:
+            self._answer_llamacpp()
+
+    def _answer_llamacpp(self) -> None:
+        self._llamacpp_hello_left = 1 << 62  # anything it sends after the HELLO is read and dropped
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(llamacpp.hello_reply(self._llamacpp_input_size))
+        self.abort("llama.cpp RPC client (another protocol): answered its HELLO with version 0.0.0")
 
     def _framing_broken(self, exc: ProtocolError) -> None:
         """A prefix past the limits (before authentication: past the pre-auth

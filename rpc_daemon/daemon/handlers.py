@@ -120,8 +120,11 @@ async def handle_device_info(s: Session, h, blob, direct):
                                   "avx512_vbmi", "avx512_vnni", "avx512_bf16", "neon", "arm_fma", "fp16_va",
                                   "dotprod", "matmul_int8", "sve")
                 if getattr(lib, f"ggml_cpu_has_{name}", lambda: 0)()]
-    free = min(reg.max_bytes - reg.allocated - reg.compute_bytes(), available_memory())
-    return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": max(0, free),
+    free = max(0, min(reg.max_bytes - reg.allocated - reg.compute_bytes(), available_memory()))
+    cap = s.limits.max_client_bytes  # --max-client-mem: what this client may still allocate, at most
+    client_free = free if not cap else max(0, min(free, cap - reg.held_by(s.client_id)[1]))
+    return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": free,
+            "client_free_memory": client_free,
             "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": s.config.threads,
             "cpu_features": features, "tensor_cache": s.daemon.cache is not None,
             "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect

@@ -5,9 +5,11 @@
 
 A non-loopback --host without a shared secret is refused (exit status 2, before
 anything listens) unless --insecure is given. The secret never comes from the
-command line (it would show in `ps`): --secret-file, or the environment
-variable GGML_RPC_SECRET, which is then removed from the environment so the
-compute process does not inherit it.
+command line (it would show in `ps`): --secret-file, else systemd's credential
+$CREDENTIALS_DIRECTORY/rpc-secret, else the environment variable
+GGML_RPC_SECRET, which is then removed from the environment so the compute
+process does not inherit it. A weak or example secret is refused
+(auth.check_secret).
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ _C = DaemonConfig()
 def add_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("security (docs/security.md)")
     s.add_argument("--secret-file", metavar="PATH",
-                   help="shared secret clients must prove they know (HMAC challenge-response); "
-                        f"else ${auth.ENV_VAR}; at least {auth.MIN_SECRET_LEN} bytes")
+                   help="shared secret clients must prove they know (HMAC challenge-response); else "
+                        f"$CREDENTIALS_DIRECTORY/{auth.CREDENTIAL} (systemd's LoadCredential=), else "
+                        f"${auth.ENV_VAR}; at least {auth.MIN_SECRET_LEN} random bytes")
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS on the port with this certificate (chain)")
     s.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     s.add_argument("--insecure", action="store_true",

@@ -1,1 +1,2 @@
-"""Test-only code: fault injection (--test-fault). Imported only when a test flag is given."""
+"""Test-only code: the test entry point (daemon_cli.py: ggml-rpc-server's flags plus --test-fault and
+--unsafe-no-validation) and fault injection (faults.py). The production CLI has neither flag."""

@@ -1,6 +1,6 @@
 """Test-only fault injection for the worker daemon.
 
-Enabled by the hidden flag `--test-fault SPEC` (repeatable); off by default,
+Enabled by the test entry point's `--test-fault SPEC` (daemon_cli.py; repeatable); off by default,
 and with no flag nothing here is even instantiated. It lets tests hit a phase
 of a request deterministically: delay or cut a reply, close the connection,
 or stop/kill/exit the whole daemon at a chosen point.

@@ -585,6 +585,66 @@ def rule_arange(t, tensors):
     _need(t.ne == (steps, 1, 1, 1), t, f"result must be f32 [{steps}] (ceil((stop - start) / step))")
 
 
+# MUL_MAT_ID's kernel keeps a row map of n_as * ids.ne0 * ids.ne1 entries of 8 bytes in its work
+# memory (not counted against --mem) and holds n_as, ids.ne0 and the row index in C ints
+MAX_EXPERTS = 1024
+MAX_EXPERT_ROW_MAP = 256 << 20
+INT32_MAX = (1 << 31) - 1
+
+
+def rule_top_k(t, tensors):
+    (a,) = _srcs(t, tensors, 1)
+    _types(t, a, (F32,), "src0")  # the kernel aborts on anything else
+    # rows read as i * nb[1] over all rows, ne[0] packed floats each
+    _flat_rows(t, a, "src0")
+    # the kernel numbers a row's entries 0..ne0-1 in int32 (a wider row would wrap to negative indices)
+    _need(a.ne[0] <= INT32_MAX, t, f"src0 rows longer than {INT32_MAX}")
+    _need(t.type == I32 and 1 <= t.ne[0] <= a.ne[0] and t.ne[1:] == a.ne[1:], t,
+          f"result must be i32 [k <= {a.ne[0]}, {a.ne[1]}, {a.ne[2]}, {a.ne[3]}]")
+
+
+def rule_mul_mat_id(t, tensors):
+    a, b, ids = _srcs(t, tensors, 3)  # ggml_mul_mat_id(as, b, ids): one matrix of `as` per expert (ne[2])
+    _types(t, a, WEIGHT_TYPES, "src0 (experts)"); _types(t, b, (F32,), "src1"); _types(t, ids, (I32,), "ids")
+    _rows(t, a, "src0"); _rows(t, b, "src1")  # GGML_ASSERT(nb00 == type size), (nb10 == type size)
+    _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")
+    _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
+    # the kernel walks src1 and the result as 3-D and the ids as 2-D: a fourth dim would be read past
+    _need(a.ne[3] == 1 and b.ne[3] == 1 and ids.ne[2] == 1 and ids.ne[3] == 1, t,
+          "src0 and src1 must be 3-D, ids 2-D")
+    _need(ids.ne[1] == b.ne[2], t, "one row of ids per src1 column group (ids ne[1] == src1 ne[2])")
+    _need(ids.ne[0] % b.ne[1] == 0, t, "ids ne[0] must be a multiple of src1 ne[1]")
+    n_as = a.ne[2]
+    _need(n_as <= MAX_EXPERTS, t, f"at most {MAX_EXPERTS} experts (src0 ne[2]), got {n_as}")
+    _need(n_as * ids.ne[0] * ids.ne[1] * 8 <= MAX_EXPERT_ROW_MAP, t,
+          f"experts x ids ({n_as} x {ids.ne[0]} x {ids.ne[1]}) need a row map over {MAX_EXPERT_ROW_MAP} bytes")
+    _need(t.type == F32 and t.ne == (a.ne[1], ids.ne[0], b.ne[2], 1), t,
+          f"result must be f32 [{a.ne[1]}, {ids.ne[0]}, {b.ne[2]}, 1]")
+    _expert_ids_in_range(t, ids, tensors, n_as)
+
+
+def _expert_ids_in_range(t, ids, tensors, n_as: int) -> None:
+    """The kernel turns each id into a slot of its row map with no check in a release build
+    (a plain assert): an id outside 0..n_as-1 writes outside its work memory. So every id
+    must be proven in range before compute: it comes inline (row_ids checks the values of
+    each request), or it is an element of a TOP_K result over rows of n_as entries that
+    nothing else can write between its compute and this read: a node flagged COMPUTE, in
+    the compute buffer (not a client buffer, which other tensors may alias), read whole
+    elements at a time (a view of it with offsets and strides in whole int32s)."""
+    root = tensors[ids.view_src] if ids.is_view else ids
+    if root.op == lib.GGML_OP_NONE and not root.buffer:
+        return  # an inline input: row_ids.plan checks its values on every compute
+    _need(root.op == lib.GGML_OP_TOP_K, t, "ids must come inline or from a TOP_K of this graph (anything else "
+                                          "cannot be proven to name existing experts)")
+    _need(tensors[root.src[0]].ne[0] == n_as, t, f"the TOP_K giving the ids must rank rows of exactly {n_as} "
+                                                 f"entries, one per expert")
+    _need(bool(root.flags & lib.GGML_TENSOR_FLAG_COMPUTE), t, "the TOP_K giving the ids must be flagged COMPUTE")
+    _need(not root.buffer, t, "the TOP_K giving the ids must not live in a client buffer")
+    if ids.is_view:
+        _need(ids.view_offs % 4 == 0 and all(x % 4 == 0 for x in ids.nb), t,
+              "a view of TOP_K ids must read whole int32 elements (view_offs and nb multiples of 4)")
+
+
 def _f32(x: float) -> float | None:
     """x rounded to f32 as the kernel computes it; None where f32 overflows."""
     try:
@@ -619,6 +679,8 @@ OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_ARGMAX: rule_argmax,
     lib.GGML_OP_ARANGE: rule_arange,
     lib.GGML_OP_SUM_ROWS: rule_sum_rows,
+    lib.GGML_OP_TOP_K: rule_top_k,
+    lib.GGML_OP_MUL_MAT_ID: rule_mul_mat_id,
 }
 SUPPORTED_OPS = frozenset(OP_RULES)
 SUPPORTED_OP_NAMES = sorted(op_name(op) for op in SUPPORTED_OPS)

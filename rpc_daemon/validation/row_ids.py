@@ -1,4 +1,5 @@
-"""Row ids of GET_ROWS and SET_ROWS checked against the rows they index.
+"""Row ids of GET_ROWS and SET_ROWS checked against the rows they index, and
+expert ids of MUL_MAT_ID against the matrices (ne[2]) they pick.
 
 The CPU kernels turn a row id into a pointer (row * nb[1]); an id out of range
 reads or writes outside the tensor. libggml asserts on it (the compute process
@@ -9,8 +10,11 @@ must satisfy 0 <= id < rows, else the request is answered INVALID_REQUEST
 naming the tensors.
 
 Ids that the graph computes, or that live in a client buffer a node of the same
-graph may write, cannot be checked up front; for those the crash isolation of
-the compute process (and ggml's own GGML_ASSERT on the id) is the guard.
+graph may write, cannot be checked up front; for GET_ROWS/SET_ROWS the crash
+isolation of the compute process (and ggml's own GGML_ASSERT on the id) is the
+guard. MUL_MAT_ID has no such assert, so graph.py accepts its ids only inline
+(checked here) or from a TOP_K the same graph computes (in range by
+construction).
 
 Pure: plan once per validated graph (`plan`, then `group` the checks that read
 the same ids), check per compute (`check`).
@@ -40,22 +44,28 @@ class RowCheck:
     ne: tuple
     nb: tuple
     rows: int  # valid ids are 0..rows-1
-    rows_of: int  # the tensor whose rows are indexed
+    rows_of: int  # the tensor whose rows (or, for MUL_MAT_ID, matrices) are indexed
+    what: str = "rows"
 
 
 def plan(tensors, inputs) -> list[RowCheck]:
     """The checks a graph (list of graph.TensorSpec, validated) needs: one per
-    GET_ROWS/SET_ROWS whose ids come inline."""
+    GET_ROWS/SET_ROWS/MUL_MAT_ID whose ids come inline."""
     inline = set(inputs)
     checks = []
     for t in tensors:
+        what = "rows"
         if t.op == lib.GGML_OP_GET_ROWS and len(t.src) >= 2:
             data, ids = tensors[t.src[0]], tensors[t.src[1]]
-            op = "GET_ROWS"
+            op, rows = "GET_ROWS", data.ne[1]
         elif t.op == lib.GGML_OP_SET_ROWS and len(t.src) >= 3:
             # ggml_set_rows(a=dst, b=src, c=ids) stores src[] = {b, c, a}
             ids, data = tensors[t.src[1]], tensors[t.src[2]]
-            op = "SET_ROWS"
+            op, rows = "SET_ROWS", data.ne[1]
+        elif t.op == lib.GGML_OP_MUL_MAT_ID and len(t.src) >= 3:
+            # ggml_mul_mat_id(as, b, ids): an id picks one of the ne[2] matrices of `as`
+            data, ids = tensors[t.src[0]], tensors[t.src[2]]
+            op, rows, what = "MUL_MAT_ID", data.ne[2], "experts (ne[2])"
         else:
             continue
         dtype = _DTYPES.get(ids.type)
@@ -68,7 +78,7 @@ def plan(tensors, inputs) -> list[RowCheck]:
         else:
             continue  # computed by the graph or held in a buffer: see the module doc
         checks.append(RowCheck(t.index, op, ids.index, root, offs, dtype, tuple(ids.ne), tuple(ids.nb),
-                               data.ne[1], data.index))
+                               rows, data.index, what))
     return checks
 
 
@@ -165,7 +175,7 @@ def _refuse(c: RowCheck, bounds: tuple[int, int], ids, tensors) -> None:
     ids_t, node_t = tensors[c.ids], tensors[c.node]
     raise ProtocolError(Status.INVALID_REQUEST,
                         f"tensors[{c.ids}] ({ids_t.name!r}): row id {bad} at {where} is outside 0..{c.rows - 1}, "
-                        f"the rows of tensors[{c.rows_of}] that {c.op} tensors[{c.node}] ({node_t.name!r}) "
+                        f"the {c.what} of tensors[{c.rows_of}] that {c.op} tensors[{c.node}] ({node_t.name!r}) "
                         f"indexes")
 
 

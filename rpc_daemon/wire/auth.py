@@ -25,8 +25,10 @@ Everything here is pure: nonces come from `secrets`, no sockets.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import math
 import os
 import secrets as _secrets
 import stat
@@ -36,7 +38,7 @@ from rpc_daemon.wire.protocol import PROTOCOL_VERSION, ProtocolError, Status
 METHOD = "hmac-sha256"
 NONCE_LEN = 32
 PROOF_LEN = hashlib.sha256().digest_size
-MIN_SECRET_LEN = 16
+MIN_SECRET_LEN = 32
 ENV_VAR = "GGML_RPC_SECRET"
 CLIENT_LABEL = f"ggml-rpc/{PROTOCOL_VERSION} auth client\0".encode()
 SERVER_LABEL = f"ggml-rpc/{PROTOCOL_VERSION} auth server\0".encode()
@@ -56,10 +58,51 @@ def proof(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes)
 
 # ---------------------------------------------------------------- secrets
 
+MIN_SECRET_BITS = 64  # a secret whose own byte frequencies carry less is a pattern, not random
+CREDENTIAL = "rpc-secret"  # its name among systemd's credentials (LoadCredential=rpc-secret:PATH)
+MAKE_ONE = "make one with `openssl rand -hex 32`"
+# Values that appeared in examples (deploy/*.example, docs): known to everyone, so no secret.
+EXAMPLE_SECRETS = frozenset({b"change-me-to-a-long-random-string"})
+
+
+def _estimated_bits(secret: bytes) -> float:
+    """Length times the Shannon entropy of the secret's byte frequencies: a
+    generous estimate (it cannot see words or order) that is low only for a
+    secret made of few distinct bytes, e.g. one repeated character."""
+    n = len(secret)
+    return -sum(c * math.log2(c / n) for c in collections.Counter(secret).values())
+
+
+def _period(secret: bytes) -> int:
+    """The length of the shortest unit the secret repeats (its length if none):
+    KMP's failure function."""
+    fail = [0] * len(secret)
+    k = 0
+    for i in range(1, len(secret)):
+        while k and secret[i] != secret[k]:
+            k = fail[k - 1]
+        if secret[i] == secret[k]:
+            k += 1
+        fail[i] = k
+    return len(secret) - fail[-1] if secret else 0
+
+
 def check_secret(secret: bytes) -> bytes:
+    """The secret if it is fit to use; else SecretError saying what is wrong
+    with it. The one rule for the daemon and the coordinator alike: at least
+    MIN_SECRET_LEN bytes, not an example value, not a short pattern repeated,
+    not made of a handful of distinct bytes."""
+    if secret in EXAMPLE_SECRETS:
+        raise SecretError(f"the shared secret is the example value from the documentation, which everyone knows; "
+                          f"{MAKE_ONE}")
     if len(secret) < MIN_SECRET_LEN:
-        raise SecretError(f"the shared secret is {len(secret)} bytes; use at least {MIN_SECRET_LEN} "
-                          f"(e.g. `openssl rand -hex 32 > secret`)")
+        raise SecretError(f"the shared secret is {len(secret)} bytes; use at least {MIN_SECRET_LEN} ({MAKE_ONE})")
+    period = _period(secret)
+    if period <= len(secret) // 2:
+        raise SecretError(f"the shared secret is a {period}-byte pattern repeated, easy to guess; {MAKE_ONE}")
+    if _estimated_bits(secret) < MIN_SECRET_BITS:
+        raise SecretError(f"the shared secret is made of only {len(set(secret))} distinct bytes, easy to guess; "
+                          f"{MAKE_ONE}")
     return secret
 
 
@@ -70,7 +113,10 @@ def read_secret_file(path: str) -> bytes:
             data = f.read(1 << 16)
     except OSError as exc:
         raise SecretError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
-    return check_secret(data.rstrip(b"\r\n\t "))
+    try:
+        return check_secret(data.rstrip(b"\r\n\t "))
+    except SecretError as exc:
+        raise SecretError(f"{path}: {exc}") from None
 
 
 def secret_file_too_open(path: str) -> bool:
@@ -81,19 +127,35 @@ def secret_file_too_open(path: str) -> bool:
         return False
 
 
+def credential_path(environ=os.environ) -> str | None:
+    """$CREDENTIALS_DIRECTORY/rpc-secret when systemd passed that credential
+    (LoadCredential=rpc-secret:PATH), else None."""
+    directory = environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return None
+    path = os.path.join(directory, CREDENTIAL)
+    return path if os.path.exists(path) else None
+
+
 def load_secret(secret: str | bytes | None = None, secret_file: str | None = None,
                 environ=os.environ) -> bytes | None:
-    """The secret to use: `secret`, else the contents of `secret_file`, else the
-    environment variable GGML_RPC_SECRET, else None (authentication off)."""
+    """The secret to use, the first of: `secret`; the contents of
+    `secret_file`; systemd's credential $CREDENTIALS_DIRECTORY/rpc-secret; the
+    environment variable GGML_RPC_SECRET; else None (authentication off).
+    Whichever it is must pass check_secret."""
     if secret is not None and secret_file is not None:
         raise SecretError("give the secret or a secret file, not both")
     if secret is not None:
         return check_secret(secret.encode() if isinstance(secret, str) else bytes(secret))
+    secret_file = secret_file if secret_file is not None else credential_path(environ)
     if secret_file is not None:
         return read_secret_file(secret_file)
     value = environ.get(ENV_VAR)
     if value:
-        return check_secret(value.encode())
+        try:
+            return check_secret(value.encode())
+        except SecretError as exc:
+            raise SecretError(f"${ENV_VAR}: {exc}") from None
     return None
 
 

@@ -190,6 +190,12 @@ class FrameReader:
             self._frames = None
         return frames
 
+    def feed(self, data: bytes) -> None:
+        """Parse bytes received outside `buffer()` (the daemon reads a connection's
+        first bytes on its own, to recognise a llama.cpp client); like `received`."""
+        if not self._closed and data:
+            self._consume(memoryview(data))
+
     def resume(self) -> None:
         """Parse the bytes kept when the sink held (frames go to the sink)."""
         data, self._kept = self._kept, b""
