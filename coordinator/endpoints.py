@@ -71,8 +71,8 @@ class EndpointSet:
         return infos
 
     async def load_all(self, gguf, progress: bool, on_upload=None) -> None:
-        """Upload every stage's weights (a progress bar on request; `on_upload(done, total)`
-        at the start and after every chunk)."""
+        """Upload every stage's weights, to all endpoints at once (a progress bar on
+        request; `on_upload(done, total)` at the start and after every chunk)."""
         total = sum(len(p.stage.weight_data(gguf, n)) for p in self.places for n in p.stage.weights)
         bar = None
         if progress:
@@ -91,13 +91,17 @@ class EndpointSet:
         if on_upload:
             on_upload(0, total)
         try:
-            for p in self.places:
-                try:
-                    await p.executor.load(p.stage, gguf, uploaded)
-                except StageFailed as exc:
-                    if exc.lost_connection:
-                        self._latch(p, exc)
-                    raise EndpointUnavailable(exc.endpoint, exc.cause, exc.message) from None
+            # all at once: each upload is bound by its own link, not by the others' turns
+            results = await asyncio.gather(*(p.executor.load(p.stage, gguf, uploaded) for p in self.places),
+                                           return_exceptions=True)
+            for p, result in zip(self.places, results):
+                if isinstance(result, StageFailed) and result.lost_connection:
+                    self._latch(p, result)
+            for result in results:  # the first endpoint's failure in placement order names the culprit
+                if isinstance(result, StageFailed):
+                    raise EndpointUnavailable(result.endpoint, result.cause, result.message) from None
+                if isinstance(result, BaseException):
+                    raise result
         finally:
             if bar:
                 bar.close()

@@ -14,17 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 from coordinator.results import FailureKind, StageFailed
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
+from rpc_daemon.request_window import RequestWindow
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.tls import client_context
 
 ALIGN = 64
-UPLOAD_CHUNK = 16 << 20
+UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
 # the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
 GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT",
              "MUL_MAT_ID", "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB",
              "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
-CACHE_MIN_BYTES = 128 << 10  # below this a send is cheaper than a hash look-up round trip, even on a LAN
+CACHE_MIN_BYTES = 128 << 10  # below this sending the bytes costs less than hashing them and a look-up
 
 
 def peer_failed(endpoint: str, exc: PeerFailed) -> StageFailed:
@@ -41,6 +42,12 @@ def rpc_failed(endpoint: str, exc: RpcError, kind: FailureKind = FailureKind.COM
     if kind == FailureKind.LOAD:
         return StageFailed(kind, endpoint, f"loading weights onto worker {endpoint} failed: {exc}")
     return StageFailed(kind, endpoint, f"worker {endpoint} refused the request: {exc}")
+
+
+def _count_when_done(task, nbytes: int, progress) -> None:
+    """Advance the progress bar by `nbytes` when the request succeeds."""
+    if progress:
+        task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else progress(nbytes))
 
 
 def align(n: int) -> int:
@@ -170,6 +177,9 @@ class RemoteExecutor:
         self.buffer: int | None = None
         self.compute_us = 0  # worker-side compute time, summed
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
+        # the last load: chunks sent, hash look-ups and hits, and the most requests in flight at once
+        self.load_stats = {"sent": 0, "lookups": 0, "cache_hits": 0, "max_sends_in_flight": 0,
+                           "max_lookups_in_flight": 0}
 
     async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE):
         try:
@@ -200,30 +210,49 @@ class RemoteExecutor:
         reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error=FailureKind.ALLOC)
         self.buffer = reply["buffer"]
         self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
-        cached = self.use_cache and self.info.get("tensor_cache")
+        self.load_stats = dict.fromkeys(self.load_stats, 0)
+        chunks = []  # (range, bytes) in buffer order
         for name, t in weights:
             data = stage.weight_data(gguf, name)
-            base = offsets[t]
             for start in range(0, len(data), UPLOAD_CHUNK):
                 chunk = data[start: start + UPLOAD_CHUNK]
-                where = {"buffer": self.buffer, "offset": base + start, "size": len(chunk)}
-                if cached and len(chunk) >= CACHE_MIN_BYTES:
-                    digest = hashlib.sha256(chunk).hexdigest()
-                    try:
-                        await self.client.request(Command.SET_TENSOR_HASH, dict(where, hash=digest),
-                                                  deadline=self.request_timeout)
-                        if progress:
-                            progress(len(chunk))
-                        continue
-                    except RpcError as exc:
-                        if exc.status != Status.NOT_FOUND:
-                            raise rpc_failed(self.endpoint, exc, FailureKind.LOAD) from None
-                    except PeerFailed as exc:
-                        raise peer_failed(self.endpoint, exc) from None
-                    where["cache"] = True
-                await self._request(Command.SET_TENSOR, where, chunk, kind_on_error=FailureKind.LOAD)
-                if progress:
-                    progress(len(chunk))
+                chunks.append(({"buffer": self.buffer, "offset": offsets[t] + start, "size": len(chunk)}, chunk))
+        try:
+            if self.use_cache and self.info.get("tensor_cache"):
+                chunks = await self._fill_from_cache(chunks, progress)
+            window = RequestWindow(self.client, deadline=self.request_timeout)
+            for where, chunk in chunks:
+                _count_when_done(await window.submit(Command.SET_TENSOR, where, chunk), len(chunk), progress)
+            await window.drain()
+            self.load_stats.update(sent=len(chunks), max_sends_in_flight=window.peak_requests)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            raise rpc_failed(self.endpoint, exc, FailureKind.LOAD) from None
+
+    async def _fill_from_cache(self, chunks: list, progress) -> list:
+        """Ask the worker's tensor cache for every large chunk at once (pipelined
+        SET_TENSOR_HASH, one window); return the chunks still to send, the
+        misses marked `cache: true` so the worker keeps them."""
+        window = RequestWindow(self.client, deadline=self.request_timeout)
+        asked, rest = [], []
+        for where, chunk in chunks:
+            if len(chunk) < CACHE_MIN_BYTES:
+                rest.append((where, chunk))
+                continue
+            digest = hashlib.sha256(chunk).hexdigest()
+            asked.append((where, chunk, await window.submit(Command.SET_TENSOR_HASH, dict(where, hash=digest),
+                                                             accept=(Status.NOT_FOUND,))))
+        await window.drain()
+        self.load_stats.update(lookups=len(asked), max_lookups_in_flight=window.peak_requests)
+        for where, chunk, task in asked:
+            if task.result()[0].get("status") == Status.NOT_FOUND:
+                rest.append((dict(where, cache=True), chunk))
+                continue
+            self.load_stats["cache_hits"] += 1
+            if progress:
+                progress(len(chunk))
+        return rest
 
     async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
         g, evicted = stage.graph(shape, head)

@@ -167,6 +167,13 @@ def daemon(start_daemon) -> DaemonProcess:
     return start_daemon("-t", "1")
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The path of tests/tiny_models.py's tiny llama (seed 0), written once per session."""
+    from tiny_models import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", seed=0)
+
+
 @pytest.fixture(scope="module")
 def shared():
     """One plain daemon per test module, for cases it must survive one after another."""

@@ -99,17 +99,21 @@ def test_coordinator_loads_weights_from_a_restarted_workers_cache(tmp_path):
     from coordinator import Coordinator
 
     cache = str(tmp_path / "cache")
-    texts, sent = [], []
+    texts, sent, stats = [], [], []
     for _ in range(2):
         mport = free_port()
         d = DaemonProcess("-t", "1", "--cache", cache, "--metrics-port", str(mport))
         try:
             with Coordinator([d.endpoint]) as c:
                 sent.append(_bytes_in(mport))
+                stats.append(c._places[0].executor.load_stats)
                 texts.append(c.generate("The capital of France is", max_tokens=8))
         finally:
             d.stop()
     weights = sum(f.stat().st_size for f in pathlib.Path(cache).rglob("*") if f.is_file())
     assert sent[0] > 0.9 * weights, (sent, weights)
     assert sent[1] < 0.05 * sent[0], sent
+    # the look-ups went out in one window (batched), not one round trip each
+    assert stats[1]["cache_hits"] == stats[1]["lookups"] > 1 and stats[1]["max_lookups_in_flight"] > 1, stats
+    assert stats[0]["cache_hits"] == 0 and stats[0]["max_sends_in_flight"] > 1, stats
     assert texts[0] == texts[1]
