@@ -195,8 +195,9 @@ def test_worker_stopped_behind_100ms_times_out_within_the_bound_plus_the_delay(t
     plus the delay, a stall and slack."""
     a, b, pa, pb = slow_pair
     bound = 1.0
+    # head_split off: one GRAPH_COMPUTE on B per decode, so the fault's 2nd compute is decode 2's
     with Coordinator([pa.endpoint, pb.endpoint], model=tiny_model, split=[1, 1], n_ctx=64,
-                     liveness_timeout=bound) as c:
+                     liveness_timeout=bound, head_split=False) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error  # B's compute 1
         stopped = []
