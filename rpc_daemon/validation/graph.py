@@ -18,6 +18,7 @@ from rpc_daemon.validation import row_ids
 from rpc_daemon.wire.protocol import ProtocolError, Status, field_list
 
 MAX_NE = 1 << 40
+INT64_MAX = (1 << 63) - 1
 MAX_ELEMENTS = 1 << 42
 MAX_NB = 1 << 48
 KNOWN_FLAGS = (lib.GGML_TENSOR_FLAG_INPUT | lib.GGML_TENSOR_FLAG_OUTPUT | lib.GGML_TENSOR_FLAG_PARAM
@@ -145,6 +146,12 @@ def parse_tensor(i: int, t) -> TensorSpec:
     if type(ttype) is not int or type_traits(ttype) is None:
         raise _bad(i, f"type {ttype!r} is not a ggml type")
     ne = _ints(t.get("ne"), 4, i, "ne", 1, MAX_NE)
+    count = ne[0]  # ggml_new_tensor (0.25) asserts the element count fits int64_t: refuse, never abort
+    for n in ne[1:]:
+        if n > 1:
+            if not INT64_MAX // n > count:
+                raise _bad(i, f"ne {list(ne)} has more elements than int64_t holds")
+            count *= n
     nb = _ints(t.get("nb"), 4, i, "nb", 0, MAX_NB)
     op = t.get("op", 0)
     if type(op) is not int or not 0 <= op < lib.GGML_OP_COUNT:
@@ -503,6 +510,9 @@ def rule_rope(t, tensors):
     mode, n_dims = t.param_i32(2), t.param_i32(1)
     _need(mode in (0, 2), t, f"rope mode {mode} not supported (NORMAL 0 or NEOX 2)")
     _need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, t, f"n_dims {n_dims} must be even and <= ne[0]")
+    # ggml 0.25 rotates dims [n_offs, n_offs + n_dims) with n_offs = op_params[15] (0.20 ignores it):
+    # only 0 means the same on both
+    _need(t.param_i32(15) == 0, t, f"rope offset (op_params[15]) {t.param_i32(15)} not supported")
     # the kernel copies the dims past n_dims in pairs: an odd ne[0] writes one element past the row
     _need(a.ne[0] % 2 == 0, t, "src0 ne[0] must be even")
     _rows(t, a, "src0")  # GGML_ASSERT(nb0 == nb00 && nb0 == sizeof(T))

@@ -1,0 +1,88 @@
+"""Which libggml runs: the pinned ggml built for this machine when it is built,
+the libggml-python wheel as a loud fallback; a cluster mixing the two is refused
+at HELLO, never computes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ggml_ffi import ORIGIN, CpuBackend, describe, ggml_build, ggml_identity
+from rpc_daemon.client import PeerFailed, RpcClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILT = ggml_build.find_build() is not None
+needs_build = pytest.mark.skipif(not BUILT, reason="the pinned ggml is not built here (python -m ggml_ffi.ggml_build)")
+
+PROBE = """
+import json, ggml_ffi
+from ggml_ffi import CpuBackend, Context, Gallocr, lib, tensor_array
+be = CpuBackend(1)
+with Context(16) as ctx:
+    a = ctx.new_tensor(lib.GGML_TYPE_F32, [4]); b = ctx.new_tensor(lib.GGML_TYPE_F32, [4])
+    c = lib.ggml_add(ctx.ptr, a, b); gf = ctx.new_graph(16); lib.ggml_build_forward_expand(gf, c)
+    ga = Gallocr(be); assert ga.alloc_graph(gf)
+    tensor_array(a)[:] = [1, 2, 3, 4]; tensor_array(b)[:] = 10
+    assert be.compute(gf) == 0
+    print(json.dumps({"sum": tensor_array(c).tolist(), **ggml_ffi.describe(), "identity": ggml_ffi.ggml_identity()}))
+    ga.close()
+be.close()
+"""
+
+
+def _probe(env: dict) -> tuple[dict, str]:
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT, **env))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stdout + run.stderr  # structlog prints to stdout
+
+
+@needs_build
+def test_the_build_is_preferred_and_says_what_it_is():
+    assert ORIGIN.kind == "build" or os.environ.get("GGML_DISTRIBUTED_GGML"), ORIGIN
+    facts, log = _probe({})
+    assert facts["origin"] == "build" and facts["ggml_version"] == ggml_build.GGML_VERSION, facts
+    assert facts["sum"] == [11.0, 12.0, 13.0, 14.0]
+    assert facts["cpu_variant"] and facts["cpu_features"], facts
+    assert "built for this machine" in log and facts["cpu_variant"] in log, log
+
+
+def test_the_wheel_still_runs_as_a_loud_fallback():
+    facts, log = _probe({"GGML_DISTRIBUTED_GGML": "wheel"})
+    assert facts["origin"] == "wheel" and facts["sum"] == [11.0, 12.0, 13.0, 14.0], facts
+    assert "FALLBACK to the libggml-python wheel" in log, log
+
+
+def test_cpu_backend_reports_its_variant():
+    with CpuBackend(1):
+        facts = describe()
+    assert facts["cpu_variant"] and os.path.exists(facts["cpu_library"]), facts
+    assert facts["ggml_version"] == ggml_identity()["version"]
+
+
+@needs_build
+def test_wheel_and_build_have_different_op_tables():
+    other, _ = _probe({"GGML_DISTRIBUTED_GGML": "wheel"})
+    assert other["identity"]["op_table"] != ggml_identity()["op_table"], (other, ggml_identity())
+
+
+@needs_build
+def test_mixed_cluster_is_refused_at_hello(start_daemon):
+    """A worker on the other libggml than this client: the connection fails at HELLO
+    naming both ggml versions; nothing is allocated or computed."""
+    other = {"GGML_DISTRIBUTED_GGML": "wheel"} if ORIGIN.kind == "build" else {}
+    worker = start_daemon("-t", "1", env=other)
+    assert worker.wait_log("cpu_variant=")
+
+    async def connect():
+        client = await RpcClient.connect(worker.endpoint, connect_timeout=10)
+        await client.aclose()
+
+    with pytest.raises(PeerFailed, match="ggml mismatch") as info:
+        asyncio.run(connect())
+    assert "0.20.2" in str(info.value) and ggml_build.GGML_VERSION in str(info.value), info.value
+    assert worker.alive()
