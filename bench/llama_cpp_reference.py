@@ -10,7 +10,9 @@ llama-cpp-python sdist (ggml_ffi/ggml_build.py) unpacked at
 
     cmake -S src -B build -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-    cmake --build build -j2 --target llama-bench llama-perplexity rpc-server llama-tokenize llama-cli
+    cmake --build build -j2 --target llama-bench llama-perplexity ggml-rpc-server llama-tokenize llama-cli
+
+(the rpc-server target is called ggml-rpc-server in this llama.cpp tree).
 
 `bench` runs llama-bench in process and over 2 local rpc-servers (`-ngl 99
 --rpc`), `--repack 0` (our workers use no repacked buffers either), and prints
@@ -36,7 +38,9 @@ from ggml_ffi import ggml_build  # noqa: E402
 
 CONFIGURE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
-TARGETS = ["llama-bench", "llama-perplexity", "rpc-server", "llama-tokenize", "llama-cli"]
+# llama.cpp's rpc-server target and binary are named ggml-rpc-server in this tree (tools/rpc)
+TARGETS = ["llama-bench", "llama-perplexity", "ggml-rpc-server", "llama-tokenize", "llama-cli"]
+RPC_SERVER = "ggml-rpc-server"
 
 
 def root() -> pathlib.Path:
@@ -47,9 +51,9 @@ def bin_dir() -> pathlib.Path:
     return root() / "build" / "bin"
 
 
-def missing() -> str | None:
-    """Why the reference cannot run here, or None."""
-    absent = [t for t in ("llama-bench", "rpc-server") if not (bin_dir() / t).is_file()]
+def missing(*tools: str) -> str | None:
+    """Why these reference tools cannot run here, or None."""
+    absent = [t for t in tools or ("llama-bench",) if not (bin_dir() / t).is_file()]
     if absent:
         return f"llama.cpp reference not built ({', '.join(absent)} missing in {bin_dir()}): " \
                f"python bench/llama_cpp_reference.py build"
@@ -80,7 +84,7 @@ def rpc_servers(n: int, threads: int):
     try:
         for _ in range(n):
             port = _free_port()
-            procs.append(subprocess.Popen([str(bin_dir() / "rpc-server"), "-H", "127.0.0.1", "-p", str(port),
+            procs.append(subprocess.Popen([str(bin_dir() / RPC_SERVER), "-H", "127.0.0.1", "-p", str(port),
                                            "-t", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             endpoints.append(f"127.0.0.1:{port}")
         for ep in endpoints:  # bounded wait for each to listen
@@ -120,12 +124,18 @@ def llama_bench(model: str, threads: int, pp: int, tg: int, reps: int, rpc: list
     return out
 
 
-def reference_rows(model: str, threads: int, pp: int, tg: int, reps: int, n_rpc: int) -> dict[str, dict]:
-    rows = {"llama.cpp": llama_bench(model, threads, pp, tg, reps)}
+def reference_rows(model: str, threads: int, pp: int, tg: int, reps: int,
+                   n_rpc: int) -> tuple[dict[str, dict], list[str]]:
+    """({row: {"pp", "tg"}}, notes): in process, and over n_rpc rpc-servers when built."""
+    rows, notes = {"llama.cpp": llama_bench(model, threads, pp, tg, reps)}, []
     if n_rpc > 1:
-        with rpc_servers(n_rpc, threads) as eps:
-            rows[f"llama.cpp rpc x{n_rpc}"] = llama_bench(model, threads, pp, tg, reps, eps)
-    return rows
+        why = missing(RPC_SERVER)
+        if why:
+            notes.append(f"llama.cpp rpc row skipped: {why}")
+        else:
+            with rpc_servers(n_rpc, threads) as eps:
+                rows[f"llama.cpp rpc x{n_rpc}"] = llama_bench(model, threads, pp, tg, reps, eps)
+    return rows, notes
 
 
 def main(argv=None) -> int:
@@ -149,9 +159,12 @@ def main(argv=None) -> int:
         return 1
     from coordinator.planning import default_model_path
 
-    for name, r in reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg, args.reps,
-                                  args.rpc).items():
+    rows, notes = reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg, args.reps,
+                                 args.rpc)
+    for name, r in rows.items():
         print(f"{name:<24} pp{args.pp} {r.get('pp', 0):8.1f} t/s   tg{args.tg} {r.get('tg', 0):8.1f} t/s")
+    for note in notes:
+        print(note)
     return 0
 
 

@@ -230,11 +230,11 @@ def _reference_rows(args, n_workers: int) -> tuple[dict, str | None]:
     from coordinator.planning import default_model_path
 
     try:
-        rows = ref.reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg, args.reps,
-                                  n_workers)
+        rows, notes = ref.reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg,
+                                         args.reps, n_workers)
     except (RuntimeError, OSError, ValueError) as exc:
         return {}, f"llama.cpp reference failed: {exc}"
-    return rows, "llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, threads, pp, tg"
+    return rows, "\n".join(notes + ["llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, threads, pp, tg"])
 
 
 def cmd_bench(args) -> int:
