@@ -86,3 +86,18 @@ def test_mixed_cluster_is_refused_at_hello(start_daemon):
         asyncio.run(connect())
     assert "0.20.2" in str(info.value) and ggml_build.GGML_VERSION in str(info.value), info.value
     assert worker.alive()
+
+
+def test_install_without_cmake_goes_on_and_says_why(tmp_path):
+    """The build backend as pip runs it (ggml_ffi/ on sys.path, `backend-path`), with no cmake
+    or compiler on PATH and an empty cache: no ggml is built, the install is not failed, and
+    the reason is printed."""
+    code = ("import sys; sys.path.insert(0, 'ggml_ffi'); import _build_backend; "
+            "print('BUILT', _build_backend._build_ggml())")
+    env = dict(os.environ, PATH=str(tmp_path), GGML_DISTRIBUTED_CACHE=str(tmp_path / "cache"))
+    env.pop("GGML_DISTRIBUTED_GGML", None)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "BUILT None" in run.stdout, run.stdout
+    assert "cmake" in run.stderr and "not found" in run.stderr and "libggml-python wheel" in run.stderr, run.stderr
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("ggml-*"))
