@@ -133,8 +133,10 @@ def _fetch_sdist(dest: pathlib.Path) -> pathlib.Path:
         req.write_text(f"{PIN_SDIST.replace('_', '-')}=={PIN_SDIST_VERSION} --hash=sha256:{PIN_SDIST_SHA256}\n")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                "--require-hashes", "-r", str(req), "-d", str(dest), "--disable-pip-version-check"]
-        # pip's build isolation hides the environment's own pip from a child: run it unisolated
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+        # inside pip's build of this package: its isolation (PYTHONPATH, ...) hides the environment's own
+        # pip, and its hook variables (_PYPROJECT_HOOKS_BACKEND_PATH) would be taken by the sdist's build
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")
+               and not k.startswith(("_PYPROJECT_HOOKS", "PEP517_", "PIP_BUILD_TRACKER", "PIP_REQ_TRACKER"))}
         run = subprocess.run(cmd, capture_output=True, text=True, env=env)
         found = sorted(dest.glob(f"{PIN_SDIST}-{PIN_SDIST_VERSION}.tar.gz"))
         if run.returncode != 0 or not found:
