@@ -101,3 +101,31 @@ def test_install_without_cmake_goes_on_and_says_why(tmp_path):
     assert "BUILT None" in run.stdout, run.stdout
     assert "cmake" in run.stderr and "not found" in run.stderr and "libggml-python wheel" in run.stderr, run.stderr
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("ggml-*"))
+
+
+def test_worker_reports_its_ggml_in_log_device_info_and_metrics(start_daemon):
+    import socket
+    import urllib.request
+
+    from rpc_daemon.wire.protocol import Command, Status
+    from rpc_helpers import RawConn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mport = s.getsockname()[1]
+    worker = start_daemon("-t", "1", "--metrics-port", str(mport))
+    with CpuBackend(1):
+        ours = describe()  # the worker loads the same library as this process
+    line = worker.wait_log("cpu_variant=")
+    assert f"cpu_variant={ours['cpu_variant']}" in line and f"origin={ours['origin']}" in line, line
+    with RawConn(worker.port, timeout=10) as conn:
+        conn.hello()
+        h, _ = conn.call(Command.DEVICE_INFO)
+    assert h["status"] == Status.SUCCESS, h
+    assert h["cpu_variant"] == ours["cpu_variant"], h
+    assert h["ggml"] == dict(ggml_identity(), origin=ours["origin"]), h
+    assert set(h["cpu_features"]) == {f.lower() for f in ours["cpu_features"]}, h
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+    info = [ln for ln in text.splitlines() if ln.startswith("ggml_rpc_ggml_info{")]
+    assert len(info) == 1 and f'cpu_variant="{ours["cpu_variant"]}"' in info[0], info
+    assert f'version="{ours["ggml_version"]}"' in info[0] and info[0].endswith(" 1.0"), info

@@ -212,29 +212,26 @@ def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
     return tuple(rates)
 
 
-def _reference_rows(args, n_workers: int) -> tuple[dict, str | None]:
+def _reference(args, n_workers: int):
     """llama.cpp's llama-bench on the same model, threads, pp and tg, in process and over as
-    many of its rpc-servers: ({row name: {"pp", "tg"}}, a note), or ({}, why it was skipped)."""
+    many of its rpc-servers: (a function measuring one repetition of those rows -> ({row:
+    {"pp", "tg"}}, notes), None) or (None, why the rows are skipped)."""
     import importlib.util
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "llama_cpp_reference.py"
     if not script.is_file():
-        return {}, f"llama.cpp reference skipped: {script} is not here (an installed package has no bench/)"
+        return None, f"llama.cpp reference skipped: {script} is not here (an installed package has no bench/)"
     spec = importlib.util.spec_from_file_location("llama_cpp_reference", script)
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
     why = ref.missing()
     if why:
-        return {}, f"llama.cpp reference skipped: {why}"
+        return None, f"llama.cpp reference skipped: {why}"
     from coordinator.planning import default_model_path
 
-    try:
-        rows, notes = ref.reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg,
-                                         args.reps, n_workers)
-    except (RuntimeError, OSError, ValueError) as exc:
-        return {}, f"llama.cpp reference failed: {exc}"
-    return rows, "\n".join(notes + ["llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, threads, pp, tg"])
+    model = args.model or default_model_path()
+    return (lambda: ref.reference_rows(model, args.threads, args.pp, args.tg, 1, n_workers)), None
 
 
 def cmd_bench(args) -> int:
@@ -260,16 +257,32 @@ def cmd_bench(args) -> int:
             for c in coords.values():
                 c.close()
             raise
+        reference_run, notes = _reference(args, len(endpoints)) if args.reference else (None, None)
+        notes, ref_results = [notes] if notes else [], {}
         try:
             for c in coords.values():
                 _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
-            for _ in range(args.reps):  # interleaved, so both see the same machine load
+            for _ in range(args.reps):  # interleaved, so all see the same machine load
                 for name, c in coords.items():
                     results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
+                if reference_run is not None:
+                    try:
+                        rows, ref_notes = reference_run()
+                    except (RuntimeError, OSError, ValueError, KeyError) as exc:
+                        notes.append(f"llama.cpp reference failed: {exc}")
+                        reference_run = None
+                        continue
+                    for name, r in rows.items():
+                        ref_results.setdefault(name, []).append(r)
+                    notes += [n for n in ref_notes if n not in notes]
         finally:
             for c in coords.values():
                 c.close()
-    reference, note = _reference_rows(args, len(endpoints)) if args.reference else ({}, None)
+    reference = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
+                 for name, rs in ref_results.items()}
+    if reference:
+        notes.append("llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, "
+                     "threads, pp and tg, one repetition after each of ours")
     cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
     width = max(len(name) for name in results) + 20
     print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
@@ -290,7 +303,7 @@ def cmd_bench(args) -> int:
             label = f"ratio {ours} / {theirs}"
             print(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
                   f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
-    if note:
+    for note in notes:
         print(note)
     print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
           "workers' threads")
