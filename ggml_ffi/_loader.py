@@ -96,6 +96,10 @@ def _cdef_for(origin: LibraryOrigin) -> tuple[LibraryOrigin, pathlib.Path]:
 
 
 ORIGIN, _CDEF = _cdef_for(find_origin())
+# ggml 0.25's tiled K-quant matmul runs from 8 rows of src1 on, the vec_dot kernel below: a
+# token's logits would depend on how many tokens share its batch (a sequence decoded in a batch
+# would not equal it decoded alone). Read by ggml once, at the first matmul; =1 opts in.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 
 def library_path() -> pathlib.Path:

@@ -52,6 +52,10 @@ _CMAKE_COMMON = [
     "-DLLAMA_BUILD_COMMON=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
+    # llamafile's tinyBLAS takes some matrix shapes and not others (a worker's share of the output
+    # head vs the whole head): the same rows would sum in another order, and the head shards would
+    # not give the in-process logits bit for bit. The bundled model's K-quants never use it anyway.
+    "-DGGML_LLAMAFILE=OFF",
 ]
 _CMAKE_VARIANT = {
     "native": ["-DGGML_NATIVE=ON"],
@@ -99,14 +103,22 @@ def build_dir(variant: str | None = None) -> pathlib.Path:
     return cache_root() / variant_dir_name(variant or requested_variant())
 
 
+def is_finished(d: pathlib.Path, variant: str) -> bool:
+    """A finished build made with today's flags (a build with other flags is made again)."""
+    try:
+        info = json.loads((d / INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("cmake_flags") == _CMAKE_COMMON + _CMAKE_VARIANT[variant] and (d / "lib" / "libggml.so.0").exists()
+
+
 def find_build() -> pathlib.Path | None:
     """The finished build of the pinned ggml for this machine, or None.
     The requested variant first, then any other finished one."""
     order = [requested_variant()] + [v for v in VARIANTS if v != requested_variant()]
     for variant in order:
-        d = build_dir(variant)
-        if (d / INFO_FILE).is_file() and (d / "lib" / "libggml.so.0").exists():
-            return d
+        if is_finished(build_dir(variant), variant):
+            return build_dir(variant)
     return None
 
 
@@ -199,7 +211,7 @@ def build(variant: str | None = None, jobs: int | None = None) -> pathlib.Path:
     """Build the pinned ggml into its cache directory (a no-op when it is there)."""
     variant = variant or requested_variant()
     final = build_dir(variant)
-    if (final / INFO_FILE).is_file():
+    if is_finished(final, variant):
         return final
     cmake, generator = _tools()
     jobs = jobs or max(1, os.cpu_count() or 1)

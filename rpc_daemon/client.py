@@ -476,8 +476,9 @@ async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> di
         hello, _ = await client.request(Command.AUTH, answer, deadline=max(0.05, deadline - time.monotonic()))
     if state is not None:
         state.verify_server(hello)
-    try:  # a daemon that did not check our op table must still have the same one
-        P.check_same_ggml(hello.get("ggml"), ggml_identity(), "the worker", "this client")
+    try:  # the daemon checked our op table; check its too (every protocol-2 daemon sends it)
+        if "ggml" in hello:
+            P.check_same_ggml(hello["ggml"], ggml_identity(), "the worker", "this client")
     except P.ProtocolError as exc:
         raise RpcError(exc.status, exc.message, hello) from None
     return hello
