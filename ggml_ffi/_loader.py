@@ -1,25 +1,176 @@
-"""Open libggml once and expose `ffi` and `lib`."""
+"""Open libggml once and expose `ffi`, `lib` and the library's origin.
+
+Which library: the pinned ggml built for this machine at install (carried
+in `ggml_ffi/_ggml/` by a non-editable install, else ggml_build.find_build()'s
+cache), else, as a fallback, the pinned libggml-python wheel's. `GGML_DISTRIBUTED_GGML=wheel` forces the wheel;
+`GGML_DISTRIBUTED_GGML=/path/to/dir` a build directory of the same layout.
+Whichever it is gets logged once, loudly, at the first CPU backend.
+
+One dlopen of `libggml.so.0`; ggml-base's symbols are reached through that
+handle (it links libggml-base). The CPU backend's own symbols come from
+`cpu_library()`: the same handle when the CPU backend is linked in (a native
+build, the wheel), or, in a GGML_BACKEND_DL build, the handle of the CPU
+variant that ggml itself chose and loaded (dlopen of an already loaded file
+returns that same object, never a second copy).
+"""
 from __future__ import annotations
 
+import os
 import pathlib
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import cffi
 
-_CDEF = pathlib.Path(__file__).with_name("_cdef.h")
+from ggml_ffi import ggml_build
+
+
+
+@dataclass(frozen=True)
+class LibraryOrigin:
+    kind: str  # "build" (made for this machine from the pinned sdist) or "wheel" (the fallback)
+    directory: pathlib.Path  # holds lib/ (or lib64/) and include/
+    info: dict = field(default_factory=dict)
+
+    @property
+    def library(self) -> pathlib.Path:
+        for sub in ("lib", "lib64"):
+            if (self.directory / sub / "libggml.so.0").exists():
+                return self.directory / sub / "libggml.so.0"
+        return self.directory / "lib" / "libggml.so.0"
+
+    @property
+    def include(self) -> pathlib.Path:
+        return self.directory / "include"
+
+
+def _wheel() -> LibraryOrigin:
+    import libggml
+
+    return LibraryOrigin("wheel", pathlib.Path(libggml.__file__).parent,
+                         {"variant": "wheel", "why": "no ggml build for this machine"})
+
+
+def _read_info(d: pathlib.Path) -> dict:
+    import json
+
+    try:
+        return json.loads((d / ggml_build.INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def find_origin() -> LibraryOrigin:
+    choice = os.environ.get("GGML_DISTRIBUTED_GGML", "")
+    if choice == "wheel":
+        return LibraryOrigin("wheel", _wheel().directory, {"variant": "wheel", "why": "GGML_DISTRIBUTED_GGML=wheel"})
+    if choice:
+        d = pathlib.Path(choice).expanduser()
+        return LibraryOrigin("build", d, _read_info(d))
+    bundled = pathlib.Path(__file__).with_name("_ggml")  # a non-editable install carries its build
+    if (bundled / ggml_build.INFO_FILE).is_file():
+        return LibraryOrigin("build", bundled, _read_info(bundled))
+    d = ggml_build.find_build()
+    if d is None:
+        return _wheel()
+    return LibraryOrigin("build", d, _read_info(d))
+
+
+def _cdef_for(origin: LibraryOrigin) -> tuple[LibraryOrigin, pathlib.Path]:
+    """The declarations generated from this library's own headers (gen_cdef.py); a build
+    of another ggml than `_cdef.h` was generated from is not loaded: the wheel is."""
+    if origin.kind == "wheel":
+        return origin, pathlib.Path(__file__).with_name("_cdef_wheel.h")
+    cdef = pathlib.Path(__file__).with_name("_cdef.h")
+    head = cdef.read_text()[:300] if cdef.is_file() else ""
+    m = re.search(r"ggml (\S+)\. Do not edit", head)
+    built = origin.info.get("ggml_version")
+    if m is None or m.group(1) != built:
+        wheel = _wheel()
+        why = f"{cdef.name} is for ggml {m.group(1) if m else '(none)'}, the build in {origin.directory} is " \
+              f"ggml {built}: run `python -m ggml_ffi.gen_cdef`"
+        return LibraryOrigin("wheel", wheel.directory, {"variant": "wheel", "why": why}), \
+            pathlib.Path(__file__).with_name("_cdef_wheel.h")
+    return origin, cdef
+
+
+ORIGIN, _CDEF = _cdef_for(find_origin())
+# ggml 0.25's tiled K-quant matmul runs from 8 rows of src1 on, the vec_dot kernel below: a
+# token's logits would depend on how many tokens share its batch (a sequence decoded in a batch
+# would not equal it decoded alone). Read by ggml once, at the first matmul; =1 opts in.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 
 def library_path() -> pathlib.Path:
-    import libggml
-
-    return pathlib.Path(libggml.__file__).parent / "lib64" / "libggml.so.0"
+    return ORIGIN.library
 
 
 def include_path() -> pathlib.Path:
-    import libggml
-
-    return pathlib.Path(libggml.__file__).parent / "include"
+    return ORIGIN.include
 
 
 ffi = cffi.FFI()
 ffi.cdef(_CDEF.read_text())
 lib = ffi.dlopen(str(library_path()))
+
+
+@dataclass(frozen=True)
+class CpuLibrary:
+    """The CPU backend: where its symbols come from and what it was built for."""
+    lib: object  # a cffi library with the CPU backend's symbols (ggml_backend_cpu_init, ...)
+    reg: object  # its ggml_backend_reg_t
+    path: pathlib.Path  # the file holding it
+    variant: str  # "x64".."sapphirerapids" of a GGML_BACKEND_DL build, else the build's variant
+    features: dict  # ggml_backend_get_features: {"AVX2": "1", "LLAMAFILE": "1", ...}
+
+
+def _address_file(addr) -> pathlib.Path | None:
+    """The shared object holding a code address (dladdr)."""
+    libc = cffi.FFI()
+    libc.cdef("typedef struct { const char *dli_fname; void *dli_fbase; const char *dli_sname; void *dli_saddr; } "
+              "Dl_info; int dladdr(const void *addr, Dl_info *info);")
+    info = libc.new("Dl_info *")
+    if libc.dlopen(None).dladdr(libc.cast("void *", int(ffi.cast("uintptr_t", addr))), info) == 0:
+        return None
+    return pathlib.Path(libc.string(info.dli_fname).decode())
+
+
+def _features(reg) -> dict:
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")
+    if fn == ffi.NULL:
+        return {}
+    out, feats = {}, ffi.cast("ggml_backend_get_features_t", fn)(reg)
+    i = 0
+    while feats[i].name != ffi.NULL and i < 256:
+        out[ffi.string(feats[i].name).decode()] = ffi.string(feats[i].value).decode()
+        i += 1
+    return out
+
+
+@lru_cache(maxsize=None)
+def cpu_library() -> CpuLibrary:
+    """Register the CPU backend (in a GGML_BACKEND_DL build: ggml loads the
+    best variant this CPU runs from the build's lib/ directory) and return it."""
+    reg = lib.ggml_backend_reg_by_name(b"CPU")
+    if reg == ffi.NULL:
+        lib.ggml_backend_load_all_from_path(str(library_path().parent).encode())
+        reg = lib.ggml_backend_reg_by_name(b"CPU")
+    if reg == ffi.NULL:
+        raise RuntimeError(f"no CPU backend could be loaded from {library_path().parent}")
+    path = _address_file(lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")) or library_path()
+    if path.name.startswith("libggml-cpu-"):  # a GGML_BACKEND_DL variant: libggml-cpu-haswell.so
+        variant, cpu = path.name[len("libggml-cpu-"):].split(".so")[0], ffi.dlopen(str(path))
+    else:
+        variant, cpu = ORIGIN.info.get("variant", ORIGIN.kind), lib
+        if variant == "native" and ORIGIN.info.get("cpu_tag"):
+            variant = f"native-{ORIGIN.info['cpu_tag']}"  # as its directory is named
+    return CpuLibrary(cpu, reg, path, variant, _features(reg))
+
+
+def describe() -> dict:
+    """Which ggml this process runs, for logs, DEVICE_INFO and metrics."""
+    cpu = cpu_library()
+    return {"ggml_version": ffi.string(lib.ggml_version()).decode(), "origin": ORIGIN.kind,
+            "library": str(library_path()), "cpu_variant": cpu.variant, "cpu_library": str(cpu.path),
+            "cpu_features": sorted(k for k, v in cpu.features.items() if v == "1")}

@@ -3,6 +3,7 @@ CPU backend with a persistent threadpool, log routing and orderly teardown."""
 from __future__ import annotations
 
 import atexit
+import hashlib
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -10,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import structlog
 
-from ggml_ffi._loader import ffi, lib
+from ggml_ffi._loader import ORIGIN, cpu_library, describe, ffi, lib
 
 log = structlog.get_logger("ggml")
 
@@ -133,18 +134,24 @@ class CpuBackend:
     times slower when every compute spawns its threads anew."""
 
     def __init__(self, n_threads: int = 1):
+        _announce_library()
+        self.cpu = cpu_library().lib
         self.n_threads = max(1, int(n_threads))
-        self.ptr = lib.ggml_backend_cpu_init()
+        self.ptr = self.cpu.ggml_backend_cpu_init()
         if self.ptr == NULL:
             raise RuntimeError("ggml_backend_cpu_init failed")
         params = lib.ggml_threadpool_params_default(self.n_threads)
-        self.threadpool = lib.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", params))
+        self.threadpool = self.cpu.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", params))
         if self.threadpool == NULL:
             lib.ggml_backend_free(self.ptr)
             raise RuntimeError("ggml_threadpool_new failed")
-        lib.ggml_backend_cpu_set_n_threads(self.ptr, self.n_threads)
-        lib.ggml_backend_cpu_set_threadpool(self.ptr, self.threadpool)
+        self.cpu.ggml_backend_cpu_set_n_threads(self.ptr, self.n_threads)
+        self.cpu.ggml_backend_cpu_set_threadpool(self.ptr, self.threadpool)
         _live_backends.add(self)
+
+    def buffer_from_ptr(self, addr: int, size: int):
+        """A CPU buffer over memory the caller owns (and keeps alive)."""
+        return self.cpu.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", addr), size)
 
     def compute(self, gf) -> int:
         return lib.ggml_backend_graph_compute(self.ptr, gf)
@@ -161,7 +168,7 @@ class CpuBackend:
     def close(self) -> None:
         # the threadpool must go before the backend, both before interpreter exit
         if self.threadpool is not None:
-            lib.ggml_threadpool_free(self.threadpool)
+            self.cpu.ggml_threadpool_free(self.threadpool)
             self.threadpool = None
         if self.ptr is not None:
             lib.ggml_backend_free(self.ptr)
@@ -176,6 +183,22 @@ class CpuBackend:
 
 
 _live_backends: "weakref.WeakSet[CpuBackend]" = weakref.WeakSet()
+_announced: list = []
+
+
+def _announce_library() -> None:
+    """Say once per process which libggml computes: the fallback wheel is half
+    as fast at prompt processing, so running on it must never go unnoticed."""
+    if _announced:
+        return
+    _announced.append(True)
+    facts = describe()
+    if ORIGIN.kind == "wheel":
+        log.warning("libggml: FALLBACK to the libggml-python wheel (generic x86-64 build, slower); "
+                    "build ggml for this machine with `python -m ggml_ffi.ggml_build`",
+                    why=ORIGIN.info.get("why"), **facts)
+    else:
+        log.info("libggml: built for this machine", **facts)
 
 
 @atexit.register
@@ -234,3 +257,19 @@ def _on_ggml_log(level, text, _user):
 
 def route_logs_to_structlog() -> None:
     lib.ggml_log_set(_on_ggml_log, NULL)
+
+
+@lru_cache(maxsize=None)
+def ggml_identity() -> dict:
+    """What a graph on the wire means depends on: the ggml version and its op
+    table (ops, unary and GLU ops, types with their block layouts, by number).
+    Two processes may exchange graphs only if `op_table` is equal."""
+    h = hashlib.sha256()
+    tables = ((lib.GGML_OP_COUNT, lib.ggml_op_name), (lib.GGML_UNARY_OP_COUNT, lib.ggml_unary_op_name),
+              (lib.GGML_GLU_OP_COUNT, lib.ggml_glu_op_name))
+    for count, name in tables:
+        h.update(b"|".join(ffi.string(name(i)) for i in range(count)) + b"\n")
+    for t in range(lib.GGML_TYPE_COUNT):
+        tr = type_traits(t)
+        h.update(f"{t}:{tr.name}:{tr.type_size}:{tr.blck_size};".encode() if tr else f"{t}:-;".encode())
+    return {"version": ffi.string(lib.ggml_version()).decode(), "op_table": h.hexdigest()[:16]}

@@ -30,6 +30,7 @@ import socket
 import ssl
 import time
 
+from ggml_ffi.core import ggml_identity
 from rpc_daemon.failure_kind import FailureKind
 from rpc_daemon.service import hoptrace
 from rpc_daemon.wire import framing as F
@@ -148,7 +149,7 @@ class RpcClient(asyncio.BufferedProtocol):
                 raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} refused the connection: not authorized: "
                                              f"{exc.message}") from None
             if exc.status == Status.VERSION_MISMATCH:
-                raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} speaks another protocol version: {exc.message}") from None
+                raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} is incompatible: {exc.message}") from None
             raise PeerFailed(FailureKind.PROTOCOL, f"worker {endpoint} refused HELLO: {exc.message}") from None
         except PeerFailed as exc:
             client.close()
@@ -468,7 +469,7 @@ async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> di
     """HELLO, and with a secret the AUTH round that completes it (protocol in
     rpc_daemon/wire/auth.py). Returns the daemon's final HELLO reply."""
     state = ClientAuth(secret) if secret else None
-    fields = {"version": P.PROTOCOL_VERSION, "features": list(P.FEATURES)}
+    fields = {"version": P.PROTOCOL_VERSION, "features": list(P.FEATURES), "ggml": ggml_identity()}
     if state is not None:
         fields.update(state.hello_fields())
     try:
@@ -480,6 +481,11 @@ async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> di
         hello, _ = await client.request(Command.AUTH, answer, deadline=max(0.05, deadline - time.monotonic()))
     if state is not None:
         state.verify_server(hello)
+    try:  # the daemon checked our op table; check its too (every protocol-2 daemon sends it)
+        if "ggml" in hello:
+            P.check_same_ggml(hello["ggml"], ggml_identity(), "the worker", "this client")
+    except P.ProtocolError as exc:
+        raise RpcError(exc.status, exc.message, hello) from None
     return hello
 
 

@@ -891,7 +891,7 @@ def _child(threads: int) -> None:
             # ggml wants a 32-byte aligned buffer pointer: its buffer starts a little earlier (in the
             # canary area); tensors sit at addr + offset, as in a daemon buffer at any offset
             start = addr & ~63
-            gbuf = lib.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", start), size + addr - start)
+            gbuf = backend.buffer_from_ptr(start, size + addr - start)
             gbufs.append(gbuf)
             table[b] = (gbuf, addr)
             slots[b] = (k, AREA - size)

@@ -251,6 +251,14 @@ def test_rope_freq_factors_shorter_than_half_a_row_are_refused(s):
               fragment="freq factors too short")
 
 
+def test_rope_offset_of_ggml_025_is_refused(s):
+    """ggml 0.25 rotates dims [n_offs, n_offs + n_dims) with n_offs = op_params[15]
+    (0.20 ignores it; 0.25 aborts past the row): only 0 means the same on both."""
+    tensors = rope_graph(s.buf, ne0=8, n_dims=4)
+    tensors[-1]["params"] = tensors[-1]["params"] + bytes(4 * (15 - len(tensors[-1]["params"]) // 4)) + i32s(6)
+    s.refused(tensors, inputs=[(1, 0, 8)], blob=i32s(0, 1), outputs=[2], fragment="rope offset")
+
+
 def test_flash_attn_v_planes_that_do_not_divide_q_are_refused(s):
     """v.ne3 > q.ne3 makes the kernel's q.ne3 / v.ne3 zero, then divides by it."""
     s.refused(flash_graph(s.buf, v_ne3=2), outputs=[3], fragment="q/k/v heads")

@@ -349,6 +349,24 @@ def test_hello_wrong_version(d, version):
         assert conn.wait_closed() == []
 
 
+@pytest.mark.parametrize("theirs", [{"version": "0.20.2", "op_table": "0" * 16}, {"version": "0.25.3"}, "0.25.3"])
+def test_hello_from_another_ggml_is_refused(d, theirs):
+    """A client whose ggml op table differs (an older ggml: other op numbers) is refused at
+    HELLO, closed, told both versions; the daemon serves the next client."""
+    from ggml_ffi import ggml_identity
+
+    with RawConn(d.port, timeout=5) as conn:
+        h, _ = conn.call(Command.HELLO, {"version": P.PROTOCOL_VERSION, "ggml": theirs})
+        assert h["status"] == Status.VERSION_MISMATCH, h
+        assert h["ggml"] == ggml_identity(), h
+        if isinstance(theirs, dict) and "op_table" in theirs:
+            assert "ggml mismatch" in h["error"] and "0.20.2" in h["error"] and ggml_identity()["version"] in h["error"]
+        assert conn.wait_closed() == []
+    with RawConn(d.port, timeout=5) as conn:
+        h, _ = conn.call(Command.HELLO, {"version": P.PROTOCOL_VERSION, "ggml": ggml_identity()})
+        assert h["status"] == Status.SUCCESS and h["ggml"] == ggml_identity(), h
+
+
 def test_client_leaves_without_reading_reply(d):
     """GET_TENSOR of 64 MiB, then close at once: the daemon's write fails (EPIPE or
     ECONNRESET), which must not kill it (no SIGPIPE) nor wedge it."""

@@ -484,7 +484,7 @@ class FakeServer:
 
 
 @pytest.mark.parametrize("mode, fragment, kind", [
-    ("version", "speaks another protocol version", "protocol"),
+    ("version", "is incompatible: protocol version", "protocol"),
     ("garbage", "sent a bad frame", "protocol"),
     ("silent", "did not answer HELLO", "timeout"),
 ])

@@ -1,5 +1,6 @@
 """Check ggml_ffi's cffi declarations against the C compiler's view of the
-headers shipped in the libggml-python wheel.
+headers of the libggml actually loaded (the pinned ggml built for this machine,
+or the fallback libggml-python wheel; each has its own generated cdef).
 
 cffi in ABI mode computes struct layouts and takes enum values from
 ggml_ffi/_cdef.h alone; nothing checks them against the real headers at run
@@ -28,7 +29,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on sy
 
 import ggml_ffi  # noqa: E402
 from ggml_ffi import core, gen_cdef  # noqa: E402
-from ggml_ffi._loader import _CDEF, ffi, include_path, lib, library_path  # noqa: E402
+from ggml_ffi._loader import _CDEF, ORIGIN, ffi, include_path, lib, library_path  # noqa: E402
 
 CDEF_TEXT = _CDEF.read_text()
 
@@ -307,7 +308,7 @@ def test_gen_cdef_reproduces_committed_cdef(tmp_path):
         pytest.skip("gcc is not installed")
     out = tmp_path / "_cdef.h"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "ggml_ffi.gen_cdef", str(out)], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "ggml_ffi.gen_cdef", "--origin", ORIGIN.kind, str(out)], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, f"gen_cdef failed:\n{run.stdout}\n{run.stderr}"
     new = out.read_text()

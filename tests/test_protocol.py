@@ -165,6 +165,13 @@ def test_check_hello():
     for bad in ({"version": P.PROTOCOL_VERSION + 1}, {}, {"version": str(P.PROTOCOL_VERSION)}):
         with raises(Status.VERSION_MISMATCH, "not supported", fatal=True):
             P.check_hello(bad)
+    ours = {"version": "0.25.3", "op_table": "a" * 16}
+    assert P.check_hello({"version": P.PROTOCOL_VERSION, "ggml": ours}, ours)
+    assert P.check_hello({"version": P.PROTOCOL_VERSION}, ours)  # raw clients may leave it out
+    with raises(Status.VERSION_MISMATCH, "ggml mismatch", fatal=True):
+        P.check_hello({"version": P.PROTOCOL_VERSION, "ggml": {"version": "0.20.2", "op_table": "b" * 16}}, ours)
+    with raises(Status.VERSION_MISMATCH, "must be", fatal=True):
+        P.check_hello({"version": P.PROTOCOL_VERSION, "ggml": ["0.25.3"]}, ours)
 
 
 # ---------------------------------------------------------------- fields

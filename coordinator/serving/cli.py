@@ -145,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
                    help="run the workers with the output head split over them, whole on the last, or both "
                         "(both: two rows side by side; the workers hold the model twice)")
+    b.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip the reference rows: llama.cpp's llama-bench in process and over as many of its "
+                        "rpc-servers (built by bench/llama_cpp_reference.py)")
     args = p.parse_args(argv)
     if args.command == "serve" and args.ctx_size is not None:
         s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
@@ -271,6 +274,28 @@ def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
     return tuple(rates)
 
 
+def _reference(args, n_workers: int):
+    """llama.cpp's llama-bench on the same model, threads, pp and tg, in process and over as
+    many of its rpc-servers: (a function measuring one repetition of those rows -> ({row:
+    {"pp", "tg"}}, notes), None) or (None, why the rows are skipped)."""
+    import importlib.util
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "llama_cpp_reference.py"
+    if not script.is_file():
+        return None, f"llama.cpp reference skipped: {script} is not here (an installed package has no bench/)"
+    spec = importlib.util.spec_from_file_location("llama_cpp_reference", script)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    why = ref.missing()
+    if why:
+        return None, f"llama.cpp reference skipped: {why}"
+    from coordinator.planning import default_model_path
+
+    model = args.model or default_model_path()
+    return (lambda: ref.reference_rows(model, args.threads, args.pp, args.tg, 1, n_workers)), None
+
+
 def cmd_bench(args) -> int:
 
     results = {}
@@ -294,15 +319,32 @@ def cmd_bench(args) -> int:
             for c in coords.values():
                 c.close()
             raise
+        reference_run, notes = _reference(args, len(endpoints)) if args.reference else (None, None)
+        notes, ref_results = [notes] if notes else [], {}
         try:
             for c in coords.values():
                 _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
-            for _ in range(args.reps):  # interleaved, so both see the same machine load
+            for _ in range(args.reps):  # interleaved, so all see the same machine load
                 for name, c in coords.items():
                     results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
+                if reference_run is not None:
+                    try:
+                        rows, ref_notes = reference_run()
+                    except (RuntimeError, OSError, ValueError, KeyError) as exc:
+                        notes.append(f"llama.cpp reference failed: {exc}")
+                        reference_run = None
+                        continue
+                    for name, r in rows.items():
+                        ref_results.setdefault(name, []).append(r)
+                    notes += [n for n in ref_notes if n not in notes]
         finally:
             for c in coords.values():
                 c.close()
+    reference = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
+                 for name, rs in ref_results.items()}
+    if reference:
+        notes.append("llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, "
+                     "threads, pp and tg, one repetition after each of ours")
     cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
     width = max(len(name) for name in results) + 20
     print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
@@ -316,6 +358,15 @@ def cmd_bench(args) -> int:
             if name not in baselines:
                 label = f"ratio {name}" + (f" / {base}" if base != "local" else "")
                 print(f"{label:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med[base])))
+    for name, r in reference.items():
+        print(f"{name:<{width}}{r['pp']:>14.1f}{r['tg']:>14.1f}{'-':>14}")
+    for ours, theirs in (("local", "llama.cpp"), (rpc, f"llama.cpp {rpc}")):
+        if ours in med and theirs in reference:
+            label = f"ratio {ours} / {theirs}"
+            print(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
+                  f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
+    for note in notes:
+        print(note)
     print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
           "workers' threads")
     print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")

@@ -50,19 +50,28 @@ class LocalWorker:
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_listening(self, startup_timeout: float) -> None:
-        deadline = time.monotonic() + startup_timeout
+        # raw reads of the pipe: a buffered readline() could pull the "listening" line into
+        # Python's buffer behind an earlier line, where select() never sees it
+        deadline, pending, fd = time.monotonic() + startup_timeout, b"", self.proc.stderr.fileno()
         while self.port is None:
+            if b"\n" in pending:
+                raw, pending = pending.split(b"\n", 1)
+                line = raw.decode(errors="replace") + "\n"
+                self.lines.append(line)
+                m = _PORT.search(line) if "listening" in line else None
+                if m:
+                    self.port = int(m.group(1))
+                continue
             left = deadline - time.monotonic()
-            # never block on a silent daemon: wait for a line at most until the deadline
-            if left <= 0 or not select.select([self.proc.stderr], [], [], left)[0]:
+            # never block on a silent daemon: wait for output at most until the deadline
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
                 return
-            line = self.proc.stderr.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 return
-            self.lines.append(line)
-            m = _PORT.search(line) if "listening" in line else None
-            if m:
-                self.port = int(m.group(1))
+            pending += chunk
+        if pending:  # lines after "listening" that came in the same read
+            self.lines += [ln.decode(errors="replace") + "\n" for ln in pending.split(b"\n") if ln]
 
     def _drain(self) -> None:
         for line in self.proc.stderr:

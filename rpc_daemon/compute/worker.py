@@ -76,7 +76,7 @@ class ComputeState:
         if offset + size > arena_size:
             raise RuntimeError(f"buffer {key} lies outside the client's arena")
         addr = base + offset
-        buf = lib.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", addr), size)
+        buf = self.backend.buffer_from_ptr(addr, size)
         self.buffers[key] = (buf, addr)
 
     def map_arena(self, size: int, fd: int) -> None:

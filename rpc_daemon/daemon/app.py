@@ -6,6 +6,7 @@ import ipaddress
 
 import structlog
 
+from ggml_ffi import describe
 from rpc_daemon.daemon.config import DaemonConfig
 from rpc_daemon.daemon.connection import Connection, Daemon
 from rpc_daemon.service.lifecycle import serve_until_signalled
@@ -44,6 +45,9 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         elif ssl_context is None:
             log.warning("listening on a non-loopback address without TLS: clients must authenticate, but "
                         "traffic is neither encrypted nor integrity-protected", host=config.host)
+    ggml = describe()  # which libggml and CPU variant computes here (docs/operations.md)
+    log.info("ggml", version=ggml["ggml_version"], origin=ggml["origin"], cpu_variant=ggml["cpu_variant"],
+             cpu_features=",".join(ggml["cpu_features"]), library=ggml["library"])
     log.info("listening", host=config.host, port=port, threads=config.threads,
              mem_bytes=daemon.buffers.max_bytes, cache=config.cache_dir,
              auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,

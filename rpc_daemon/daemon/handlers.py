@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import structlog
 
+from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, round_up
 from rpc_daemon.daemon.config import available_memory
@@ -80,7 +81,7 @@ class Session:
 def hello_fields(s: Session) -> dict:
     """What a successful HELLO and AUTH reply both carry."""
     return {"version": P.PROTOCOL_VERSION, "features": s.features(), "server": "ggml-rpc-server (python)",
-            "max_blob": s.limits.max_blob, "idle_timeout": s.config.idle_timeout}
+            "max_blob": s.limits.max_blob, "idle_timeout": s.config.idle_timeout, "ggml": ggml_identity()}
 
 
 def handle_ping(s: Session, h, blob, direct):
@@ -89,10 +90,11 @@ def handle_ping(s: Session, h, blob, direct):
 
 def handle_hello(s: Session, h, blob, direct):
     try:
-        P.check_hello(h)
+        P.check_hello(h, ggml_identity())
         challenge = s.auth.challenge(h) if s.auth is not None and not s.hello_done else None
     except ProtocolError as exc:
-        raise ProtocolError(exc.status, exc.message, fatal=True, fields={"version": P.PROTOCOL_VERSION}) from None
+        raise ProtocolError(exc.status, exc.message, fatal=True,
+                            fields={"version": P.PROTOCOL_VERSION, "ggml": ggml_identity()}) from None
     if challenge is not None:  # authentication pending: the next frame must be AUTH
         return {"status": Status.NOT_AUTHORIZED, "error": "authentication required: answer the challenge with AUTH",
                 "quiet": True, "version": P.PROTOCOL_VERSION, "auth": challenge}
@@ -113,20 +115,16 @@ def handle_auth(s: Session, h, blob, direct):
 # ---------------------------------------------------------------- queued
 
 async def handle_device_info(s: Session, h, blob, direct):
-    from ggml_ffi import lib
-
     reg = s.daemon.buffers
-    features = [name for name in ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "avx512",
-                                  "avx512_vbmi", "avx512_vnni", "avx512_bf16", "neon", "arm_fma", "fp16_va",
-                                  "dotprod", "matmul_int8", "sve")
-                if getattr(lib, f"ggml_cpu_has_{name}", lambda: 0)()]
+    ggml = describe()
     free = max(0, min(reg.max_bytes - reg.allocated - reg.compute_bytes(), available_memory()))
     cap = s.limits.max_client_bytes  # --max-client-mem: what this client may still allocate, at most
     client_free = free if not cap else max(0, min(free, cap - reg.held_by(s.client_id)[1]))
     return {"name": "CPU", "description": cpu_model(), "total_memory": reg.max_bytes, "free_memory": free,
             "client_free_memory": client_free,
             "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": s.config.threads,
-            "cpu_features": features, "tensor_cache": s.daemon.cache is not None,
+            "cpu_features": [f.lower() for f in ggml["cpu_features"]], "cpu_variant": ggml["cpu_variant"],
+            "ggml": dict(ggml_identity(), origin=ggml["origin"]), "tensor_cache": s.daemon.cache is not None,
             "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect
 
 

@@ -3,7 +3,9 @@ at scrape time: nothing on the request path but counter increments."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from ggml_ffi import describe
 
 
 class DaemonCollector:
@@ -12,6 +14,10 @@ class DaemonCollector:
 
     def collect(self):
         d, stats = self.daemon, self.daemon.stats
+        ggml = describe()
+        yield InfoMetricFamily("ggml_rpc_ggml", "The libggml this worker computes with and the CPU variant it chose",
+                               value={"version": ggml["ggml_version"], "origin": ggml["origin"],
+                                      "cpu_variant": ggml["cpu_variant"]})
         yield CounterMetricFamily("ggml_rpc_compute_seconds", "Time spent in graph compute",
                                   value=stats["compute_us"] / 1e6)
         yield CounterMetricFamily("ggml_rpc_computes", "Graph computes run", value=stats["computes"])

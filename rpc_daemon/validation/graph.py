@@ -176,6 +176,7 @@ def parse_tensor(i: int, t) -> TensorSpec:
     tr = type_traits(ttype)
     if ne[0] % tr.blck_size:
         raise _bad(i, f"ne[0]={ne[0]} is not a multiple of the {tr.name} block size {tr.blck_size}")
+    # (also keeps ggml 0.25's ggml_new_tensor assert, element count < 2^63, from aborting)
     if ne[0] * ne[1] * ne[2] * ne[3] > MAX_ELEMENTS:
         raise _bad(i, f"ne {list(ne)} has more than {MAX_ELEMENTS} elements")
     if nb[0] < tr.type_size or (tr.blck_size > 1 and nb[0] != tr.type_size):
@@ -503,6 +504,9 @@ def rule_rope(t, tensors):
     mode, n_dims = t.param_i32(2), t.param_i32(1)
     _need(mode in (0, 2), t, f"rope mode {mode} not supported (NORMAL 0 or NEOX 2)")
     _need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, t, f"n_dims {n_dims} must be even and <= ne[0]")
+    # ggml 0.25 rotates dims [n_offs, n_offs + n_dims) with n_offs = op_params[15] (0.20 ignores it):
+    # only 0 means the same on both
+    _need(t.param_i32(15) == 0, t, f"rope offset (op_params[15]) {t.param_i32(15)} not supported")
     # the kernel copies the dims past n_dims in pairs: an odd ne[0] writes one element past the row
     _need(a.ne[0] % 2 == 0, t, "src0 ne[0] must be even")
     _rows(t, a, "src0")  # GGML_ASSERT(nb0 == nb00 && nb0 == sizeof(T))

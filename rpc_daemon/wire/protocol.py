@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 1
+# 2: HELLO carries `ggml` (version and op-table fingerprint); a graph's op and
+# type numbers mean something only between processes running the same op table
+PROTOCOL_VERSION = 2
 FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs")
 
 
@@ -200,10 +202,27 @@ def parse_outputs(h: dict, n_tensors: int | None) -> list[int]:
     return out
 
 
-def check_hello(h: dict) -> dict:
+def check_hello(h: dict, ggml: dict | None = None) -> dict:
+    """`ggml` is this side's {"version", "op_table"} (ggml_ffi.ggml_identity);
+    a HELLO that carries `ggml` must have the same op table."""
     version = h.get("version")
     if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 are not 1
         raise ProtocolError(Status.VERSION_MISMATCH,
                             f"protocol version {version!r} not supported; this daemon speaks {PROTOCOL_VERSION}",
                             fatal=True)
+    if ggml is not None and "ggml" in h:
+        check_same_ggml(h["ggml"], ggml, "the client", "this daemon")
     return h
+
+
+def check_same_ggml(theirs, ours: dict, who: str, us: str) -> None:
+    """Refuse a peer whose ggml op table differs from ours: its op and type
+    numbers would name other ops, and it would compute something else."""
+    if not (isinstance(theirs, dict) and isinstance(theirs.get("op_table"), str)
+            and isinstance(theirs.get("version"), str)):
+        raise ProtocolError(Status.VERSION_MISMATCH, f"`ggml` must be {{version: str, op_table: str}}", fatal=True)
+    if theirs["op_table"] != ours["op_table"]:
+        raise ProtocolError(Status.VERSION_MISMATCH,
+                            f"ggml mismatch: {who} runs ggml {theirs['version'][:32]} (op table "
+                            f"{theirs['op_table'][:32]}), {us} runs ggml {ours['version']} (op table "
+                            f"{ours['op_table']}); every machine of a cluster must run the same ggml", fatal=True)
