@@ -373,6 +373,16 @@ def test_http_spare_takes_over_and_health_says_degraded(model, cluster):
         assert [e.get("spare_for") for e in health["endpoints"]] == [None, w.endpoint(1)], health
         status, text = asyncio.run(get(server.url + "/metrics"))
         assert "ggml_spare_takeovers_total 1.0" in text and "ggml_resumes_total 1.0" in text
+        # the web page's live view says so too (its watcher samples every 0.1 s)
+        kinds, deadline = {}, time.monotonic() + 5
+        while time.monotonic() < deadline and not {"spare_took_over", "resumed"} <= kinds.keys():
+            status, view = asyncio.run(get(server.url + "/cluster"))
+            assert status == 200, view
+            kinds = {e["kind"]: e for e in view["events"]}
+            time.sleep(0.2)
+        assert kinds["spare_took_over"]["endpoint"] == w.endpoint(2), view["events"]
+        assert kinds["spare_took_over"]["spare_for"] == w.endpoint(1), view["events"]
+        assert kinds["resumed"]["resumes"] >= 1, view["events"]
     finally:
         server.stop()
 

@@ -94,6 +94,9 @@ class ClusterView:
         self.events: collections.deque = collections.deque(maxlen=MAX_EVENTS)
         self._next_id = 1
         self._latched: dict[str, dict] = {}  # endpoint -> its health entry while latched, as last seen
+        self._spares_seen: dict[str, str] = {}  # spare endpoint -> the endpoint whose stage it holds
+        stats = getattr(coord, "stats", {})
+        self._resumes_seen = (stats.get("resumes", 0), stats.get("resume_seconds", 0.0))
         self._tokens: collections.deque = collections.deque()  # (monotonic, tokens generated so far)
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -138,7 +141,8 @@ class ClusterView:
         self._tokens.append((now, self.scheduler.generated))
         _trim(self._tokens, now)
         changed = False
-        for e in self.coord.health()["endpoints"]:
+        health = self.coord.health()
+        for e in health["endpoints"]:
             name = e["endpoint"]
             before = self._latched.get(name)
             if before is not None and (e["ok"] or e["since"] != before["since"]):
@@ -159,8 +163,34 @@ class ClusterView:
                             failure_kind=str(e["kind"]), cause=e["cause"], attempts=e["attempts"])
                 changed = True
             self._latched[name] = e
+        changed |= self._watch_resumes(health)
         if changed:
             self._notify()
+
+    def _watch_resumes(self, health: dict) -> bool:
+        """Events of the coordinator's resuming (coordinator/resume.py): a spare
+        that took over a stage, and generations that paused and went on."""
+        changed = False
+        for e in health["endpoints"]:
+            held = e.get("spare_for")
+            if held and self._spares_seen.get(e["endpoint"]) != held:
+                self._event("spare_took_over", e["endpoint"], f"spare {e['endpoint']} took over the stage of "
+                                                              f"worker {held}", spare_for=held)
+                changed = True
+            if held:
+                self._spares_seen[e["endpoint"]] = held
+            else:
+                self._spares_seen.pop(e["endpoint"], None)
+        stats = getattr(self.coord, "stats", {})
+        resumes, seconds = stats.get("resumes", 0), stats.get("resume_seconds", 0.0)
+        if resumes > self._resumes_seen[0]:
+            n, paused = resumes - self._resumes_seen[0], seconds - self._resumes_seen[1]
+            self._event("resumed", "", f"{n} decode step{'s' if n != 1 else ''} resumed after a worker failure "
+                                       f"({paused:.1f} s paused), with the same text", resumes=n,
+                        paused_seconds=round(paused, 3))
+            changed = True
+        self._resumes_seen = (resumes, seconds)
+        return changed
 
     def _event(self, kind: str, endpoint: str, message: str, **fields) -> None:
         self.events.append({"id": self._next_id, "time": round(time.time(), 3), "kind": kind,
@@ -170,13 +200,15 @@ class ClusterView:
 
     # ------------------------------------------------------------ probing
     async def _probe(self) -> None:
+        # the endpoints now, in the order aprobe answers: a spare may have taken a stage since the start
+        names = [e["endpoint"] for e in self.coord.endpoints()]
         try:
             found = await asyncio.wait_for(self.coord.aprobe(PROBE_TIMEOUT), 2 * PROBE_TIMEOUT + 1)
         except asyncio.TimeoutError:
-            found = [{"error": "the probe did not finish in time"}] * len(self.probes)
+            found = [{"error": "the probe did not finish in time"}] * len(names)
         now = time.monotonic()
-        for endpoint, result in zip(self.probes, found):
-            self.probes[endpoint].record(result, now)
+        for endpoint, result in zip(names, found):
+            self.probes.setdefault(endpoint, Probe()).record(result, now)
         self._notify()
 
     # ------------------------------------------------------------ assembling
@@ -187,7 +219,7 @@ class ClusterView:
         n_vocab = self.coord.hp.n_vocab
         workers = []
         for index, (place, state) in enumerate(zip(places, health["endpoints"])):
-            probe = self.probes[place["endpoint"]]
+            probe = self.probes.setdefault(place["endpoint"], Probe())  # a spare's first: nothing yet
             head = place["head_rows"]
             if head is not None:
                 head_share = (head[1] - head[0]) / n_vocab
