@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import free_port, stop_process
+from rpc_daemon.wire.protocol import PROTOCOL_VERSION, Status
 from rpc_helpers import RawConn
 
 LOG_LINE = "a llama.cpp RPC client connected; this worker speaks the ggml-distributed protocol"
@@ -94,7 +95,9 @@ def test_bytes_like_a_llamacpp_hello_but_not_one_are_framed_as_before(d):
     conn.send_raw(b"\x0f" + bytes(11))  # header_len 15, blob 0: waits for a 15-byte header, as ever
     conn.send_raw(b"\x82\xa3cmd\x00\xa7version\x01")  # {"cmd": 0, "version": 1}: a 15-byte HELLO
     header, _ = conn.recv_frame()
-    assert header["status"] == 0 and header["version"] == 1, header
+    # framed and answered by our protocol: protocol 1's HELLO gets our version error, not llama.cpp's reply
+    assert header["version"] == PROTOCOL_VERSION and header["status"] == Status.VERSION_MISMATCH, header
+    assert "protocol version 1 not supported" in header["error"], header
     conn.sock.close()
     assert LOG_LINE not in "".join(d.log_lines[mark:])
 
