@@ -49,12 +49,20 @@ _EOT_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek
 )
+
 _EOG_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "<|end_of_text|>",  # Llama 3
     "<eos>", "<turn|>", "<|tool_response>",  # Gemma 4
     "<|return|>", "<|call|>",  # gpt-oss
 )
+
+
+def eot_by_text(tokens: list[str]) -> int | None:
+    """The end-of-turn token when the GGUF names none: llama.cpp infers it from
+    well-known texts (Gemma: "<end_of_turn>"), in _EOT_TEXTS' order."""
+    index = {t: i for i, t in enumerate(tokens) if t.startswith("<")}
+    return next((index[t] for t in _EOT_TEXTS if t in index), None)
 
 
 def _as_list(value: Any) -> list:
@@ -190,9 +198,7 @@ class Tokenizer:
         # Defaults are llama.cpp's for an SPM vocab when the key is missing.
         eot_id = get("tokenizer.ggml.eot_token_id")
         if eot_id is None:
-            # llama.cpp infers EOT from well-known texts (Gemma: "<end_of_turn>").
-            index = {t: i for i, t in enumerate(tokens) if t.startswith("<")}
-            eot_id = next((index[t] for t in _EOT_TEXTS if t in index), None)
+            eot_id = eot_by_text(tokens)
         return cls(
             tokens=tokens,
             scores=[0.0] * n if scores is None else scores,

@@ -323,9 +323,8 @@ class BPETokenizer(Tokenizer):
         add_eos = get("tokenizer.ggml.add_eos_token")
         eot_id = tid("tokenizer.ggml.eot_token_id", None)
         if eot_id is None:
-            from coordinator.tokenizer import _EOT_TEXTS
-            index = {t: i for i, t in enumerate(tokens) if t.startswith("<")}
-            eot_id = next((index[t] for t in _EOT_TEXTS if t in index), None)
+            from coordinator.tokenizer import eot_by_text
+            eot_id = eot_by_text(tokens)
         return cls(
             tokens=tokens,
             merges=merges,

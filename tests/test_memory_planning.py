@@ -6,11 +6,10 @@ with small --mem values; a model of 8 layers of ~4 MiB (f32) that one such worke
 cannot hold."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, free_port
 from coordinator import Coordinator, DoesNotFit
 from coordinator.planning import fit_split
 from test_tensor_cache import _bytes_in
@@ -30,12 +29,6 @@ def model(tmp_path_factory):
               _ffn(f"blk.{il}.", d, "f32", "f32")]
     return write_gguf(tmp_path_factory.mktemp("plan") / "eight-layers.gguf", "llama", _common_metadata("llama", d),
                       vocab, first + layers + last)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workers(*mem_mib: int, extra=()):
