@@ -16,8 +16,11 @@ GIL). For each setting it measures:
 * added per token: (step(d) - step(0)) / d, the extra time of one step in units
   of the one-way delay d (each request to a worker and its reply cost 2 d).
 
-The first setting is the baseline (default 0: the proxies only); ratios are
-against it. This machine is shared: only the ratios of one run compare.
+Each --configs entry (step links on or off, the output head split or whole)
+is measured at every setting, behind the same proxies. A step link (worker to
+worker) goes through the destination worker's proxy too, so it pays the delay
+like any other hop. The first setting is each config's baseline (default 0:
+the proxies only); ratios are against it. This machine is shared: only the ratios of one run compare.
 """
 from __future__ import annotations
 
@@ -85,6 +88,14 @@ def parse_links(text: str) -> list[tuple[float, float]]:
     return links
 
 
+CONFIGS = {  # name: (step_links, head_split)
+    "relayed": (False, True),
+    "linked": (True, True),
+    "relayed-whole-head": (False, False),
+    "linked-whole-head": (True, False),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -92,32 +103,46 @@ def main() -> int:
     ap.add_argument("--links", default="0,0.02:0.005,0.1:0.03", help="delay[:jitter] settings, seconds, one way")
     ap.add_argument("--rate", type=float, default=None, help="bandwidth cap per direction per worker, bytes/s")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--configs", default="relayed,linked",
+                    help=f"comma-separated, each measured at every delay: {', '.join(CONFIGS)} (step links on or "
+                         f"off, output head split or whole)")
     args = ap.parse_args()
-    rows = []
+    configs = args.configs.split(",")
+    for name in configs:
+        if name not in CONFIGS:
+            ap.error(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
+    rows = {name: [] for name in configs}
     with LocalWorkers(args.workers, threads=1) as workers:
         for delay, jitter in parse_links(args.links):
             with proxies(workers.endpoints, delay, jitter, args.rate) as endpoints:
-                t = time.perf_counter()
-                c = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1)
-                load = time.perf_counter() - t
-                try:
-                    logits = statistics.median(step_times(c, args.tg, greedy=False))
-                    greedy = statistics.median(step_times(c, args.tg, greedy=True))
-                finally:
-                    c.close()
-            rows.append((delay, jitter, load, logits, greedy))
-            print(f"  measured {delay * 1e3:g} +- {jitter * 1e3:g} ms", file=sys.stderr, flush=True)
-    base = rows[0]
+                for name in configs:
+                    links, head_split = CONFIGS[name]
+                    t = time.perf_counter()
+                    c = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, step_links=links,
+                                    head_split=head_split)
+                    load = time.perf_counter() - t
+                    try:
+                        logits = statistics.median(step_times(c, args.tg, greedy=False))
+                        greedy = statistics.median(step_times(c, args.tg, greedy=True))
+                        linked = c.stats["linked_steps"]
+                    finally:
+                        c.close()
+                    rows[name].append((delay, jitter, load, logits, greedy))
+                    print(f"  measured {name} at {delay * 1e3:g} +- {jitter * 1e3:g} ms ({linked} linked steps)",
+                          file=sys.stderr, flush=True)
     cap = f", cap {args.rate / 1e6:g} MB/s" if args.rate else ""
     print(f"{args.workers} workers behind bench/delay_proxy.py{cap}; tg: median of {args.tg} steps")
-    print(f"{'one-way delay':>16} {'load s':>8} {'load x':>7} {'tg t/s':>8} {'tg x':>6} {'added/d':>8} "
-          f"{'greedy t/s':>11} {'added/d':>8}")
-    for delay, jitter, load, logits, greedy in rows:
-        added = [f"{(s - b) / delay:8.2f}" if delay else f"{'-':>8}" for s, b in ((logits, base[3]), (greedy, base[4]))]
-        print(f"{f'{delay * 1e3:g} +- {jitter * 1e3:g} ms':>16} {load:8.2f} {load / base[2]:7.2f} {1 / logits:8.1f} "
-              f"{base[3] / logits:6.3f} {added[0]} {1 / greedy:11.1f} {added[1]}")
-    print("load x: load time / the first row's; tg x: tokens/s / the first row's; "
-          "added/d: extra step time in one-way delays")
+    print(f"{'config':>19} {'one-way delay':>16} {'load s':>8} {'load x':>7} {'tg t/s':>8} {'tg x':>6} "
+          f"{'added/d':>8} {'greedy t/s':>11} {'added/d':>8}")
+    for name in configs:
+        base = rows[name][0]
+        for delay, jitter, load, logits, greedy in rows[name]:
+            added = [f"{(s - b) / delay:8.2f}" if delay else f"{'-':>8}"
+                     for s, b in ((logits, base[3]), (greedy, base[4]))]
+            print(f"{name:>19} {f'{delay * 1e3:g} +- {jitter * 1e3:g} ms':>16} {load:8.2f} {load / base[2]:7.2f} "
+                  f"{1 / logits:8.1f} {base[3] / logits:6.3f} {added[0]} {1 / greedy:11.1f} {added[1]}")
+    print("load x: load time / the config's first row's; tg x: tokens/s / the config's first row's; "
+          "added/d: extra step time in one-way delays (against the config's first row)")
     return 0
 
 

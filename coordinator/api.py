@@ -62,7 +62,7 @@ class Coordinator:
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
                  head_split: bool = True, on_upload: Callable[[int, int], None] | None = None,
                  resume_within: float | None = None, spares: Sequence[str] = (),
-                 spare_after: float | None = None):
+                 spare_after: float | None = None, step_links: bool = True):
         """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
         extra (without it: FileNotFoundError, before anything is started).
 
@@ -86,6 +86,12 @@ class Coordinator:
         it (coordinator/stage.py). Same logits; faster when the head is a large
         part of a step.
 
+        `step_links` (with several remote endpoints that offer them): a step's
+        hidden state goes from worker to worker, and the last stage's normed
+        state straight to the head shards, instead of back through the
+        coordinator between stages (docs/protocol.md, "Step links"). Same
+        logits; fewer network hops per token. False: always relayed.
+
         `on_upload(done, total)` (bytes of weights) is called when the upload
         starts and after every chunk, from the coordinator's I/O thread: the
         server uses it to keep systemd's start timeout from expiring while a big
@@ -103,7 +109,8 @@ class Coordinator:
         within `resume_within`: the original error."""
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
         spares = checked_setup(list(spares), None, n_batch, threads)[0] if spares else []
-        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0}
+        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0,
+                      "linked_steps": 0}
         self._resume = Resumer(self, resume_within, spares, self.stats, spare_after)
         if self._resume.enabled:
             auto_reconnect = True  # the stage comes back by the automatic reconnect
@@ -113,6 +120,7 @@ class Coordinator:
         self.n_batch = n_batch
         self.threads = threads
         self.head_split = bool(head_split) and len(endpoints) > 1
+        self.step_links = bool(step_links)
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
                            # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
@@ -135,7 +143,8 @@ class Coordinator:
             if self.n_ctx < 1:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
-            self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal)
+            self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal,
+                                      links=self.step_links, stats=self.stats)
             self._run(self._open(split, progress, on_upload))
         except BaseException:
             self.close()

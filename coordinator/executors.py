@@ -6,6 +6,7 @@ Executors raise StageFailed; the coordinator turns it into a decode code.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,17 @@ def rpc_failed(endpoint: str, exc: RpcError, kind: FailureKind = FailureKind.COM
     if kind == FailureKind.LOAD:
         return StageFailed(kind, endpoint, f"loading weights onto worker {endpoint} failed: {exc}")
     return StageFailed(kind, endpoint, f"worker {endpoint} refused the request: {exc}")
+
+
+class InputMissing(StageFailed):
+    """A linked step's request ended without its step input (INPUT_MISSING):
+    cancelled after another stage failed, or never delivered. A consequence,
+    reported only when the step has no other failure."""
+
+
+class NotLinked(Exception):
+    """A linked step's graph was not cached on the worker (NOT_FOUND): the step
+    runs again on the relayed path (rewriting the same KV rows)."""
 
 
 def _count_when_done(task, nbytes: int, progress) -> None:
@@ -175,6 +187,8 @@ class RemoteExecutor:
         self.placement: dict = {}
         self.sent_graphs: set[int] = set()
         self.buffer: int | None = None
+        self.step_token = b""  # this connection's token for step links (STEP_PEERS), new per connection
+        self.step_peers: frozenset | None = None  # the peers last named to the worker on this connection
         self.compute_us = 0  # worker-side compute time, summed
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
         # the last load: chunks sent, hash look-ups and hits, and the most requests in flight at once
@@ -202,7 +216,85 @@ class RemoteExecutor:
                               f"ggml-rpc-server without op(s) {', '.join(missing)}, which this coordinator's graphs "
                               f"use; upgrade it")
         self.sent_graphs.clear()
+        self.step_token, self.step_peers = os.urandom(16), None
         return self.info
+
+    @property
+    def step_links(self) -> bool:
+        """The worker takes step inputs from, and forwards outputs to, other workers."""
+        client = self.client
+        return (client is not None and client.failed is None
+                and "step_links" in (getattr(client, "server_hello", None) or {}).get("features", ()))
+
+    async def name_peers(self, peers: frozenset) -> None:
+        """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
+        if peers != self.step_peers:
+            await self._request(Command.STEP_PEERS, {"token": self.step_token, "peers": sorted(peers)},
+                                kind_on_error=FailureKind.ENDPOINT)
+            self.step_peers = peers
+
+    def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None,
+                    forward: list[dict]) -> asyncio.Task:
+        """Start one linked compute: `step_input` (input name, tag, timeout)
+        is taken from the worker's mailbox, the outputs go to each `forward`
+        destination. Requests of one connection leave in the order of these
+        calls (the task and those of evicted graphs' GRAPH_FREE start in order).
+        The task gives (reply, blob): the blob is empty when every push succeeded."""
+        g, evicted = stage.graph(shape, head)
+        for old in evicted:
+            if old.graph_id in self.sent_graphs:
+                self.sent_graphs.discard(old.graph_id)
+                asyncio.get_running_loop().create_task(self._free_quietly(old.graph_id))
+        fields, blob = self._compute_fields(g, inputs)
+        tensors, index_of = g.wire
+        if step_input is not None:
+            name, tag, timeout = step_input
+            fields["step_input"] = {"tensor": index_of[g.inputs[name]], "tag": tag, "timeout": timeout}
+        if forward:
+            fields["forward"] = forward
+        cmd = Command.GRAPH_RECOMPUTE if g.graph_id in self.sent_graphs else Command.GRAPH_COMPUTE
+        if cmd == Command.GRAPH_COMPUTE:
+            fields["tensors"] = tensors
+        return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id))
+
+    async def _free_quietly(self, graph_id: int) -> None:
+        try:
+            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
+        except StageFailed:
+            pass  # a lost connection is the step's own requests' to report
+
+    async def _linked(self, cmd, fields: dict, blob, graph_id: int) -> tuple[dict, bytes]:
+        started = time.monotonic()
+        try:
+            reply, out = await self.client.request(cmd, fields, blob, self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            if exc.status == Status.NOT_FOUND and cmd == Command.GRAPH_RECOMPUTE:
+                self.sent_graphs.discard(graph_id)
+                raise NotLinked(exc.message) from None
+            if exc.status == Status.INPUT_MISSING:
+                raise InputMissing(FailureKind.COMPUTE, self.endpoint,
+                                   f"compute failed on worker {self.endpoint}: {exc}") from None
+            raise rpc_failed(self.endpoint, exc) from None
+        self._account(reply, time.monotonic() - started)
+        self.sent_graphs.add(graph_id)
+        return reply, out
+
+    async def deliver(self, token: bytes, tag: int, data: bytes) -> None:
+        """STEP_INPUT over this connection: the relay when a worker could not push."""
+        await self._request(Command.STEP_INPUT, {"token": token, "tag": tag}, data)
+
+    async def cancel_input(self, tag: int) -> None:
+        """End this connection's wait for step input `tag` (the step failed elsewhere); errors are moot."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return
+        try:
+            await client.request(Command.STEP_INPUT, {"token": self.step_token, "tag": tag, "cancel": True},
+                                 deadline=self.liveness_timeout or 2.0)
+        except (PeerFailed, RpcError):
+            pass
 
     async def load(self, stage, gguf, progress=None) -> None:
         weights, kv = stage_tensors(stage)
@@ -254,12 +346,8 @@ class RemoteExecutor:
                 progress(len(chunk))
         return rest
 
-    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
-        g, evicted = stage.graph(shape, head)
-        for old in evicted:
-            if old.graph_id in self.sent_graphs:
-                self.sent_graphs.discard(old.graph_id)
-                await self._request(Command.GRAPH_FREE, {"graph_id": old.graph_id})
+    def _compute_fields(self, g, inputs: dict) -> tuple[dict, bytes]:
+        """A compute request's fields (graph id, inline inputs, outputs) and blob."""
         if g.wire is None:
             g.wire = encode_graph(g.gf, self.placement.get)
         tensors, index_of = g.wire
@@ -270,8 +358,17 @@ class RemoteExecutor:
             specs.append([index_of[g.inputs[name]], off, arr.nbytes])
             parts.append(arr.tobytes())
             off += arr.nbytes
-        blob = b"".join(parts)
-        fields = {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[out] for out in g.outputs]}
+        return {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[out] for out in g.outputs]}, \
+            b"".join(parts)
+
+    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
+        g, evicted = stage.graph(shape, head)
+        for old in evicted:
+            if old.graph_id in self.sent_graphs:
+                self.sent_graphs.discard(old.graph_id)
+                await self._request(Command.GRAPH_FREE, {"graph_id": old.graph_id})
+        fields, blob = self._compute_fields(g, inputs)
+        tensors, _ = g.wire
         if g.graph_id in self.sent_graphs:
             try:
                 started = time.monotonic()

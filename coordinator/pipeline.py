@@ -14,6 +14,7 @@ import asyncio
 
 import numpy as np
 
+from coordinator import step_links
 from coordinator.kv_cache import KVCells
 from coordinator.models.common import HParams, StepShape
 from coordinator.results import FailureKind, StageFailed
@@ -79,10 +80,15 @@ async def _failures_as_step_failed(coro):
 
 
 class Pipeline:
-    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None):
+    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None,
+                 links: bool = True, stats: dict | None = None):
         """`journal` (a StepJournal, or None): every step that succeeds is
-        recorded there, for rebuilding a lost KV cache by replay."""
+        recorded there, for rebuilding a lost KV cache by replay. `links`: a
+        step whose workers all offer step links sends its activations worker
+        to worker (coordinator/step_links.py); else they come back here."""
         self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
+        self.links = links
+        self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
 
     async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
                    out_rows: np.ndarray, greedy: bool) -> np.ndarray:
@@ -147,9 +153,20 @@ class Pipeline:
         n_kv = self.kv.n_kv()
         shape = StepShape(n, n_kv, len(out_rows), greedy)
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        out = await self._forward(tokens, shape, self._common(tok_pos, rows, mask, mask_swa), out_rows, self.places)
+        common = self._common(tok_pos, rows, mask, mask_swa)
+        head_places = [p for p in self.places if len(p.stage.head_rows)] if self.head_split and wanted else []
+        linked = None
+        if self.links and step_links.usable(self.places):  # else (or when it says so) the relayed path
+            linked = await step_links.run(self, tokens, shape, common, out_rows, head_places)
+        if linked is not None:
+            out, head_results = linked
+            self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + 1
+        else:
+            out, head_results = await self._forward(tokens, shape, common, out_rows, self.places), None
         if not wanted:  # the KV rows are written; no head round for rows nobody wants
             result = np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        elif self.head_split and head_results is not None:
+            result = self._combine_head(head_places, head_results, shape)
         elif self.head_split:
             result = await self._head(out.hidden, shape)
         else:
@@ -178,6 +195,10 @@ class Pipeline:
             lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
             bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
             raise StepFailed(bug or (lost or failures)[0], lost)
+        return self._combine_head(places, results, shape)
+
+    def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
+        """The head shards' replies (in `places` order) as one result."""
         if shape.argmax:
             best, value = [], []
             for p, data in zip(places, results):

@@ -32,6 +32,10 @@ class DaemonConfig:
     secret: bytes | None = field(default=None, repr=False)  # set: HELLO runs auth.py's challenge-response
     tls_cert: str | None = None  # set (with tls_key): TLS on the listening port
     tls_key: str | None = None
+    # TLS to peer workers (the step links of docs/protocol.md): verify them against this CA. A TLS worker
+    # without it does not offer step links (its coordinator relays activations instead)
+    peer_tls_ca: str | None = None
+    peer_timeout: float = 2.0  # a peer worker's connect + HELLO, and its liveness bound (as a coordinator's)
     insecure: bool = False  # a non-loopback bind without a secret, acknowledged
     max_requests_per_second: float = 2000.0  # per client, token bucket; 0 = unlimited
     request_burst: int = 4000

@@ -23,6 +23,7 @@ from rpc_daemon.compute.pool import ComputePool
 from rpc_daemon.daemon.buffers import BufferRegistry, SharedBuffer, arena_size_for
 from rpc_daemon.daemon.config import DaemonConfig, fd_client_limit, physical_memory
 from rpc_daemon.daemon.handlers import COMMANDS, Session
+from rpc_daemon.daemon.peers import MAX_DEFERRED, Deferred, PeerLinks
 from rpc_daemon.daemon.ratelimit import TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache
 from rpc_daemon.service import hoptrace
@@ -59,6 +60,7 @@ class Daemon:
         self.compute.budget_base = lambda: self.buffers.max_bytes - self.buffers.allocated
         self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
         self.connections: set[Connection] = set()
+        self.peer_links = _peer_links(config)  # step links to other workers (daemon/peers.py)
         self._ids = itertools.count(1)
         self.stats = collections.Counter()
         self.faults = None  # tests only: injected faults (rpc_daemon/testing/faults.py), None in normal use
@@ -72,7 +74,19 @@ class Daemon:
     def close(self) -> None:
         for conn in list(self.connections):
             conn.abort("daemon shutting down")
+        self.peer_links.close()
         self.compute.close()
+
+
+def _peer_links(config: DaemonConfig) -> PeerLinks:
+    """Peer connections speak as this daemon's clients do: its shared secret,
+    and TLS (verified against --peer-tls-ca) when it serves TLS itself."""
+    ssl_context = None
+    if config.tls_cert and config.peer_tls_ca:
+        from rpc_daemon.wire.tls import client_context
+        ssl_context = client_context(config.peer_tls_ca)
+    return PeerLinks(config.secret, ssl_context, config.peer_timeout,
+                     usable=not config.tls_cert or ssl_context is not None)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -111,6 +125,7 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()  # cleared while the client does not read its replies
         self._can_write.set()
         self._wbuf = 0
+        self._deferred = asyncio.Semaphore(MAX_DEFERRED)  # forwarding computes whose pushes are unanswered
 
     @property
     def client_id(self) -> int:
@@ -257,7 +272,7 @@ class Connection(asyncio.BufferedProtocol):
             cmd = None  # refused by _dispatch, in its turn: replies keep request order
         row = COMMANDS.get(cmd)
         if row is not None and row.answer_now is not None and row.answer_now(self.session):
-            self._answer_now(req_id, row, header)
+            self._answer_now(req_id, row, header, blob)
             return
         if hoptrace.ON:
             hoptrace.mark("daemon queued")
@@ -327,6 +342,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self.session.steps is not None:  # a request waiting for a step input stops waiting now
+            self.session.steps.mailbox.close()
+            self.daemon.peer_links.unregister(self.session.steps)
         self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
         if self.worker is not None:
             self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends
@@ -412,16 +430,34 @@ class Connection(asyncio.BufferedProtocol):
             self.log.exception("handler failed", cmd=cmd)
             self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
             return
+        if isinstance(result, Deferred):
+            # its reply waits for its pushes to peer workers; the connection's next request need not
+            await self._deferred.acquire()
+            asyncio.get_running_loop().create_task(self._reply_deferred(req_id, result, fault))
+            return
         fields, out = result if isinstance(result, tuple) else (result or {}, b"")
         status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
         if fault is not None and await fault.reply(self, req_id, status, error, out, fields):  # tests only
             return
         self._reply(req_id, status, error, out, **fields)
 
-    def _answer_now(self, req_id, row, header: dict) -> None:
-        """A command answered as soon as it is read (PING, HELLO, AUTH): its refusal closes the connection."""
+    async def _reply_deferred(self, req_id, result: Deferred, fault) -> None:
         try:
-            fields = row.handler(self.session, header, None, False)
+            fields, out = await result.finish(self.daemon.peer_links)
+            if fault is not None and await fault.reply(self, req_id, Status.SUCCESS, "", out, fields):  # tests only
+                return
+            self._reply(req_id, Status.SUCCESS, "", out, **fields)
+        except Exception as exc:  # a bug of ours must not take the daemon down
+            self.log.exception("forwarding failed")
+            self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self._deferred.release()
+
+    def _answer_now(self, req_id, row, header: dict, blob) -> None:
+        """A command answered as soon as it is read (PING, HELLO, AUTH, STEP_INPUT): a refusal it raises
+        closes the connection (STEP_INPUT returns its refusals instead)."""
+        try:
+            fields = row.handler(self.session, header, blob, False)
         except ProtocolError as exc:
             self._reply(req_id, exc.status, exc.message, **exc.fields)
             self.abort(exc.message)

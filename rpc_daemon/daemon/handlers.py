@@ -21,6 +21,7 @@ import structlog
 from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, round_up
+from rpc_daemon.daemon import peers
 from rpc_daemon.daemon.config import available_memory
 from rpc_daemon.service import hoptrace
 from rpc_daemon.validation import requests as V
@@ -50,6 +51,7 @@ class Session:
         self.graphs: dict[int, GraphSpec] = {}
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.hello_done = False
+        self.steps = None  # its step links (daemon/peers.py StepSession), once STEP_PEERS named them
         self.log = log
 
     def authenticated(self) -> None:
@@ -61,7 +63,8 @@ class Session:
         return self.auth is not None and self.auth.pending
 
     def features(self) -> list[str]:
-        return [f for f in P.FEATURES if f != "tensor_cache" or self.daemon.cache is not None]
+        return [f for f in P.FEATURES if (f != "tensor_cache" or self.daemon.cache is not None)
+                and (f != "step_links" or self.daemon.peer_links.usable)]
 
     def buffer_of(self, key: int) -> SharedBuffer | None:
         """This client's buffer `key`, or None (validation.requests refuses it)."""
@@ -229,6 +232,8 @@ async def _run(s: Session, run: V.Run):
 async def handle_graph_compute(s: Session, h, blob, direct):
     if hoptrace.ON:
         hoptrace.mark("daemon handler")
+    link = peers.check_link(s, h)  # before anything: a refused request takes no step input
+    h, blob = await peers.take_step_input(s, h, blob, link)
     unsafe = s.config.unsafe_no_validation
     tensors = h.get("tensors")
     if not unsafe and isinstance(tensors, list) and len(tensors) > LARGE_GRAPH:
@@ -241,17 +246,22 @@ async def handle_graph_compute(s: Session, h, blob, direct):
     if run.graph_id:  # only now: a refused request must not replace the graph cached under its id
         s.graphs[run.graph_id] = run.spec
     s.forget_graph(run.graph_id or -1)  # a one-off graph: cached in the compute process under a throwaway key
-    return await _run(s, run)
+    return peers.deferred(s, await _run(s, run), link)
 
 
 async def handle_graph_recompute(s: Session, h, blob, direct):
     if hoptrace.ON:
         hoptrace.mark("daemon handler")
     graph_id, spec = V.cached_graph(h, s.graphs)
-    if spec is None:
+    link = peers.check_link(s, h)
+    if spec is None:  # before the step input is taken: the client sends GRAPH_COMPUTE for it next
         return {"status": Status.NOT_FOUND, "error": f"graph {graph_id} is not cached; send it with GRAPH_COMPUTE"}
-    return await _run(s, V.check_graph_recompute(graph_id, spec, h, blob, s.limits, s.buffer_of,
-                                                 s.config.unsafe_no_validation))
+    h, blob = await peers.take_step_input(s, h, blob, link)
+    spec = s.graphs.get(graph_id)
+    if spec is None:
+        raise ProtocolError(Status.INVALID_REQUEST, f"graph {graph_id} was freed while the step input was awaited")
+    return peers.deferred(s, await _run(s, V.check_graph_recompute(graph_id, spec, h, blob, s.limits, s.buffer_of,
+                                                                   s.config.unsafe_no_validation)), link)
 
 
 async def handle_graph_free(s: Session, h, blob, direct):
@@ -297,4 +307,7 @@ COMMANDS: dict[int, CommandRow] = {
     Command.GRAPH_COMPUTE: CommandRow(handle_graph_compute),
     Command.GRAPH_RECOMPUTE: CommandRow(handle_graph_recompute),
     Command.GRAPH_FREE: CommandRow(handle_graph_free),
+    Command.STEP_PEERS: CommandRow(peers.handle_step_peers),
+    # a request of the token's session may be waiting for it: answered (delivered) as soon as it is read
+    Command.STEP_INPUT: CommandRow(peers.handle_step_input, answer_now=_always),
 }

@@ -35,6 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"${auth.ENV_VAR}; at least {auth.MIN_SECRET_LEN} random bytes")
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS on the port with this certificate (chain)")
     s.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    s.add_argument("--peer-tls-ca", metavar="PEM",
+                   help="CA that the workers this one forwards activations to (step links) are verified "
+                        "against; a worker serving TLS offers step links only with it")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a shared secret (anyone who can reach the port "
                         "can use the worker)")
@@ -88,6 +91,12 @@ def apply(p: argparse.ArgumentParser, args: argparse.Namespace, config: DaemonCo
             server_context(args.tls_cert, args.tls_key)
         except TlsConfigError as exc:
             p.error(str(exc))
+    if args.peer_tls_ca:
+        from rpc_daemon.wire.tls import TlsConfigError, client_context
+        try:
+            client_context(args.peer_tls_ca)
+        except TlsConfigError as exc:
+            p.error(str(exc))
     from rpc_daemon.daemon.app import is_loopback
     if not is_loopback(config.host) and secret is None and not args.insecure:
         p.error(f"refusing to listen on {config.host} without a shared secret: anyone who can reach the port "
@@ -99,5 +108,6 @@ def apply(p: argparse.ArgumentParser, args: argparse.Namespace, config: DaemonCo
                                  max_graphs=args.max_graphs, max_cached_tensors=args.max_cached_tensors,
                                  max_client_bytes=args.max_client_mem * MiB)
     return dataclasses.replace(config, limits=limits, secret=secret, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                               peer_tls_ca=args.peer_tls_ca,
                                insecure=args.insecure, max_requests_per_second=args.max_requests_per_second,
                                request_burst=args.request_burst, hello_timeout=args.hello_timeout)

@@ -196,3 +196,82 @@ def check_graph_recompute(graph_id: int, spec: GraphSpec, h: dict, blob, limits:
     for key in spec.buffers:
         owned(key, buffer_of)
     return check_run(graph_id, spec, h, blob, limits, buffer_of, unsafe)
+
+
+# ---------------------------------------------------------------- step links (docs/protocol.md, "Step links")
+
+TOKEN_BYTES = 16
+MAX_PEERS = 64
+MAX_FORWARD = 16
+MAX_INPUT_TIMEOUT = 3600.0
+
+
+@dataclass(frozen=True)
+class StepInput:
+    tensor: int  # the graph's input leaf the bytes are bound to (checked as any inline input)
+    tag: int
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Forward:
+    to: str  # "host:port", one of the session's peers
+    token: bytes
+    tag: int
+
+
+@dataclass(frozen=True)
+class StepLink:
+    input: StepInput | None
+    forward: tuple
+
+
+def _token(h: dict, key: str = "token") -> bytes:
+    token = h.get(key)
+    if type(token) is not bytes or len(token) != TOKEN_BYTES:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} must be {TOKEN_BYTES} bytes")
+    return token
+
+
+def _endpoint(v) -> str:
+    from rpc_daemon.client import parse_endpoint
+    if not isinstance(v, str) or len(v) > 255:
+        raise ProtocolError(Status.INVALID_REQUEST, "a peer must be a 'host:port' string of at most 255 characters")
+    try:
+        parse_endpoint(v)
+    except ValueError as exc:
+        raise ProtocolError(Status.INVALID_REQUEST, f"peer {v!r}: {exc}") from None
+    return v
+
+
+def check_step_peers(h: dict) -> tuple[bytes, frozenset]:
+    """STEP_PEERS: the session's token and the workers its steps may forward to."""
+    token = _token(h)
+    peers = P.field_list(h, "peers", MAX_PEERS, default=[])
+    return token, frozenset(_endpoint(p) for p in peers)
+
+
+def check_step_input(h: dict) -> tuple[bytes, int, bool]:
+    """STEP_INPUT: token, tag, and whether it cancels the tag."""
+    return _token(h), P.field_int(h, "tag"), P.field_bool(h, "cancel")
+
+
+def check_step_link(h: dict) -> StepLink:
+    """A compute request's optional `step_input` and `forward` (their shape;
+    the session's peers are checked by daemon/peers.py)."""
+    step_input = None
+    raw = h.get("step_input")
+    if raw is not None:
+        if not isinstance(raw, dict):
+            raise ProtocolError(Status.INVALID_REQUEST, "field 'step_input' must be a map")
+        timeout = raw.get("timeout")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_INPUT_TIMEOUT:
+            raise ProtocolError(Status.INVALID_REQUEST, f"step_input 'timeout' must be a number of seconds in "
+                                                        f"(0, {MAX_INPUT_TIMEOUT:g}]")
+        step_input = StepInput(P.field_int(raw, "tensor"), P.field_int(raw, "tag"), float(timeout))
+    forward = []
+    for f in P.field_list(h, "forward", MAX_FORWARD, default=[]):
+        if not isinstance(f, dict):
+            raise ProtocolError(Status.INVALID_REQUEST, "each 'forward' entry must be a map")
+        forward.append(Forward(_endpoint(f.get("to")), _token(f), P.field_int(f, "tag")))
+    return StepLink(step_input, tuple(forward))

@@ -12,7 +12,7 @@ from enum import IntEnum
 # 2: HELLO carries `ggml` (version and op-table fingerprint); a graph's op and
 # type numbers mean something only between processes running the same op table
 PROTOCOL_VERSION = 2
-FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs")
+FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links")
 
 
 class Status(IntEnum):
@@ -28,6 +28,7 @@ class Status(IntEnum):
     LIMIT_EXCEEDED = -103
     VERSION_MISMATCH = -104
     NOT_FOUND = -105  # e.g. SET_TENSOR_HASH for content the cache does not hold
+    INPUT_MISSING = -106  # a step's input from another worker did not come (timed out, or cancelled)
 
 
 class Command(IntEnum):
@@ -45,6 +46,8 @@ class Command(IntEnum):
     GRAPH_FREE = 11
     PING = 12
     AUTH = 13  # second half of an authenticated HELLO (rpc_daemon/wire/auth.py)
+    STEP_PEERS = 14  # which workers this session's steps may forward to, and its token (daemon/peers.py)
+    STEP_INPUT = 15  # a step's input for a session, from a peer worker or from the client itself
 
 
 class ProtocolError(Exception):

@@ -1,0 +1,135 @@
+"""A step whose activations go worker to worker (docs/protocol.md, "Step
+links"; docs/architecture.md, "A decode step").
+
+Every request of the step leaves at once: stage 0 gets the tokens, stage k > 0
+waits on its worker for the hidden state stage k-1 pushes there, and with the
+head split every head shard waits for the normed state the last stage pushes
+to all of them. Only the last stage's (or the shards') results come back here:
+N + 1 one-way hops for N workers (N + 2 with the head split), not 2N + 2.
+
+Failures keep the relayed path's meaning. Each request stays on its own
+worker's connection, with that connection's liveness and deadline, so a dead
+worker fails its own requests and is reported as itself. A worker that cannot
+push (its next hop is unreachable from it) answers with the bytes and which
+pushes failed; they are relayed here over the destination's own connection.
+When any request fails, the step's other waits are cancelled at once
+(STEP_INPUT `cancel`): they end with INPUT_MISSING, a consequence reported only
+when nothing else failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from coordinator.executors import InputMissing, NotLinked
+from coordinator.results import StageFailed
+
+ABANDON_AFTER = 0.25  # seconds the other requests of a step get to end once a worker is lost
+_tags = itertools.count(1)
+_background: set = set()  # cancellations in flight (held so they are not collected before they end)  # step input tags: unique per coordinator process, so per session too
+
+
+def usable(places: list) -> bool:
+    """Every stage's worker offers step links (a protocol-2 daemon of this
+    version, not `local`, and not a TLS worker without --peer-tls-ca)."""
+    return len(places) > 1 and all(getattr(p.executor, "step_links", False) for p in places)
+
+
+def _destination(p, tag: int) -> dict:
+    return {"to": p.endpoint, "token": p.executor.step_token, "tag": tag}
+
+
+async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
+    """One linked step through `pipe.places` (a Pipeline), the head shards in
+    `head_places` (empty: no head round). Returns (the last stage's output,
+    or None when it went to the head shards; the shards' reply blobs), or None
+    when the step must run on the relayed path instead. Raises StepFailed."""
+    from coordinator.pipeline import StepFailed, _read, _stage_inputs
+
+    places = pipe.places
+    last = len(places) - 1
+    stage_tags = [None] + [next(_tags) for _ in places[1:]]
+    head_tags = [next(_tags) for _ in head_places]
+    targets = [[(places[k + 1], stage_tags[k + 1])] if k < last else list(zip(head_places, head_tags))
+               for k in range(len(places))]
+    try:
+        # a round trip only when a connection's peers change (its first linked step)
+        await asyncio.gather(*(p.executor.name_peers(frozenset(q.endpoint for q, _ in targets[k]))
+                               for k, p in enumerate(places)))
+    except StageFailed as exc:
+        raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
+
+    jobs = []  # (place, task, destinations); per connection in send order: its stage, then its head shard
+    for k, p in enumerate(places):
+        inputs = _stage_inputs(p, common, tokens, None, out_rows)
+        inputs.pop("hidden", None)  # it comes from stage k-1's worker
+        timeout = p.executor.request_timeout or 900.0
+        step_input = ("hidden", stage_tags[k], timeout) if k else None
+        dests = [_destination(q, tag) for q, tag in targets[k]]
+        jobs.append((p, p.executor.send_linked(p.stage, shape, inputs, False, step_input, dests), targets[k]))
+    for p, tag in zip(head_places, head_tags):
+        step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
+        jobs.append((p, p.executor.send_linked(p.stage, shape, {}, True, step_input, []), []))
+
+    relays: list[asyncio.Task] = []
+    cancelled = False
+
+    def cancel_waits() -> None:
+        nonlocal cancelled
+        if cancelled:
+            return
+        cancelled = True
+        for p, tag in list(zip(places, stage_tags))[1:] + list(zip(head_places, head_tags)):
+            task = asyncio.get_running_loop().create_task(p.executor.cancel_input(tag))
+            _background.add(task)  # not awaited: a stopped worker's would take its liveness bound
+            task.add_done_callback(_background.discard)
+
+    def settled(job) -> None:
+        p, task, dests = job
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            cancel_waits()
+            return
+        reply, out = task.result()
+        for index, _why in reply.get("forward_failed") or ():  # the worker could not push: relay it
+            q, tag = dests[index]
+            relays.append(asyncio.get_running_loop().create_task(q.executor.deliver(q.executor.step_token, tag,
+                                                                                    bytes(out))))
+
+    for job in jobs:
+        job[1].add_done_callback(lambda _t, job=job: settled(job))
+    pending = {task for _, task, _ in jobs}
+    try:
+        while pending:  # every request ends (or fails) within its own connection's bounds
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any(not t.cancelled() and isinstance(t.exception(), StageFailed) and t.exception().lost_connection
+                   for t in done) and pending:
+                # a worker is gone: the others' requests get a moment to end (their waits are cancelled),
+                # then are given up (late replies dropped), so the loss is reported within its own bound
+                # even when a neighbour's push to it is still waiting for its own peer-link bound
+                _, pending = await asyncio.wait(pending, timeout=ABANDON_AFTER)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                pending = set()
+    except asyncio.CancelledError:
+        cancel_waits()
+        for _, task, _ in jobs:
+            task.cancel()
+        raise
+    await asyncio.gather(*relays, return_exceptions=True)  # a failed relay shows as its destination's failure
+
+    failures = [task.exception() for _, task, _ in jobs if not task.cancelled() and task.exception() is not None]
+    if any(isinstance(exc, NotLinked) for exc in failures):
+        cancel_waits()
+        return None
+    if failures:
+        lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
+        bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
+        real = [exc for exc in failures if not isinstance(exc, InputMissing)]
+        raise StepFailed(bug or (lost or real or failures)[0], lost)
+    results = [task.result() for _, task, _ in jobs]
+    last_reply, last_out = results[last]
+    out = None if head_places else _read(places[last], last_out, shape)
+    return out, [blob for _, blob in results[len(places):]]
