@@ -17,7 +17,10 @@ GIL). For each setting it measures:
   of the one-way delay d (each request to a worker and its reply cost 2 d).
 
 Each --configs entry (step links on or off, the output head split or whole)
-is measured at every setting, behind the same proxies. A step link (worker to
+is measured at every setting at once: one coordinator per setting, the
+coordinators taking turns step by step, so the machine's load from elsewhere
+hits every setting alike (--side-by-side configs: every config at once for
+each setting instead, to compare configs' tokens/s). A step link (worker to
 worker) goes through the destination worker's proxy too, so it pays the delay
 like any other hop. The first setting is each config's baseline (default 0:
 the proxies only); ratios are against it. This machine is shared: only the ratios of one run compare.
@@ -66,18 +69,24 @@ def proxies(upstreams: list[str], delay: float, jitter: float, rate: float | Non
                 p.wait()
 
 
-def step_times(c: Coordinator, n: int, greedy: bool) -> list[float]:
-    c.kv_clear()
-    if c.decode(Batch.single(list(range(10, 42)), 0)) != 0:
-        raise SystemExit(f"prompt decode failed: {c.last_error}")
-    tok, pos, out = c.token(-1), 32, []
+def step_times(coordinators: list, n: int, greedy: bool) -> list[list[float]]:
+    """Each coordinator's single-token step times, the coordinators taking
+    turns step by step (so load from elsewhere on the machine hits all alike)."""
+    toks = []
+    for c in coordinators:
+        c.kv_clear()
+        if c.decode(Batch.single(list(range(10, 42)), 0)) != 0:
+            raise SystemExit(f"prompt decode failed: {c.last_error}")
+        toks.append(c.token(-1))
+    times = [[] for _ in coordinators]
     for i in range(2 + n):  # 2 warm-up steps: the step graph is sent once
-        t = time.perf_counter()
-        if c.decode(Batch.single([tok], pos), greedy=greedy) != 0:
-            raise SystemExit(f"decode failed: {c.last_error}")
-        out.append(time.perf_counter() - t)
-        tok, pos = c.token(-1), pos + 1
-    return out[2:]
+        for k, c in enumerate(coordinators):
+            t = time.perf_counter()
+            if c.decode(Batch.single([toks[k]], 32 + i), greedy=greedy) != 0:
+                raise SystemExit(f"decode failed: {c.last_error}")
+            times[k].append(time.perf_counter() - t)
+            toks[k] = c.token(-1)
+    return [t[2:] for t in times]
 
 
 def parse_links(text: str) -> list[tuple[float, float]]:
@@ -106,30 +115,43 @@ def main() -> int:
     ap.add_argument("--configs", default="relayed,linked",
                     help=f"comma-separated, each measured at every delay: {', '.join(CONFIGS)} (step links on or "
                          f"off, output head split or whole)")
+    ap.add_argument("--side-by-side", choices=("delays", "configs"), default="delays",
+                    help="what is measured at once, taking turns step by step: a config at every delay (for "
+                         "added/d), or every config at one delay (for tokens/s between configs)")
     args = ap.parse_args()
     configs = args.configs.split(",")
     for name in configs:
         if name not in CONFIGS:
             ap.error(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
-    rows = {name: [] for name in configs}
-    with LocalWorkers(args.workers, threads=1) as workers:
-        for delay, jitter in parse_links(args.links):
-            with proxies(workers.endpoints, delay, jitter, args.rate) as endpoints:
-                for name in configs:
-                    links, head_split = CONFIGS[name]
+    links = parse_links(args.links)
+    cells = {}  # (config, link index) -> (load, median step, median greedy step)
+    # the coordinators measured side by side: one per delay setting for each config (added/d compares them),
+    # or, with --side-by-side configs, every config at once for each delay (tokens/s compares them)
+    if args.side_by_side == "delays":
+        groups = [[(name, i) for i in range(len(links))] for name in configs]
+    else:
+        groups = [[(name, i) for name in configs] for i in range(len(links))]
+    with LocalWorkers(args.workers, threads=1) as workers, contextlib.ExitStack() as stack:
+        sets = [stack.enter_context(proxies(workers.endpoints, delay, jitter, args.rate)) for delay, jitter in links]
+        for group in groups:
+            coordinators, loads = [], []
+            try:
+                for name, i in group:
+                    step_links, head_split = CONFIGS[name]
                     t = time.perf_counter()
-                    c = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, step_links=links,
-                                    head_split=head_split)
-                    load = time.perf_counter() - t
-                    try:
-                        logits = statistics.median(step_times(c, args.tg, greedy=False))
-                        greedy = statistics.median(step_times(c, args.tg, greedy=True))
-                        linked = c.stats["linked_steps"]
-                    finally:
-                        c.close()
-                    rows[name].append((delay, jitter, load, logits, greedy))
-                    print(f"  measured {name} at {delay * 1e3:g} +- {jitter * 1e3:g} ms ({linked} linked steps)",
-                          file=sys.stderr, flush=True)
+                    coordinators.append(Coordinator(sets[i], model=args.model, n_ctx=256, threads=1,
+                                                    step_links=step_links, head_split=head_split))
+                    loads.append(time.perf_counter() - t)
+                logits = step_times(coordinators, args.tg, greedy=False)
+                greedy = step_times(coordinators, args.tg, greedy=True)
+                linked = [c.stats["linked_steps"] for c in coordinators]
+            finally:
+                for c in coordinators:
+                    c.close()
+            for cell, load, lg, gr in zip(group, loads, logits, greedy):
+                cells[cell] = (load, statistics.median(lg), statistics.median(gr))
+            print(f"  measured {group} ({linked} linked steps)", file=sys.stderr, flush=True)
+    rows = {name: [(delay, jitter, *cells[name, i]) for i, (delay, jitter) in enumerate(links)] for name in configs}
     cap = f", cap {args.rate / 1e6:g} MB/s" if args.rate else ""
     print(f"{args.workers} workers behind bench/delay_proxy.py{cap}; tg: median of {args.tg} steps")
     print(f"{'config':>19} {'one-way delay':>16} {'load s':>8} {'load x':>7} {'tg t/s':>8} {'tg x':>6} "
@@ -143,6 +165,13 @@ def main() -> int:
                   f"{1 / logits:8.1f} {base[3] / logits:6.3f} {added[0]} {1 / greedy:11.1f} {added[1]}")
     print("load x: load time / the config's first row's; tg x: tokens/s / the config's first row's; "
           "added/d: extra step time in one-way delays (against the config's first row)")
+    if len(configs) > 1:
+        print(f"tokens/s against {configs[0]} at the same delay (" +
+              ("measured side by side" if args.side_by_side == "configs" else "measured at different times") + "):")
+        for i, (delay, _) in enumerate(links):
+            print(f"  {delay * 1e3:g} ms: " + ", ".join(
+                f"{name} {rows[configs[0]][i][3] / rows[name][i][3]:.3f} (greedy "
+                f"{rows[configs[0]][i][4] / rows[name][i][4]:.3f})" for name in configs[1:]))
     return 0
 
 

@@ -88,6 +88,7 @@ class Pipeline:
         to worker (coordinator/step_links.py); else they come back here."""
         self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
         self.links = links
+        self.links_paused_until = 0.0  # step_links: relayed until then, after a failed push
         self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
 
     async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
@@ -156,7 +157,7 @@ class Pipeline:
         common = self._common(tok_pos, rows, mask, mask_swa)
         head_places = [p for p in self.places if len(p.stage.head_rows)] if self.head_split and wanted else []
         linked = None
-        if self.links and step_links.usable(self.places):  # else (or when it says so) the relayed path
+        if self.links and step_links.usable(self):  # else (or when it says so) the relayed path
             linked = await step_links.run(self, tokens, shape, common, out_rows, head_places)
         if linked is not None:
             out, head_results = linked

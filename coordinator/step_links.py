@@ -20,19 +20,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
+
+import structlog
 
 from coordinator.executors import InputMissing, NotLinked
 from coordinator.results import StageFailed
 
+log = structlog.get_logger("coordinator")
+
+RELAY_AFTER_FAILED_PUSH = 30.0  # seconds of relayed steps after a worker could not push to its next hop
 ABANDON_AFTER = 0.25  # seconds the other requests of a step get to end once a worker is lost
 _tags = itertools.count(1)
 _background: set = set()  # cancellations in flight (held so they are not collected before they end)  # step input tags: unique per coordinator process, so per session too
 
 
-def usable(places: list) -> bool:
+def usable(pipe) -> bool:
     """Every stage's worker offers step links (a protocol-2 daemon of this
-    version, not `local`, and not a TLS worker without --peer-tls-ca)."""
-    return len(places) > 1 and all(getattr(p.executor, "step_links", False) for p in places)
+    version, not `local`, and not a TLS worker without --peer-tls-ca), and no
+    push failed lately (a firewall between workers would cost every step a
+    failed push before the relay)."""
+    return (len(pipe.places) > 1 and time.monotonic() >= pipe.links_paused_until
+            and all(getattr(p.executor, "step_links", False) for p in pipe.places))
 
 
 def _destination(p, tag: int) -> dict:
@@ -92,8 +101,11 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
             cancel_waits()
             return
         reply, out = task.result()
-        for index, _why in reply.get("forward_failed") or ():  # the worker could not push: relay it
+        for index, why in reply.get("forward_failed") or ():  # the worker could not push: relay it
             q, tag = dests[index]
+            log.warning("a worker could not push to the next; relaying its steps for a while", worker=p.endpoint,
+                        to=q.endpoint, error=why, relay_s=RELAY_AFTER_FAILED_PUSH)
+            pipe.links_paused_until = time.monotonic() + RELAY_AFTER_FAILED_PUSH
             relays.append(asyncio.get_running_loop().create_task(q.executor.deliver(q.executor.step_token, tag,
                                                                                     bytes(out))))
 

@@ -60,7 +60,8 @@ BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's
 BASE_SIZE = 64 << 10
 STATUSES = set(int(s) for s in Status)
 FIELD_NAMES = ("buffer", "offset", "size", "src_buffer", "src_offset", "value", "hash", "cache", "graph_id",
-               "tensors", "inputs", "outputs", "version", "features", "auth_nonce", "proof", "id", "cmd")
+               "tensors", "inputs", "outputs", "version", "features", "auth_nonce", "proof", "id", "cmd",
+               "token", "peers", "tag", "cancel", "step_input", "forward")
 EDGE_INTS = (0, 1, -1, 2, 63, 64, 4095, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**48,
              2**48 + 1, 2**53, 2**62, 2**63 - 1, -(2**63), 2**64 - 1)
 

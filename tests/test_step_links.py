@@ -84,6 +84,23 @@ def test_linked_steps_with_a_shared_secret_and_tls(tiny_model, start_daemon, sec
     assert np.array_equal(relayed, linked) and relayed_text == text
 
 
+def test_a_push_that_fails_is_relayed_and_the_step_succeeds(tiny_model, start_daemon, secret_file, tls_files):
+    """A cannot verify B (its --peer-tls-ca signed nothing): its push fails,
+    it answers with the bytes, the coordinator delivers them over B's own
+    connection, and the step gives the same logits; later steps are relayed
+    for a while instead of paying a failed push each. Nothing is latched."""
+    tls = ("--secret-file", secret_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key)
+    a = start_daemon("-t", "1", *tls, "--peer-tls-ca", tls_files.other_ca)
+    b = start_daemon("-t", "1", *tls, "--peer-tls-ca", tls_files.ca)
+    endpoints = [a.endpoint, b.endpoint]
+    opts = dict(secret=SECRET, tls_ca=tls_files.ca)
+    linked, text, n_linked = decode_trace(endpoints, tiny_model, **opts)
+    assert n_linked == 1  # the first step; then relayed for RELAY_AFTER_FAILED_PUSH seconds
+    assert "TLS" in a.wait_log("step forward failed")
+    relayed, relayed_text, _ = decode_trace(endpoints, tiny_model, step_links=False, **opts)
+    assert np.array_equal(relayed, linked) and relayed_text == text
+
+
 def test_linked_generation_behind_a_slow_link_equals_the_direct_one(tiny_model, start_daemon):
     """Both workers behind 20 +- 5 ms links with stalls (worker to worker
     pushes go through the destination's proxy too): the same text, no latch."""

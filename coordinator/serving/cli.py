@@ -85,6 +85,9 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
                        help="the last worker computes the whole output head (default: every worker a share)")
+        p.add_argument("--no-step-links", dest="step_links", action="store_false",
+                       help="hidden states come back through the coordinator between stages (default: worker "
+                            "to worker when every worker offers it; docs/protocol.md, Step links)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
@@ -216,7 +219,8 @@ def cmd_generate(args) -> int:
     with endpoints_for(args) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
-                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
+                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split,
+                            step_links=args.step_links)
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
@@ -445,7 +449,8 @@ def _serve(args, socks) -> int:
         try:  # under systemd, a big model's upload extends the start timeout while it progresses
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-                            head_split=args.head_split, resume_within=args.resume_within or None,
+                            head_split=args.head_split, step_links=args.step_links,
+                            resume_within=args.resume_within or None,
                             spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()],
                             spare_after=args.spare_after, on_upload=StartTimeoutExtender())
         except (ConnectionError, OSError, ValueError) as exc:
