@@ -30,7 +30,6 @@ from coordinator.results import StageFailed
 log = structlog.get_logger("coordinator")
 
 RELAY_AFTER_FAILED_PUSH = 30.0  # seconds of relayed steps after a worker could not push to its next hop
-ABANDON_AFTER = 0.25  # seconds the other requests of a step get to end once a worker is lost
 _tags = itertools.count(1)
 _background: set = set()  # cancellations in flight (held so they are not collected before they end)  # step input tags: unique per coordinator process, so per session too
 
@@ -101,6 +100,8 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
             cancel_waits()
             return
         reply, out = task.result()
+        if cancelled:  # the step failed elsewhere: nothing waits for these bytes
+            return
         for index, why in reply.get("forward_failed") or ():  # the worker could not push: relay it
             q, tag = dests[index]
             log.warning("a worker could not push to the next; relaying its steps for a while", worker=p.endpoint,
@@ -112,19 +113,21 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
     for job in jobs:
         job[1].add_done_callback(lambda _t, job=job: settled(job))
     pending = {task for _, task, _ in jobs}
+    pushes_to = {task: {q.endpoint for q, _ in dests} for _, task, dests in jobs}
+    lost: set[str] = set()
     try:
         while pending:  # every request ends (or fails) within its own connection's bounds
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            if any(not t.cancelled() and isinstance(t.exception(), StageFailed) and t.exception().lost_connection
-                   for t in done) and pending:
-                # a worker is gone: the others' requests get a moment to end (their waits are cancelled),
-                # then are given up (late replies dropped), so the loss is reported within its own bound
-                # even when a neighbour's push to it is still waiting for its own peer-link bound
-                _, pending = await asyncio.wait(pending, timeout=ABANDON_AFTER)
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                pending = set()
+            lost |= {t.exception().endpoint for t in done if not t.cancelled() and isinstance(t.exception(), StageFailed)
+                     and t.exception().lost_connection}
+            # a request that pushes to a lost worker is given up (its late reply dropped, its connection kept):
+            # its answer waits for the push, which a stopped worker holds for the peer link's own bound
+            given_up = {t for t in pending if pushes_to[t] & lost}
+            for task in given_up:
+                task.cancel()
+            if given_up:
+                await asyncio.gather(*given_up, return_exceptions=True)
+                pending -= given_up
     except asyncio.CancelledError:
         cancel_waits()
         for _, task, _ in jobs:

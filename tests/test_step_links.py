@@ -23,7 +23,6 @@ if str(ROOT) not in sys.path:
 
 from bench.delay_proxy import Link, ProxyThread  # noqa: E402
 from coordinator.api import Batch, Coordinator, DecodeResult  # noqa: E402
-from coordinator.step_links import ABANDON_AFTER  # noqa: E402
 from rpc_daemon.client import RpcClient, RpcError  # noqa: E402
 from rpc_daemon.wire.protocol import Command, Status  # noqa: E402
 from rpc_helpers import SECRET, expect_error, small_graph  # noqa: E402
@@ -148,9 +147,9 @@ def test_a_fault_mid_step_is_reported_as_that_worker(tiny_model, start_daemon, f
         assert c.stats["linked_steps"] == 1
         assert (c.last_failed_endpoint, c.last_cause) == (faulty.endpoint, kind), c.last_error
         assert [f.endpoint for f in c.failed_endpoints()] == [faulty.endpoint], c.failed_endpoints()
-        # killed: at once; stopped: the liveness bound, even when A's push to a stopped B is still
-        # waiting for its own peer-link bound (given up ABANDON_AFTER after B's loss)
-        limit = SLACK if action == "kill" else BOUND + ABANDON_AFTER + SLACK
+        # killed: at once; stopped: the liveness bound, even while A's push to a stopped B still
+        # waits for its own peer-link bound (A's request is given up when B is lost)
+        limit = SLACK if action == "kill" else BOUND + SLACK
         assert took <= limit, took
         assert other.alive()
         if action == "stop":
@@ -227,6 +226,10 @@ def test_a_step_input_waits_is_validated_and_lands_only_in_its_session(start_dae
                 "graph_id": 1, "inputs": [[idx["y"], 0, len(yb)]], "outputs": [idx["z"]],
                 "forward": [{"to": "127.0.0.1:9", "token": token, "tag": 10}]}, yb), Status.NOT_AUTHORIZED,
                 "not a peer")
+            # the session names other peers under its token; no other session may take that token
+            await c.request(Command.STEP_PEERS, {"token": token, "peers": ["127.0.0.1:9"]})
+            await expect_error(peer.request(Command.STEP_PEERS, {"token": token, "peers": []}),
+                               Status.INVALID_REQUEST, "in use")
             # a cancelled tag ends its wait at once
             await peer.request(Command.STEP_INPUT, {"token": token, "tag": 11, "cancel": True})
             await expect_error(c.request(Command.GRAPH_RECOMPUTE, {

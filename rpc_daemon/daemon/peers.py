@@ -204,13 +204,14 @@ async def handle_step_peers(s, h, blob, direct):
     token, peers = V.check_step_peers(h)
     links: PeerLinks = s.daemon.peer_links
     old = s.steps
+    if old is not None and old.token == token:
+        old.peers = peers
+        return {"step_links": links.usable}
     steps = StepSession(token, peers, s.limits.max_inflight)
     links.register(steps)  # refused (nothing changed) if another session holds the token
     if old is not None:
-        if old.token != token:
-            links.unregister(old)
-        # inputs already delivered stay theirs: the mailbox carries over
-        steps.mailbox = old.mailbox
+        links.unregister(old)
+        steps.mailbox = old.mailbox  # inputs already delivered stay the session's
     s.steps = steps
     return {"step_links": links.usable}
 
