@@ -1,6 +1,8 @@
 """One decode step through the stages: the forward pass (stage after stage,
 the hidden state coming back here between them) and, with the output head
-split, the head round (every endpoint's share at once). Each step that
+split, the head round (every endpoint's share at once); or, when every
+worker offers step links, the same step with its activations going worker to
+worker (coordinator/step_links.py), chosen per step. Each step that
 succeeds is recorded in the KV journal when there is one, and `replay` runs
 journal steps again to rebuild a lost KV cache (coordinator/resume.py).
 

@@ -117,7 +117,9 @@ INT_FIELDS = {  # the integer fields each command reads (docs/protocol.md)
     Command.COPY_TENSOR: ("buffer", "offset", "size", "src_buffer", "src_offset"),
     Command.SET_TENSOR_HASH: ("buffer", "offset", "size"),
     Command.GRAPH_FREE: ("graph_id",),
+    Command.STEP_INPUT: ("tag",),
 }
+STEP_TOKENS = (b"\x01" * 16, b"\x02" * 16, b"\x03" * 15)  # step links: the last is one byte short
 # statuses that say "nothing was done"
 REFUSALS = (Status.INVALID_REQUEST, Status.UNKNOWN_COMMAND, Status.LIMIT_EXCEEDED, Status.NOT_FOUND,
             Status.VERSION_MISMATCH, Status.NOT_AUTHORIZED)
@@ -167,6 +169,17 @@ def command_messages(draw):
             h["hash"] = draw(st.one_of(st.text("0123456789abcdef", min_size=64, max_size=64), values))
     elif cmd == Command.GRAPH_FREE:
         h["graph_id"] = draw(maybe_garbage(st.integers(-1, 8)))
+    elif cmd in (Command.STEP_PEERS, Command.STEP_INPUT):
+        # a few fixed tokens, so inputs sometimes land in a mailbox a STEP_PEERS of this run registered
+        h["token"] = draw(maybe_garbage(st.sampled_from(STEP_TOKENS)))
+        if cmd == Command.STEP_PEERS:
+            h["peers"] = draw(maybe_garbage(st.lists(st.sampled_from(("127.0.0.1:9", "localhost:1", "x", "")),
+                                                     max_size=3)))
+        else:
+            h["tag"] = draw(maybe_garbage(st.integers(-1, 6)))
+            if draw(st.booleans()):
+                h["cancel"] = draw(st.one_of(st.booleans(), values))
+            blob = draw(st.binary(max_size=64))
     if draw(st.integers(0, 9)) == 0:  # an extra field nobody asked for
         h[draw(st.text(max_size=6))] = draw(values)
     must_refuse = False

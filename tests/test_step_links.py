@@ -259,3 +259,38 @@ def test_an_unauthenticated_peer_is_refused(start_daemon, secret_file):
 
     run(go())
 
+
+
+def test_a_mailbox_is_bounded_and_dies_with_its_session(start_daemon):
+    """At most 32 step inputs wait untaken (the 33rd: LIMIT_EXCEEDED, the
+    connection kept); when the session's connection closes, its token is
+    forgotten (a later push: NOT_AUTHORIZED)."""
+    d = start_daemon("-t", "1")
+    token = os.urandom(16)
+
+    async def go():
+        c, _ = await _session(d.endpoint, token)
+        peer = await RpcClient.connect(d.endpoint)
+        try:
+            for tag in range(32):
+                await peer.request(Command.STEP_INPUT, {"token": token, "tag": tag}, b"x" * 8)
+            await expect_error(peer.request(Command.STEP_INPUT, {"token": token, "tag": 32}, b"x" * 8),
+                               Status.LIMIT_EXCEEDED, "32")
+            await expect_error(peer.request(Command.STEP_INPUT, {"token": token, "tag": 3}, b"x" * 8),
+                               Status.INVALID_REQUEST, "already delivered")
+            await c.aclose()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    await peer.request(Command.STEP_INPUT, {"token": token, "tag": 40}, b"x")
+                except RpcError as exc:
+                    if exc.status == Status.NOT_AUTHORIZED:
+                        return
+                    assert exc.status == Status.LIMIT_EXCEEDED, exc  # the close has not been seen yet
+                await asyncio.sleep(0.05)
+            raise AssertionError("the closed session's token still accepts inputs")
+        finally:
+            await c.aclose()
+            await peer.aclose()
+
+    run(go())
