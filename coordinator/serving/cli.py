@@ -148,6 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
                    help="run the workers with the output head split over them, whole on the last, or both "
                         "(both: two rows side by side; the workers hold the model twice)")
+    b.add_argument("--step-links", choices=("on", "off", "both"), default="on",
+                   help="activations worker to worker (on), through the coordinator (off), or both rows side by "
+                        "side (the workers hold the model once more)")
     b.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the reference rows: llama.cpp's llama-bench in process and over as many of its "
                         "rpc-servers (built by bench/llama_cpp_reference.py)")
@@ -309,10 +312,14 @@ def cmd_bench(args) -> int:
         total = args.threads * len(endpoints)
         if total > args.threads:  # the workers' cores, all in one process: what one machine alone would do
             setups[f"local -t {total}"] = (["local"], {"threads": total})
-        if args.head_split in ("on", "both") or len(endpoints) == 1:
-            setups[rpc] = (endpoints, {"split": args.split})
-        if args.head_split in ("off", "both") and len(endpoints) > 1:
-            setups[rpc + " head whole"] = (endpoints, {"split": args.split, "head_split": False})
+        for links in (("on", True), ("off", False)):
+            if args.step_links not in (links[0], "both"):
+                continue
+            name, opts = rpc + ("" if links[1] else " relayed"), {"split": args.split, "step_links": links[1]}
+            if args.head_split in ("on", "both") or len(endpoints) == 1:
+                setups[name] = (endpoints, opts)
+            if args.head_split in ("off", "both") and len(endpoints) > 1:
+                setups[name + " head whole"] = (endpoints, dict(opts, head_split=False))
         coords = {}
         try:
             for name, (eps, opts) in setups.items():
@@ -377,6 +384,9 @@ def cmd_bench(args) -> int:
     if any(name.endswith("head whole") for name in med):
         print("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
               "split it over the workers, computed at the same time")
+    if any(" relayed" in name for name in med):
+        print("relayed: hidden states come back through the coordinator between stages (--step-links off); the "
+              "other rpc rows send them worker to worker")
     return 0
 
 
