@@ -105,6 +105,8 @@ class Metrics:
         self.replayed_tokens = Counter("ggml_replayed_tokens", "Tokens replayed to rebuild a lost KV cache",
                                        registry=r)
         self.spare_takeovers = Counter("ggml_spare_takeovers", "Stages moved to a spare worker", registry=r)
+        self.linked_steps = Counter("ggml_linked_steps", "Decode steps whose activations went worker to worker "
+                                                         "(step links; the others were relayed)", registry=r)
         self.coord = coord
         self._seen = {}  # the coordinator's counters as last copied into the metrics
 
@@ -125,7 +127,7 @@ class Metrics:
         self.requests_waiting.set(scheduler.waiting)
         for key, counter in (("reconnects", self.reconnects), ("resumes", self.resumes),
                              ("resume_seconds", self.resume_seconds), ("replayed_tokens", self.replayed_tokens),
-                             ("spare_takeovers", self.spare_takeovers)):
+                             ("spare_takeovers", self.spare_takeovers), ("linked_steps", self.linked_steps)):
             value = self.coord.stats.get(key, 0)
             if value > self._seen.get(key, 0):
                 counter.inc(value - self._seen.get(key, 0))

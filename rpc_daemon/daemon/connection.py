@@ -60,9 +60,9 @@ class Daemon:
         self.compute.budget_base = lambda: self.buffers.max_bytes - self.buffers.allocated
         self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
         self.connections: set[Connection] = set()
-        self.peer_links = _peer_links(config)  # step links to other workers (daemon/peers.py)
         self._ids = itertools.count(1)
         self.stats = collections.Counter()
+        self.peer_links = _peer_links(config, self.stats)  # step links to other workers (daemon/peers.py)
         self.faults = None  # tests only: injected faults (rpc_daemon/testing/faults.py), None in normal use
         if config.test_faults:
             from rpc_daemon.testing.faults import Faults
@@ -78,7 +78,7 @@ class Daemon:
         self.compute.close()
 
 
-def _peer_links(config: DaemonConfig) -> PeerLinks:
+def _peer_links(config: DaemonConfig, stats) -> PeerLinks:
     """Peer connections speak as this daemon's clients do: its shared secret,
     and TLS (verified against --peer-tls-ca) when it serves TLS itself."""
     ssl_context = None
@@ -86,7 +86,7 @@ def _peer_links(config: DaemonConfig) -> PeerLinks:
         from rpc_daemon.wire.tls import client_context
         ssl_context = client_context(config.peer_tls_ca)
     return PeerLinks(config.secret, ssl_context, config.peer_timeout,
-                     usable=not config.tls_cert or ssl_context is not None)
+                     usable=not config.tls_cert or ssl_context is not None, stats=stats)
 
 
 class Connection(asyncio.BufferedProtocol):

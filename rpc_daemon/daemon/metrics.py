@@ -27,6 +27,10 @@ class DaemonCollector:
                                   value=stats["compute_restarts"])
         yield CounterMetricFamily("ggml_rpc_bytes_in", "Bytes received from clients", value=stats["bytes_in"])
         yield CounterMetricFamily("ggml_rpc_bytes_out", "Bytes sent to clients", value=stats["bytes_out"])
+        yield CounterMetricFamily("ggml_rpc_step_pushes", "Step outputs pushed to a peer worker (step links)",
+                                  value=stats["step_pushes"])
+        yield CounterMetricFamily("ggml_rpc_step_push_failures", "Step pushes that failed (the client relayed them)",
+                                  value=stats["step_push_failures"])
         yield GaugeMetricFamily("ggml_rpc_clients", "Connected clients", value=len(d.connections))
         yield GaugeMetricFamily("ggml_rpc_buffers", "Client buffers allocated", value=len(d.buffers))
         yield GaugeMetricFamily("ggml_rpc_buffer_bytes", "Bytes allocated to clients", value=d.buffers.allocated)

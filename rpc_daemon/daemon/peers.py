@@ -123,8 +123,9 @@ class PeerLinks:
     shared by its sessions), opened on first use with the daemon's secret and
     TLS, reopened after a failure; and the registry of session tokens."""
 
-    def __init__(self, secret: bytes | None, ssl_context, timeout: float, usable: bool):
+    def __init__(self, secret: bytes | None, ssl_context, timeout: float, usable: bool, stats=None):
         self.secret, self.ssl_context, self.timeout = secret, ssl_context, timeout
+        self.stats = stats if stats is not None else collections.Counter()  # step_pushes, step_push_failures
         self.usable = usable  # False: a TLS daemon without --peer-tls-ca cannot verify peers
         self.tokens: dict[bytes, weakref.ref] = {}  # token -> the StepSession that registered it
         self._links: dict[str, RpcClient] = {}
@@ -157,6 +158,13 @@ class PeerLinks:
     async def push(self, to: str, token: bytes, tag: int, data: bytes) -> str | None:
         """Deliver `data` to the session registered under `token` (here, or on
         worker `to`). None, or why it failed."""
+        self.stats["step_pushes"] += 1
+        why = await self._push(to, token, tag, data)
+        if why is not None:
+            self.stats["step_push_failures"] += 1
+        return why
+
+    async def _push(self, to: str, token: bytes, tag: int, data: bytes) -> str | None:
         local = self.session_of(token)
         if local is not None:  # the token is this daemon's: no network hop to ourselves
             try:
