@@ -1,12 +1,12 @@
 """Model load and decode speed behind a slow network, side by side in one run.
 
-    python bench/bench_latency.py [--model PATH] [--tg N] [--links 0,0.02:0.005,0.1:0.03]
+    python bench/bench_latency.py [--model PATH] [--tg N] [--links direct,0,0.02:0.005,0.1:0.03]
                                   [--rate BYTES_PER_S] [--workers 2]
 
 Starts --workers local workers (one thread each) and, per link setting
 "delay[:jitter]" (seconds, one way), a bench/delay_proxy.py process in front
 of each worker (its own process, so forwarding does not share the bench's
-GIL). For each setting it measures:
+GIL); "direct" is the workers without a proxy. For each setting it measures:
 
 * load: Coordinator construction (open the GGUF, connect, plan, upload every
   worker's weights; no tensor cache);
@@ -44,8 +44,11 @@ _LISTENING = re.compile(r"listening on (\S+)")
 
 
 @contextlib.contextmanager
-def proxies(upstreams: list[str], delay: float, jitter: float, rate: float | None):
+def proxies(upstreams: list[str], delay: float | None, jitter: float, rate: float | None):
     procs, endpoints = [], []
+    if delay is None:  # "direct": the workers themselves
+        yield list(upstreams)
+        return
     try:
         for up in upstreams:
             cmd = [sys.executable, str(PROXY), up, "--delay", str(delay), "--jitter", str(jitter)]
@@ -89,9 +92,13 @@ def step_times(coordinators: list, n: int, greedy: bool) -> list[list[float]]:
     return [t[2:] for t in times]
 
 
-def parse_links(text: str) -> list[tuple[float, float]]:
+def parse_links(text: str) -> list[tuple[float | None, float]]:
+    """"delay[:jitter]" settings; "direct": no proxy at all (delay None)."""
     links = []
     for item in text.split(","):
+        if item == "direct":
+            links.append((None, 0.0))
+            continue
         delay, _, jitter = item.partition(":")
         links.append((float(delay), float(jitter or 0)))
     return links
@@ -159,9 +166,10 @@ def main() -> int:
     for name in configs:
         base = rows[name][0]
         for delay, jitter, load, logits, greedy in rows[name]:
-            added = [f"{(s - b) / delay:8.2f}" if delay else f"{'-':>8}"
+            added = [f"{(s - b) / delay:8.2f}" if delay and base[0] is not None else f"{'-':>8}"
                      for s, b in ((logits, base[3]), (greedy, base[4]))]
-            print(f"{name:>19} {f'{delay * 1e3:g} +- {jitter * 1e3:g} ms':>16} {load:8.2f} {load / base[2]:7.2f} "
+            where = "direct" if delay is None else f"{delay * 1e3:g} +- {jitter * 1e3:g} ms"
+            print(f"{name:>19} {where:>16} {load:8.2f} {load / base[2]:7.2f} "
                   f"{1 / logits:8.1f} {base[3] / logits:6.3f} {added[0]} {1 / greedy:11.1f} {added[1]}")
     print("load x: load time / the config's first row's; tg x: tokens/s / the config's first row's; "
           "added/d: extra step time in one-way delays (against the config's first row)")
@@ -169,7 +177,7 @@ def main() -> int:
         print(f"tokens/s against {configs[0]} at the same delay (" +
               ("measured side by side" if args.side_by_side == "configs" else "measured at different times") + "):")
         for i, (delay, _) in enumerate(links):
-            print(f"  {delay * 1e3:g} ms: " + ", ".join(
+            print(f"  {'direct' if delay is None else f'{delay * 1e3:g} ms'}: " + ", ".join(
                 f"{name} {rows[configs[0]][i][3] / rows[name][i][3]:.3f} (greedy "
                 f"{rows[configs[0]][i][4] / rows[name][i][4]:.3f})" for name in configs[1:]))
     return 0
