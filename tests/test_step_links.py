@@ -76,8 +76,8 @@ def test_linked_steps_with_a_shared_secret_and_tls(tiny_model, start_daemon, sec
     linked, text, n_linked = decode_trace([a.endpoint, b.endpoint], tiny_model, secret=SECRET, tls_ca=tls_files.ca)
     assert n_linked >= 11
     a.wait_log("peer link opened")  # A pushed to B over a link of its own
-    c_ = start_daemon("-t", "1", *tls)  # no --peer-tls-ca: cannot verify a peer
-    relayed, relayed_text, n_relayed = decode_trace([c_.endpoint, b.endpoint], tiny_model, secret=SECRET,
+    no_ca = start_daemon("-t", "1", *tls)  # no --peer-tls-ca: cannot verify a peer
+    relayed, relayed_text, n_relayed = decode_trace([no_ca.endpoint, b.endpoint], tiny_model, secret=SECRET,
                                                     tls_ca=tls_files.ca)
     assert n_relayed == 0
     assert np.array_equal(relayed, linked) and relayed_text == text
