@@ -144,7 +144,7 @@ class Resumer:
         while code == DecodeResult.ENDPOINT_FAILED:
             while c._endpoints.failed():
                 if time.monotonic() >= deadline:
-                    c.last_error, c.last_cause, c.last_failed_endpoint = first
+                    c._failed(code, *first)
                     log.error("resume gave up: the stage did not come back in time", endpoint=first[2],
                               cause=first[0], waited=round(time.monotonic() - paused, 3))
                     return code

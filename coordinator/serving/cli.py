@@ -85,6 +85,11 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
                        help="the last worker computes the whole output head (default: every worker a share)")
+    p.add_argument("--micro-batch", type=_count(0), default=LIBRARY["micro_batch"], metavar="N",
+                   help=f"pipelining over several workers: batches cut into micro-batches (prompts in chunks of at "
+                        f"most N tokens, several sequences in as many groups as workers) that keep every worker "
+                        f"busy, and the server steps that many groups of slots at once (default "
+                        f"{LIBRARY['micro_batch']}; 0: off, the stages one after another)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
@@ -216,7 +221,8 @@ def cmd_generate(args) -> int:
     with endpoints_for(args) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
-                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
+                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split,
+                            micro_batch=args.micro_batch)
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
@@ -312,7 +318,7 @@ def cmd_bench(args) -> int:
         coords = {}
         try:
             for name, (eps, opts) in setups.items():
-                opts = {"threads": args.threads, **opts}
+                opts = {"threads": args.threads, "micro_batch": args.micro_batch, **opts}
                 coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
                                            **opts, **_security(args))
         except BaseException:
@@ -447,7 +453,8 @@ def _serve(args, socks) -> int:
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
                             head_split=args.head_split, resume_within=args.resume_within or None,
                             spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()],
-                            spare_after=args.spare_after, on_upload=StartTimeoutExtender())
+                            spare_after=args.spare_after, on_upload=StartTimeoutExtender(),
+                            micro_batch=args.micro_batch)
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
