@@ -44,19 +44,25 @@ def layer_bytes() -> int:
 
 def write_model(path: pathlib.Path, gib: float) -> pathlib.Path:
     """A llama of f16 random weights, written tensor by tensor (the writer keeps them in memory)."""
-    from tiny_models import Dims, _attention, _common_metadata, _ends, _ffn, spm_vocab, write_gguf
+    from tiny_models import Dims
 
     n_layer = max(2, round(gib * GiB / layer_bytes()))
-    d = Dims(n_embd=N_EMBD, n_layer=n_layer, n_head=N_HEAD, n_head_kv=N_HEAD_KV, n_ff=N_FF)
+    return write_llama(path, Dims(n_embd=N_EMBD, n_layer=n_layer, n_head=N_HEAD, n_head_kv=N_HEAD_KV, n_ff=N_FF))
+
+
+def write_llama(path: pathlib.Path, d, n_ctx: int = N_CTX) -> pathlib.Path:
+    """A llama of shape `d` (tiny_models.Dims), f16 random weights, a 300-token vocabulary."""
+    from tiny_models import _attention, _common_metadata, _ends, _ffn, spm_vocab, write_gguf
+
     vocab = spm_vocab(300)
     first, last = _ends(d, len(vocab.tokens), "f16", "f16")
-    layers = [w for il in range(n_layer) for w in _attention(f"blk.{il}.", d, "f16", "f16") +
+    layers = [w for il in range(d.n_layer) for w in _attention(f"blk.{il}.", d, "f16", "f16") +
               _ffn(f"blk.{il}.", d, "f16", "f16")]
     for w in layers:  # keep activations in range over many layers
         w.std = 0.02
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
-    write_gguf(tmp, "llama", _common_metadata("llama", d, n_ctx=N_CTX), vocab, first + layers + last, seed=1)
+    write_gguf(tmp, "llama", _common_metadata("llama", d, n_ctx=n_ctx), vocab, first + layers + last, seed=1)
     tmp.rename(path)
     return path
 

@@ -56,19 +56,10 @@ def small_vocab_llama() -> str:
     path = CACHE / "bench-llama-768x8-v300.gguf"
     if path.exists():
         return str(path)
-    from tiny_models import Dims, _attention, _common_metadata, _ends, _ffn, spm_vocab, write_gguf
+    from bench_big_model import write_llama
+    from tiny_models import Dims
 
-    d = Dims(n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048)
-    vocab = spm_vocab(300)
-    first, last = _ends(d, len(vocab.tokens), "f16", "f16")
-    layers = [w for il in range(d.n_layer) for w in _attention(f"blk.{il}.", d, "f16", "f16") +
-              _ffn(f"blk.{il}.", d, "f16", "f16")]
-    for w in layers:  # activations stay in range over the layers
-        w.std = 0.02
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    write_gguf(tmp, "llama", _common_metadata("llama", d, n_ctx=N_CTX), vocab, first + layers + last, seed=1)
-    tmp.rename(path)
+    write_llama(path, Dims(n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048), n_ctx=N_CTX)
     return str(path)
 
 

@@ -58,6 +58,8 @@ log = structlog.get_logger("coordinator")
 # the outcome of the last decode in this task: several steps may be in flight at once, and each
 # caller of adecode_outcome reads its own (self._out and last_error are the last to finish)
 _OUTCOME: contextvars.ContextVar[DecodeOutcome] = contextvars.ContextVar("decode_outcome")
+# set by adecode_outcome: its caller steps groups of sequences at once, so a step's sequences are not grouped again
+_OWN_GROUPS: contextvars.ContextVar[bool] = contextvars.ContextVar("own_groups", default=False)
 
 
 class Coordinator:
@@ -284,8 +286,11 @@ class Coordinator:
         """adecode_resuming(), returning this step's own outcome: its code, its
         outputs (logits(i)/token(i)) and, failed, its error. For callers with
         several steps in flight at once (the HTTP server's groups of slots),
-        where logits() and last_error are those of the step that finished last."""
+        where logits() and last_error are those of the step that finished last.
+        Such a caller forms its own groups: only a long run of one sequence's
+        tokens is cut into micro-batches, the sequences are not grouped again."""
         async def decode() -> DecodeOutcome:
+            _OWN_GROUPS.set(True)
             await self._resume.decode(batch, greedy)
             return _OUTCOME.get()
         return await self._io.call(decode())
@@ -339,7 +344,8 @@ class Coordinator:
                 if isinstance(admitted, DecodeResult):
                     return admitted
                 rows, tok_pos, tok_seq, out_rows, started = admitted
-                step = self._micro.admit(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+                step = self._micro.admit(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy,
+                                         group=not _OWN_GROUPS.get())
                 ticket = self._gate.admit(seqs)
                 latches = self._latches
                 break

@@ -19,8 +19,10 @@ How a batch is cut (`plan_cuts`), with two or more stages only:
   into pieces of at most `micro_batch` tokens: causal, so piece k+1 on a stage
   needs only that stage's KV rows of piece k;
 * then the pieces packed, in batch order, into about max(n_stages,
-  n_tokens / micro_batch) micro-batches of about equal size (e.g. the HTTP
-  server's one token per stream: as many groups as stages);
+  n_tokens / micro_batch) micro-batches of about equal size (e.g. one token
+  for each of 8 sequences over 2 stages: 2 groups of 4); not for a caller
+  that steps its own groups at once (the HTTP server, adecode_outcome): its
+  batch's pieces are packed into about n_tokens / micro_batch;
 * a cut in which a token would attend to a token of a later micro-batch
   (a batch not in causal order) is not used: the batch stays whole.
 """
@@ -51,8 +53,11 @@ def _in_causal_order(cuts: list[tuple[int, int]], tok_pos: np.ndarray, tok_seq: 
     return not (sees & (piece[None, :] > piece[:, None])).any()
 
 
-def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_batch: int) -> list[tuple[int, int]]:
-    """The micro-batches of a batch, as [start, stop) token ranges in batch order."""
+def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_batch: int,
+              group: bool = True) -> list[tuple[int, int]]:
+    """The micro-batches of a batch, as [start, stop) token ranges in batch
+    order. `group` False: only long runs are cut, the sequences are not put
+    in groups (a caller that steps its own groups at once, as the server)."""
     n = len(tok_pos)
     whole = [(0, n)]
     if n_stages < 2 or micro_batch < 1 or n < 2:
@@ -62,7 +67,8 @@ def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_bat
         k = -(-(b - a) // micro_batch)
         bounds = [a + round(i * (b - a) / k) for i in range(k + 1)]
         pieces.extend(zip(bounds, bounds[1:]))
-    target = -(-n // max(n_stages, -(-n // micro_batch)))  # tokens per micro-batch
+    # tokens per micro-batch
+    target = -(-n // max(n_stages if group else 1, -(-n // micro_batch)))
     cuts: list[list[int]] = []
     for a, b in pieces:
         if cuts and cuts[-1][1] - cuts[-1][0] + b - a <= target:
@@ -104,13 +110,14 @@ class MicroBatches:
         return self.micro_batch > 0
 
     def admit(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray, out_rows: np.ndarray,
-              greedy: bool) -> Admitted:
+              greedy: bool, group: bool = True) -> Admitted:
         """Assign the rows `rows` micro-batch by micro-batch (each fixes n_kv
         and its masks after the rows of those before it) and take the step's
-        place in every stage's order. Synchronous: nothing else happens between."""
+        place in every stage's order. Synchronous: nothing else happens between.
+        `group`: see plan_cuts."""
         kv, pipe = self.pipeline.kv, self.pipeline
         saved, steps = [], []
-        for a, b in plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch):
+        for a, b in plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group):
             saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
             mine = (out_rows[(out_rows >= a) & (out_rows < b)] - a).astype(np.int32)
             steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy))
