@@ -314,23 +314,27 @@ class Coordinator:
         return list(self._resume.spares)
 
     async def _decode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
-        if not self._micro.enabled:  # one step at a time, whole, the stages one after another
-            async with self._gate:
-                admitted = self._admit(batch, greedy)
-                if isinstance(admitted, DecodeResult):
-                    return admitted
-                rows, tok_pos, tok_seq, out_rows, started = admitted
-                saved = self.kv.assign(rows, tok_pos, tok_seq)
-                try:
-                    out = await self._pipeline.step(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy)
-                except StepFailed as failed:
-                    self.kv.rollback(saved)
-                    return self._step_failed(failed)
-                except BaseException:
-                    self.kv.rollback(saved)
-                    raise
-                return self._step_ok(batch, greedy, out_rows, out, started)
-        # pipelined (decode_gate.py): admitted under the lock, computed while later steps are admitted
+        if self._micro.enabled:
+            return await self._decode_pipelined(batch, greedy)
+        async with self._gate:  # one step at a time, whole, the stages one after another
+            admitted = self._admit(batch, greedy)
+            if isinstance(admitted, DecodeResult):
+                return admitted
+            rows, tok_pos, tok_seq, out_rows, started = admitted
+            saved = self.kv.assign(rows, tok_pos, tok_seq)
+            try:
+                out = await self._pipeline.step(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+            except StepFailed as failed:
+                self.kv.rollback(saved)
+                return self._step_failed(failed)
+            except BaseException:
+                self.kv.rollback(saved)
+                raise
+            return self._step_ok(batch, greedy, out_rows, out, started)
+
+    async def _decode_pipelined(self, batch: Batch, greedy: bool) -> DecodeResult:
+        """Admitted under the gate's lock, computed while later steps are
+        admitted, finished in admission order (decode_gate.py)."""
         try:
             seqs = int(np.bitwise_or.reduce(seq_masks(seq_ids_of(batch))))
         except Exception:  # a malformed batch: _admit refuses it

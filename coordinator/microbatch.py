@@ -16,8 +16,10 @@ micro-batch is returned or recorded.
 How a batch is cut (`plan_cuts`), with two or more stages only:
 
 * a run of tokens of one sequence longer than `micro_batch` (a long prompt)
-  into pieces of at most `micro_batch` tokens: causal, so piece k+1 on a stage
-  needs only that stage's KV rows of piece k;
+  into pieces of `micro_batch` tokens and the rest: causal, so piece k+1 on a
+  stage needs only that stage's KV rows of piece k (one size for every long
+  prompt's pieces: the workers keep a few graph shapes cached, not one per
+  prompt length);
 * then the pieces packed, in batch order, into about max(n_stages,
   n_tokens / micro_batch) micro-batches of about equal size (e.g. one token
   for each of 8 sequences over 2 stages: 2 groups of 4); not for a caller
@@ -63,10 +65,8 @@ def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_bat
     if n_stages < 2 or micro_batch < 1 or n < 2:
         return whole
     pieces = []
-    for a, b in _runs(tok_seq):
-        k = -(-(b - a) // micro_batch)
-        bounds = [a + round(i * (b - a) / k) for i in range(k + 1)]
-        pieces.extend(zip(bounds, bounds[1:]))
+    for a, b in _runs(tok_seq):  # pieces of exactly micro_batch tokens, the rest last: few graph shapes
+        pieces.extend((i, min(i + micro_batch, b)) for i in range(a, b, micro_batch))
     # tokens per micro-batch
     target = -(-n // max(n_stages if group else 1, -(-n // micro_batch)))
     cuts: list[list[int]] = []

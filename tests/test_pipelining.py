@@ -66,7 +66,7 @@ def cuts_of(c: Coordinator, batch: Batch):
 def test_plan_cuts():
     one = np.ones(512, np.uint64)
     assert plan_cuts(np.arange(512), one, 2, 64) == [(i, i + 64) for i in range(0, 512, 64)]
-    assert plan_cuts(np.arange(100), one[:100], 2, 64) == [(0, 50), (50, 100)]
+    assert plan_cuts(np.arange(100), one[:100], 2, 64) == [(0, 64), (64, 100)]
     assert plan_cuts(np.arange(40), one[:40], 2, 64) == [(0, 40)]  # a short prompt stays whole
     assert plan_cuts(np.arange(512), one, 1, 64) == [(0, 512)]  # one stage: nothing to overlap
     assert plan_cuts(np.arange(512), one, 2, 0) == [(0, 512)]  # off
@@ -76,7 +76,7 @@ def test_plan_cuts():
     # a prompt chunk and 4 streams' tokens: the chunk's pieces, the tokens packed behind them
     mixed = np.concatenate([np.full(150, 1 << 5, np.uint64), streams[:4]])
     cuts = plan_cuts(np.concatenate([np.arange(150), np.full(4, 9)]), mixed, 2, 64)
-    assert cuts == [(0, 50), (50, 100), (100, 152), (152, 154)]  # about 154 / 3 tokens each
+    assert cuts == [(0, 64), (64, 128), (128, 154)]
     # out of causal order (a token before one it attends to, across a cut): kept whole
     assert plan_cuts(np.arange(200)[::-1].copy(), one[:200], 2, 64) == [(0, 200)]
 
@@ -111,7 +111,7 @@ def test_long_prompt_equals_its_chunks_one_after_another(pair):
     ids = [int(x) for x in rng.integers(3, 290, 150)]
     batch = Batch.single(ids, 0, all_logits=True)
     cuts = cuts_of(on, batch)
-    assert len(cuts) == 10  # chunks of 15 tokens: 150 / MICRO rounded up
+    assert len(cuts) == 10  # 9 chunks of MICRO tokens and the rest
     for c in (on, off):
         c.kv_clear()
     before = on.stats["micro_batches"]
