@@ -99,7 +99,8 @@ class Coordinator:
         micro-batches that follow each other through the stages, so every
         worker computes at once (coordinator/microbatch.py): a prompt longer
         than this in chunks of at most this many tokens, a batch of several
-        sequences in about as many groups as there are endpoints. The logits
+        sequences in about as many groups as there are endpoints (of at
+        least micro_batch / 2 tokens each). The logits
         are those of decoding the same micro-batches one after another. 0
         turns it off: every batch is one step, the stages one after another.
 

@@ -86,10 +86,10 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
                        help="the last worker computes the whole output head (default: every worker a share)")
     p.add_argument("--micro-batch", type=_count(0), default=LIBRARY["micro_batch"], metavar="N",
-                   help=f"pipelining over several workers: batches cut into micro-batches (prompts in chunks of at "
-                        f"most N tokens, several sequences in as many groups as workers) that keep every worker "
-                        f"busy, and the server steps that many groups of slots at once (default "
-                        f"{LIBRARY['micro_batch']}; 0: off, the stages one after another)")
+                   help=f"pipelining over several workers: batches cut into micro-batches that keep every worker "
+                        f"busy (prompts in chunks of at most N tokens, several sequences in as many groups as "
+                        f"workers, N / 2 tokens or more each), and serve steps one group of slots per worker at once "
+                        f"(default {LIBRARY['micro_batch']}; 0: off, the workers one after another)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
