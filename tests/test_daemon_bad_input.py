@@ -18,7 +18,8 @@ from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, assert_served, encode_prefix, check_compute, expect_error, normal_session, small_graph
+from rpc_helpers import (RawConn, assert_served, check_compute, checked_session, encode_prefix, expect_error,
+                         normal_session, small_graph)
 
 MiB = 1 << 20
 
@@ -385,12 +386,22 @@ def test_client_leaves_without_reading_reply(d):
 
 
 def test_fifty_clients_at_once(d):
+    """50 clients connected at the same time (all HELLOs answered before any
+    session starts, so the daemon holds 50 connections at once), then all 50
+    sessions run together and every answer is checked. A daemon that served
+    connections one after another, or let one client's wait hold the others,
+    fails the connect (5 s) or liveness (10 s) bound of some client, or the
+    run's timeout."""
     async def all_of_them():
-        await asyncio.gather(*(normal_session(d.endpoint, seed=i) for i in range(50)))
+        clients = await asyncio.gather(*(RpcClient.connect(d.endpoint, liveness_timeout=10.0) for _ in range(50)))
+        try:
+            assert all(c.server_hello["status"] == Status.SUCCESS for c in clients)
+            await asyncio.gather(*(checked_session(c, seed=i) for i, c in enumerate(clients)))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
 
-    t = time.monotonic()
-    run(all_of_them(), timeout=60)
-    assert time.monotonic() - t < 30
+    run(all_of_them(), timeout=120)
+    assert d.alive()
 
 
 # ---------------------------------------------------------------- idle clients
