@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import pathlib
 import urllib.request
 
@@ -186,7 +187,7 @@ def test_cache_is_bounded_least_recently_used_first(tmp_path):
 
 
 def test_partial_and_truncated_entries_are_cleaned_and_rewritten(tmp_path):
-    """A write cut short by a crash (a temp file) is removed at start; an entry
+    """A write cut short by a crash (a temp file of a dead process) is removed at start; an entry
     truncated on disk is never served, and the next store of its content
     rewrites it (it used to stay truncated for good: the store saw the name and
     skipped it)."""
@@ -195,13 +196,15 @@ def test_partial_and_truncated_entries_are_cleaned_and_rewritten(tmp_path):
     entry = cache / sha(data)[:2] / sha(data)
     entry.parent.mkdir(parents=True)
     entry.write_bytes(data[: SIZE // 2])
-    partial = entry.parent / ".tmp-dead"
+    partial = entry.parent / ".tmp-999999999-x"  # its writer (that pid) is gone: cut short
     partial.write_bytes(data[:1000])
+    in_progress = entry.parent / f".tmp-{os.getpid()}-x"  # a live writer's (a daemon sharing the dir): kept
+    in_progress.write_bytes(data[:1000])
     unrelated = cache / "README"  # not the cache's: left alone
     unrelated.write_text("mine")
     d = DaemonProcess("-t", "1", "--cache", str(cache))
     try:
-        assert not partial.exists() and unrelated.read_text() == "mine"
+        assert not partial.exists() and in_progress.exists() and unrelated.read_text() == "mine"
         refused = run(load(d.endpoint, sha(data), SIZE))
         assert isinstance(refused, RpcError) and refused.status == Status.NOT_FOUND
         run(store(d.endpoint, data))
@@ -224,7 +227,6 @@ def test_an_entry_being_read_is_not_evicted(tmp_path):
     that need room evict the others, never it, and the load completes with the
     right bytes. (The entry's file is swapped for a FIFO, so the worker's read
     waits, deterministically, until the test writes the content into it.)"""
-    import os
     import threading
 
     cache = tmp_path / "cache"

@@ -7,8 +7,9 @@ the least recently used ones (a load or a store is a use; the order survives a
 restart as the files' mtimes). An entry being read or written is never deleted.
 
 Store and load run on executor threads, for any number of connections at once:
-the index (sizes, use order, entries in use) is guarded by one lock, file I/O
-happens outside it. The directory is meant for one daemon (the systemd unit
+the index (sizes, use order, entries in use) is guarded by one lock; reads and
+writes happen outside it, deletions under it (so that a store of the same
+content cannot land between the index and the disk). The directory is meant for one daemon (the systemd unit
 gives each port its own).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import structlog
 
 log = structlog.get_logger("cache")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_TMP_PREFIX = ".tmp-"  # a store in progress; one left at start is from a process that died mid-write
+_TMP_PREFIX = ".tmp-"  # .tmp-<pid>-...: a store in progress; one of a dead process was cut short
 
 
 def digest(data) -> str:
@@ -54,7 +55,6 @@ class TensorCache:
         self._writing: set[str] = set()  # entries being written (not yet in _sizes)
         self.bytes = 0  # the entries' sizes, and the room reserved for those being written
         self.evictions = 0  # entries deleted to make room
-        self.evicted_bytes = 0
         self._scan()
         with self._lock:
             victims = self._make_room(0)  # a smaller --cache-max than the last run's
@@ -75,8 +75,9 @@ class TensorCache:
                 continue
             for entry in os.scandir(sub):
                 if entry.name.startswith(_TMP_PREFIX):
-                    pathlib.Path(entry.path).unlink(missing_ok=True)
-                    log.warning("partial cache entry removed", file=entry.path)
+                    if not _writer_alive(entry.name):
+                        pathlib.Path(entry.path).unlink(missing_ok=True)
+                        log.warning("partial cache entry removed", file=entry.path)
                 elif _HEX.match(entry.name) and entry.name[:2] == sub.name and entry.is_file():
                     st = entry.stat()
                     found.append((st.st_mtime_ns, entry.name, st.st_size))
@@ -106,7 +107,6 @@ class TensorCache:
                 # under the lock, so a store of the same content cannot land between index and disk
                 self._path(name).unlink(missing_ok=True)
         self.evictions += len(victims)
-        self.evicted_bytes += sum(s for _, s in victims)
         return victims
 
     def _log_evicted(self, victims: list[tuple[str, int]], reason: str) -> None:
@@ -162,7 +162,7 @@ class TensorCache:
     def _write(self, path: pathlib.Path, data) -> bool:
         try:
             path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+            fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=path.parent)
             try:
                 with open(fd, "wb") as f:
                     f.write(data)
@@ -203,6 +203,19 @@ class TensorCache:
                 self._in_use[hex_digest] -= 1
                 if not self._in_use[hex_digest]:
                     del self._in_use[hex_digest]
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that names a temp file (.tmp-<pid>-...) still runs: its
+    write may be in progress (a test rig's daemons may share a directory)."""
+    try:
+        pid = int(tmp_name[len(_TMP_PREFIX):].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
 
 
 def _touch(path: pathlib.Path) -> None:
