@@ -200,11 +200,14 @@ def test_partial_and_truncated_entries_are_cleaned_and_rewritten(tmp_path):
     partial.write_bytes(data[:1000])
     in_progress = entry.parent / f".tmp-{os.getpid()}-x"  # a live writer's (a daemon sharing the dir): kept
     in_progress.write_bytes(data[:1000])
+    old_partial = entry.parent / f"{sha(data)}.tmp12345"  # how daemons before --cache-max named them
+    old_partial.write_bytes(data[:1000])
     unrelated = cache / "README"  # not the cache's: left alone
     unrelated.write_text("mine")
     d = DaemonProcess("-t", "1", "--cache", str(cache))
     try:
-        assert not partial.exists() and in_progress.exists() and unrelated.read_text() == "mine"
+        assert not partial.exists() and not old_partial.exists() and in_progress.exists()
+        assert unrelated.read_text() == "mine"
         refused = run(load(d.endpoint, sha(data), SIZE))
         assert isinstance(refused, RpcError) and refused.status == Status.NOT_FOUND
         run(store(d.endpoint, data))

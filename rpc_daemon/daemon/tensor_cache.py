@@ -26,6 +26,7 @@ import structlog
 
 log = structlog.get_logger("cache")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_OLD_TMP = re.compile(r"^[0-9a-f]{64}\.tmp\d+$")
 _TMP_PREFIX = ".tmp-"  # .tmp-<pid>-...: a store in progress; one of a dead process was cut short
 
 
@@ -78,6 +79,8 @@ class TensorCache:
                     if not _writer_alive(entry.name):
                         pathlib.Path(entry.path).unlink(missing_ok=True)
                         log.warning("partial cache entry removed", file=entry.path)
+                elif _OLD_TMP.match(entry.name):  # a write of a daemon before --cache-max, cut short
+                    pathlib.Path(entry.path).unlink(missing_ok=True)
                 elif _HEX.match(entry.name) and entry.name[:2] == sub.name and entry.is_file():
                     st = entry.stat()
                     found.append((st.st_mtime_ns, entry.name, st.st_size))
