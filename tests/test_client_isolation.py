@@ -301,6 +301,7 @@ def test_flooding_client_does_not_starve_another(start_daemon):
             h, _ = await b.request(Command.ALLOC_BUFFER, {"size": 4096})
             b_buf, b_data = h["buffer"], np.arange(12, dtype=np.float32)
             await b.request(Command.SET_TENSOR, {"buffer": b_buf, "offset": 0, "size": 48}, b_data.tobytes())
+            await check_compute(b, b_buf, 0, b_data)  # B's compute process started: only turns are measured
 
             a_done = 0
 
