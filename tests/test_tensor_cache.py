@@ -305,3 +305,12 @@ def test_concurrent_clients_keep_the_bound(tmp_path):
         assert d.alive()
     finally:
         d.stop()
+
+
+def test_cache_max_flag_is_checked():
+    import subprocess
+    import sys
+
+    for args, fragment in ((["--cache-max", "5"], "give --cache"), (["--cache", "x", "--cache-max", "-1"], ">= 0")):
+        p = subprocess.run([sys.executable, "-m", "rpc_daemon", *args], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and fragment in p.stderr, (args, p.returncode, p.stderr)

@@ -52,6 +52,8 @@ def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonC
         p.error("--port must be 0..65535")
     if args.threads < 1 or args.mem < 0 or args.cache_max < 0:
         p.error("--threads must be >= 1, --mem and --cache-max >= 0")
+    if args.cache_max and args.cache is None:
+        p.error("--cache-max bounds the tensor cache: give --cache [DIR] too")
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, cache_max=args.cache_max << 20, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
