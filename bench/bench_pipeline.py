@@ -53,13 +53,16 @@ N_CTX = 1024
 
 def small_vocab_llama() -> str:
     """A llama whose compute is all in its layers (8 x n_embd 768, f16; vocabulary 300)."""
-    path = CACHE / "bench-llama-768x8-v300.gguf"
+    path = CACHE / "bench-llama-768x8-f16-v300.gguf"
     if path.exists():
         return str(path)
-    from bench_big_model import write_llama
-    from tiny_models import Dims
+    from tiny_models import Dims, write_plain_llama
 
-    write_llama(path, Dims(n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048), n_ctx=N_CTX)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    write_plain_llama(tmp, Dims(n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048), "f16", n_ctx=N_CTX,
+                      layer_std=0.02, seed=1)  # 0.02: activations stay in range over the layers
+    tmp.rename(path)
     return str(path)
 
 

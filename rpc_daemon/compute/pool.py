@@ -87,7 +87,10 @@ class ComputePool:
 
     @property
     def lock(self) -> asyncio.Lock:
-        """Daemon-wide: one graph computes at a time, whoever's it is."""
+        """Daemon-wide: one graph computes at a time, whoever's it is. asyncio.Lock
+        is FIFO and lets no newcomer past a waiter, and a connection asks for it
+        once per request: so connections with computes pending take turns (a
+        lock that let the releaser re-take it would let one client starve the rest)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         return self._lock
