@@ -31,7 +31,7 @@ import structlog
 from coordinator.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
                                       seq_masks)
 from coordinator.endpoints import EndpointSet, Placement
-from coordinator.executors import buffer_bytes, make_executor
+from coordinator.executors import ChunkDigests, buffer_bytes, make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
 from coordinator.kv_cache import KVCells
@@ -116,7 +116,9 @@ class Coordinator:
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
                            # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
-                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
+                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca,
+                           # a reconnect or a spare's takeover need not hash the weights again
+                           "digests": ChunkDigests()}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
         self.last_cause: FailureKind | None = None
