@@ -293,7 +293,10 @@ class EndpointSet:
                     return
                 continue  # it failed again at once (rebuilding its KV cache): this task retries it
             except EndpointUnavailable as exc:
-                log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt, cause=exc.message)
+                # attempts 1, 2, 4, 8, ... (resuming tries 20 times a second); failed_endpoints() has every one
+                if attempt & (attempt - 1) == 0:
+                    log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt,
+                                cause=exc.message)
             except Exception:
                 log.exception("automatic reconnect failed", endpoint=p.endpoint)
-            delay = min(delay * 2, cap)
+            delay = self.resumer.next_delay(p, delay, cap) if self.resumer is not None else min(delay * 2, cap)

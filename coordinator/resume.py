@@ -33,8 +33,10 @@ from coordinator.results import DecodeResult
 
 log = structlog.get_logger("coordinator.resume")
 
-POLL = 0.01  # how often a paused decode looks whether the stages are back
-RESUME_BACKOFF = (0.05, 0.25)  # reconnect attempts while resuming: a restarted worker is found within 0.25 s
+# reconnect attempts while a stage resumes: a restarted worker is found within 50 ms of listening (a
+# refused connect costs next to nothing; a host that does not answer holds each attempt for connect_timeout)
+RESUME_BACKOFF = (0.02, 0.05)
+LATE_BACKOFF_CAP = 2.0  # once a stage has been down resume_within, nobody paused waits on it: back off to this
 
 
 class Resumer:
@@ -54,6 +56,7 @@ class Resumer:
                             else spare_after)
         self.journal = StepJournal() if self.enabled else None
         self.lost: set[int] = set()  # stages whose worker lost our KV rows, to rebuild
+        self._serving = asyncio.Event()  # set when a reconnect leaves no endpoint latched: paused decodes go on
         self.stats = stats if stats is not None else {}  # the coordinator's, shared with its metrics
         self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
                            "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0})
@@ -73,6 +76,13 @@ class Resumer:
         if self.spares and self.spare_after is not None and down >= self.spare_after:
             return [*self.spares, p.endpoint]  # a stopped worker would hold a connect for connect_timeout
         return [p.endpoint]
+
+    def next_delay(self, p, delay: float, cap: float) -> float:
+        """The wait before `p`'s next reconnect attempt after one of `delay`
+        (doubling up to `cap`); past resume_within of down time, up to LATE_BACKOFF_CAP."""
+        if p.failure is not None and time.time() - p.failure.since >= self.resume_within:
+            cap = max(cap, LATE_BACKOFF_CAP)
+        return min(delay * 2, cap)
 
     def claim(self, endpoint: str) -> bool:
         if endpoint in self.spares:
@@ -96,8 +106,16 @@ class Resumer:
         """Under the decode lock, after a reconnect cleared a latch: once no
         endpoint is latched, rebuild the KV rows the reconnected stages lost.
         `latch(exc)` latches an endpoint whose connection fails meanwhile."""
-        if not self.enabled or not self.lost or any(p.failure is not None for p in places):
+        if not self.enabled or any(p.failure is not None for p in places):
             return
+        try:
+            if self.lost:
+                await self._rebuild(latch)
+        finally:
+            if not any(p.failure is not None for p in places):
+                self._serving.set()
+
+    async def _rebuild(self, latch) -> None:
         through = max(self.lost)
         steps = self.journal.prune(self.coord.kv.pos >= 0)
         started = time.perf_counter()
@@ -143,12 +161,18 @@ class Resumer:
                     within=self.resume_within)
         while code == DecodeResult.ENDPOINT_FAILED:
             while c._endpoints.failed():
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     c.last_error, c.last_cause, c.last_failed_endpoint = first
                     log.error("resume gave up: the stage did not come back in time", endpoint=first[2],
                               cause=first[0], waited=round(time.monotonic() - paused, 3))
                     return code
-                await asyncio.sleep(POLL)
+                # no await between the look and the clear: a reconnect that ends meanwhile sets it again
+                self._serving.clear()
+                try:
+                    await asyncio.wait_for(self._serving.wait(), left)
+                except TimeoutError:
+                    pass
             code = await c._decode(batch, greedy)
         seconds = time.monotonic() - paused
         if code == DecodeResult.OK:
