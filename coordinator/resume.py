@@ -37,6 +37,7 @@ log = structlog.get_logger("coordinator.resume")
 # refused connect costs next to nothing; a host that does not answer holds each attempt for connect_timeout)
 RESUME_BACKOFF = (0.02, 0.05)
 LATE_BACKOFF_CAP = 2.0  # once a stage has been down resume_within, nobody paused waits on it: back off to this
+HOME_EVERY = 2.0  # while a spare holds a stage, how often its own endpoint is tried again (moving it back)
 
 
 class Resumer:
@@ -59,7 +60,8 @@ class Resumer:
         self._serving = asyncio.Event()  # set when a reconnect leaves no endpoint latched: paused decodes go on
         self.stats = stats if stats is not None else {}  # the coordinator's, shared with its metrics
         self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
-                           "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0})
+                           "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0,
+                           "moves_home": 0})
 
     @property
     def enabled(self) -> bool:
@@ -101,6 +103,13 @@ class Resumer:
         self.stats["spare_takeovers"] += 1
         log.warning("spare took over a stage", stage=p.stage.index, spare=spare, lost=old,
                     layers=[p.layers.start, p.layers.stop])
+
+    def moved_home(self, p, spare: str) -> None:
+        """`p`'s stage is back on its own endpoint; the spare that held it is free again."""
+        self.spares.append(spare)
+        self.stats["moves_home"] += 1
+        log.warning("stage moved back from the spare to its own worker", stage=p.stage.index, endpoint=p.endpoint,
+                    spare=spare, layers=[p.layers.start, p.layers.stop])
 
     async def reconnected(self, places: list, latch) -> None:
         """Under the decode lock, after a reconnect cleared a latch: once no

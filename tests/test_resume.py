@@ -7,6 +7,8 @@ import asyncio
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -211,6 +213,43 @@ def test_spare_after_spare_took_it_over(model, cluster):
         assert c.spares() == [w.endpoint(1)]
 
 
+def wait_for(what, timeout: float = 20.0) -> None:
+    """Until `what()` is true; bounded."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what.__doc__ or what}"
+        time.sleep(0.05)
+
+
+def test_stage_moves_back_home_when_its_worker_returns(model, cluster):
+    """The spare took the stage; once its own worker is back the stage moves
+    back there between two steps (KV rows replayed: the same tokens), the
+    spare's connection is closed (its buffers freed) and it is a spare again;
+    health is ok, not degraded."""
+    w = cluster(3)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2)], spare_after=0.2) as c:
+        want, _ = decode_run(c, N_GEN, False)
+
+        def fault(step):
+            if step == 4:
+                w.kill(1)
+            elif step == 8:
+                assert c.endpoints()[1]["endpoint"] == w.endpoint(2) and c.health()["status"] == "degraded"
+                w.restart(1)
+            elif step == 9:
+                wait_for(lambda: c.endpoints()[1]["endpoint"] == w.endpoint(1))
+        tokens, _ = decode_run(c, N_GEN, False, fault)
+        assert tokens == want
+        assert c.stats["spare_takeovers"] == 1 and c.stats["moves_home"] == 1 and c.stats["kv_rebuilds"] == 2
+        assert c.health()["status"] == "ok" and c.spares() == [w.endpoint(2)]
+        spare_log = w.workers[2].log_lines
+        wait_for(lambda: sum("client disconnected" in x for x in spare_log)
+                 == sum("client connected" in x for x in spare_log) == 1)
+        # and it can take the stage over again
+        tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 3 and w.kill(1))
+        assert tokens == want and c.endpoints()[1]["endpoint"] == w.endpoint(2)
+
+
 @pytest.mark.parametrize("phase, fault, takeovers", [
     ("upload", "cmd=SET_TENSOR|SET_TENSOR_HASH,after=1,action=kill", 1),
     # it takes the weights, then its third compute, in the middle of the replay, kills it: it
@@ -296,6 +335,25 @@ def arm_self_kill(w, i: int, restart_after: float | None = None) -> None:
         t = threading.Thread(target=restart, daemon=True)
         t.start()
         w.restarts.append(t)
+
+
+def test_cli_generate_resumes_through_a_killed_and_restarted_worker(model, cluster):
+    """ggml-coordinator generate --resume-within: a worker killed in the
+    middle of the generation and back 0.5 s later; it pauses (says so), exits
+    0 and prints the text of the run without a fault."""
+    w = cluster(2)
+    w.restart(1, "--test-fault", SELF_KILL)
+    cmd = [sys.executable, "-m", "coordinator", "generate", "--endpoints", f"{w.endpoint(0)},{w.endpoint(1)}",
+           "-m", str(model), "-c", str(N_CTX), "-p", PROMPT, "-n", str(N_GEN)]
+    run = dict(capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    want = subprocess.run(cmd, **run)
+    assert want.returncode == 0 and want.stdout, want.stderr
+    arm_self_kill(w, 1, RESTART_AFTER)
+    got = subprocess.run(cmd + ["--resume-within", "20"], **run)
+    w.join()
+    assert got.returncode == 0, got.stderr
+    assert "decode paused" in got.stderr, got.stderr  # the kill did hit the generation
+    assert got.stdout == want.stdout
 
 
 def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
