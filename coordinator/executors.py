@@ -83,6 +83,7 @@ class ChunkDigests:
 
     def __init__(self):
         self._by_file: dict[tuple, dict[tuple, str]] = {}
+        self.hashed = 0  # chunks hashed so far
 
     def of_file(self, gguf) -> dict[tuple, str]:
         """The digests known for `gguf` as it is on disk now."""
@@ -93,12 +94,13 @@ class ChunkDigests:
         identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         return self._by_file.setdefault(identity, {})
 
-    @staticmethod
-    def digest(known: dict, name: str, start: int, chunk) -> str:
+    def digest(self, known: dict, name: str, start: int, chunk) -> str:
+        """The SHA-256 (hex) of `chunk`, bytes `start`.. of weight `name` of the file `known` is of."""
         key = (name, start, len(chunk))
         found = known.get(key)
         if found is None:
             found = known[key] = hashlib.sha256(chunk).hexdigest()
+            self.hashed += 1
         return found
 
 
@@ -274,7 +276,7 @@ class RemoteExecutor:
             if len(chunk) < CACHE_MIN_BYTES:
                 rest.append((where, chunk, None))
                 continue
-            digest = ChunkDigests.digest(known, name, start, chunk)
+            digest = self.digests.digest(known, name, start, chunk)
             asked.append((where, chunk, await window.submit(Command.SET_TENSOR_HASH, dict(where, hash=digest),
                                                              accept=(Status.NOT_FOUND,))))
         await window.drain()

@@ -250,6 +250,28 @@ def test_stage_moves_back_home_when_its_worker_returns(model, cluster):
         assert tokens == want and c.endpoints()[1]["endpoint"] == w.endpoint(2)
 
 
+def test_two_stages_lost_at_once_never_share_a_spare(model, cluster):
+    """Both workers killed at the same step, one spare: one stage takes the
+    spare, the other waits; the first worker comes back 2 s later and holds a
+    stage again (its own, or the other one as a spare). Never two stages on one
+    worker, never one stage resumed twice; the same tokens."""
+    w = cluster(3)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2)], spare_after=0.2) as c:
+        want, _ = decode_run(c, N_GEN, False)
+
+        def fault(step):
+            if step == 5:
+                w.kill(0, 2.0)
+                w.kill(1)
+        tokens, _ = decode_run(c, N_GEN, False, fault)
+        w.join()
+        assert tokens == want
+        holders = [e["endpoint"] for e in c.endpoints()]
+        assert sorted(holders) == sorted([w.endpoint(0), w.endpoint(2)]), holders
+        assert c.stats["kv_rebuilds"] == 1 and c.stats["resumes"] == 1, c.stats
+        assert c.health()["status"] == "degraded"
+
+
 @pytest.mark.parametrize("phase, fault, takeovers", [
     ("upload", "cmd=SET_TENSOR|SET_TENSOR_HASH,after=1,action=kill", 1),
     # it takes the weights, then its third compute, in the middle of the replay, kills it: it

@@ -117,3 +117,46 @@ def test_coordinator_loads_weights_from_a_restarted_workers_cache(tmp_path):
     assert stats[1]["cache_hits"] == stats[1]["lookups"] > 1 and stats[1]["max_lookups_in_flight"] > 1, stats
     assert stats[0]["cache_hits"] == 0 and stats[0]["max_sends_in_flight"] > 1, stats
     assert texts[0] == texts[1]
+
+
+def test_a_reconnect_does_not_hash_the_weights_again(tmp_path):
+    """The coordinator hashes each chunk of the model file once: a reconnect
+    (or a spare's takeover) looks the stage up in the worker's tensor cache
+    with the digests it has, and gives the same text."""
+    from coordinator import Coordinator
+
+    d = DaemonProcess("-t", "1", "--cache", str(tmp_path / "cache"))
+    try:
+        with Coordinator([d.endpoint]) as c:
+            digests = c._exec_opts["digests"]
+            hashed = digests.hashed
+            text = c.generate("The capital of France is", max_tokens=8)
+            c.reconnect(d.endpoint)
+            stats = c._places[0].executor.load_stats
+            assert stats["cache_hits"] == stats["lookups"] == hashed > 1, (stats, hashed)
+            assert digests.hashed == hashed
+            assert c.generate("The capital of France is", max_tokens=8) == text
+    finally:
+        d.stop()
+
+
+def test_chunk_digests_follow_the_file_on_disk(tmp_path):
+    """A model file changed on disk (another mtime, size or inode) is hashed
+    afresh; the same file is not."""
+    import os
+    from types import SimpleNamespace
+
+    from coordinator.executors import ChunkDigests
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 1000)
+    model, digests = SimpleNamespace(path=path), ChunkDigests()
+    chunk = path.read_bytes()[:500]
+    first = digests.digest(digests.of_file(model), "w", 0, chunk)
+    assert first == hashlib.sha256(chunk).hexdigest() and digests.hashed == 1
+    assert digests.digest(digests.of_file(model), "w", 0, chunk) == first and digests.hashed == 1
+    path.write_bytes(b"b" * 1000)
+    os.utime(path, ns=(1, 1))  # another mtime, whatever the clock's granularity
+    chunk = path.read_bytes()[:500]
+    assert digests.digest(digests.of_file(model), "w", 0, chunk) == hashlib.sha256(chunk).hexdigest() != first
+    assert digests.hashed == 2
