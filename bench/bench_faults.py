@@ -250,6 +250,7 @@ def resume_bench(args, model, cache) -> int:
                 deadline = time.monotonic() + 30
                 while c.health()["status"] != "ok" and time.monotonic() < deadline:
                     time.sleep(0.1)
+                c.generate(PROMPT, max_tokens=1)  # after the move's replay (health is ok before it ends)
         http = http_faults(args, model, w, rng) if args.faults else None
     finally:
         w.close()
