@@ -274,6 +274,8 @@ class EndpointSet:
                 await self._move_home(p)
             except StageFailed as exc:
                 log.debug("stage not moved home yet", endpoint=p.home, cause=exc.message)
+            except Exception:  # a bug of ours: logged, and tried again
+                log.exception("moving a stage home failed", endpoint=p.home)
 
     async def _move_home(self, p: Placement) -> None:
         """`p`'s own endpoint connected and loaded while the spare goes on
