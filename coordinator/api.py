@@ -94,10 +94,11 @@ class Coordinator:
         Resuming (docs/failure-semantics.md, "Resuming"): with `resume_within`
         (seconds) set, generate/stream/astream (and decode_resuming) pause
         instead of failing when a worker is lost: the endpoint is reconnected
-        automatically (backoff 0.05 s doubling to 0.25 s unless
+        automatically (backoff 0.02 s doubling to 0.05 s unless
         `reconnect_backoff` says otherwise) or, once it has been down for a
         while (`spare_after` seconds; default min(1 s, resume_within / 4)),
-        its stage moves to one of `spares` (host:port workers); the KV
+        its stage moves to one of `spares` (host:port workers), and back to
+        its own endpoint once that is back; the KV
         cache is rebuilt by replaying the steps exactly as first decoded, and
         the step is retried: the same text as without the failure. Not back
         within `resume_within`: the original error."""
