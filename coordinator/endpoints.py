@@ -189,7 +189,7 @@ class EndpointSet:
             failure.attempts, failure.since = p.failure.attempts, p.failure.since
         p.failure = failure
         if self.resumer is not None:  # the table stays: the rows are rebuilt once the stage is back
-            self.resumer.kv_lost(self.places.index(p))
+            self.resumer.kv_lost(self.places.index(p), failure if first else None)
         self.needs_refeed |= self.lose_kv()
         if first:
             log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)

@@ -57,6 +57,7 @@ class Resumer:
                             else spare_after)
         self.journal = StepJournal() if self.enabled else None
         self.lost: set[int] = set()  # stages whose worker lost our KV rows, to rebuild
+        self.first_failures: dict[str, tuple] = {}  # endpoint -> (cause, kind) of its latest latch's first failure
         self._serving = asyncio.Event()  # set when a reconnect leaves no endpoint latched: paused decodes go on
         self.stats = stats if stats is not None else {}  # the coordinator's, shared with its metrics
         self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
@@ -68,9 +69,13 @@ class Resumer:
         return self.resume_within is not None
 
     # ------------------------------------------------------------ hooks of the EndpointSet
-    def kv_lost(self, index: int) -> None:
-        """Stage `index`'s worker freed our buffers (its endpoint latched)."""
+    def kv_lost(self, index: int, failure=None) -> None:
+        """Stage `index`'s worker freed our buffers (its endpoint latched:
+        `failure`, the first of that latch; a failed reconnect attempt then
+        replaces the latch's cause, which is not the one to report)."""
         self.lost.add(index)
+        if failure is not None:
+            self.first_failures[failure.endpoint] = (failure.cause, failure.kind)
 
     def candidates(self, p) -> list[str]:
         """The endpoints to try, in order, in one reconnect attempt for `p`."""
@@ -161,9 +166,9 @@ class Resumer:
         if code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
             return code
         first = (c.last_error, c.last_cause, c.last_failed_endpoint)
-        for f in c._endpoints.failed():  # the failure itself, not a later fast-fail's "[latched ...]" form
-            if f.endpoint == first[2]:
-                first = (f.cause, f.kind, f.endpoint)
+        if first[2] in self.first_failures:  # the failure itself: not a fast-fail's "[latched ...]" form, nor
+            cause, kind = self.first_failures[first[2]]  # a reconnect attempt's that replaced the latch's since
+            first = (cause, kind, first[2])
         paused = time.monotonic()
         deadline = paused + self.resume_within
         log.warning("decode paused: waiting for the stage to resume", endpoint=first[2], cause=first[0],
