@@ -4,6 +4,7 @@ tokens (and logits, bit for bit) compared with a run without faults."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import re
 import signal
@@ -15,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import WorkerSet
+from conftest import DaemonProcess, WorkerSet
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult
 from coordinator.sampling import Sampler
 
@@ -521,3 +522,44 @@ def test_journal_keeps_exactly_the_steps_live_rows_depend_on():
     assert [len(s.tokens) for s in journal.prune(kv.pos >= 0)] == [2]
     kv.seq_rm(2)
     assert journal.prune(kv.pos >= 0) == [] and len(journal) == 0
+
+
+def test_a_reconnect_does_not_hash_the_weights_again(tmp_path):
+    """The coordinator hashes each chunk of the model file once: a reconnect
+    (or a spare's takeover) looks the stage up in the worker's tensor cache
+    with the digests it has, and gives the same text."""
+    d = DaemonProcess("-t", "1", "--cache", str(tmp_path / "cache"))
+    try:
+        with Coordinator([d.endpoint]) as c:  # the bundled Gemma 3 270M: chunks large enough to look up
+            digests = c._exec_opts["digests"]
+            hashed = digests.hashed
+            text = c.generate("The capital of France is", max_tokens=8)
+            c.reconnect(d.endpoint)
+            stats = c._places[0].executor.load_stats
+            assert stats["cache_hits"] == stats["lookups"] == hashed > 1, (stats, hashed)
+            assert digests.hashed == hashed
+            assert c.generate("The capital of France is", max_tokens=8) == text
+    finally:
+        d.stop()
+
+
+def test_chunk_digests_follow_the_file_on_disk(tmp_path):
+    """A model file changed on disk (another mtime, size or inode) is hashed
+    afresh; the same file is not."""
+    import os
+    from types import SimpleNamespace
+
+    from coordinator.executors import ChunkDigests
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 1000)
+    model, digests = SimpleNamespace(path=path), ChunkDigests()
+    chunk = path.read_bytes()[:500]
+    first = digests.digest(digests.of_file(model), "w", 0, chunk)
+    assert first == hashlib.sha256(chunk).hexdigest() and digests.hashed == 1
+    assert digests.digest(digests.of_file(model), "w", 0, chunk) == first and digests.hashed == 1
+    path.write_bytes(b"b" * 1000)
+    os.utime(path, ns=(1, 1))  # another mtime, whatever the clock's granularity
+    chunk = path.read_bytes()[:500]
+    assert digests.digest(digests.of_file(model), "w", 0, chunk) == hashlib.sha256(chunk).hexdigest() != first
+    assert digests.hashed == 2
