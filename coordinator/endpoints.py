@@ -5,6 +5,8 @@ An endpoint whose connection fails is latched: decodes fail fast until a
 reconnect (manual, or automatic with backoff) opens a new connection and
 uploads the stage's weights again. Latching loses every sequence's KV cache;
 the owner's `lose_kv` callback clears it and says which sequences to re-feed.
+With resuming (resume.py) a reconnect may move the stage to a spare, and a
+stage on a spare is moved back to its own endpoint once that is back.
 Nothing here needs a model: `connect(placement)` (an executor, opened and
 loaded) and `lose_kv()` are the owner's.
 """

@@ -10,13 +10,15 @@ docs/failure-semantics.md, "Resuming", states the behaviour and the guarantee.
   endpoint or, once it has been down `spare_after` seconds, on a spare
   (`candidates`, `claim`, `moved`). Every reconnect of one stage holds that
   stage's reconnect lock, so two resumes never race for it; a spare is
-  claimed before it is tried, so two stages never take the same one.
+  claimed before it is tried, so two stages never take the same one. A
+  stage on a spare moves back to its own endpoint once that is back
+  (endpoints.py, `_bring_home`; `moved_home`), its rows rebuilt there alike.
 * When no endpoint is latched any more, `reconnected` replays the journal
   through the stages that lost their KV cache (under the decode lock, before
   any new step), in the step shapes first decoded: the rows get the same bits.
 * `decode` is decode() plus waiting: a step that failed with ENDPOINT_FAILED
-  waits (up to `resume_within` from the failure) until every endpoint is
-  serving again and is retried; it decodes the same batch on the same KV
+  waits (up to `resume_within` from the failure; woken by the reconnect that
+  clears the last latch) until every endpoint is serving again and is retried; it decodes the same batch on the same KV
   table, so it gives the same logits. Past the bound it returns the original
   failure, as decode() would have.
 """
