@@ -33,7 +33,7 @@ from coordinator.batch_checks import (batch_problem, checked_range, checked_seq,
                                       seq_masks)
 from coordinator.endpoints import EndpointSet, Placement
 from coordinator.decode_gate import DecodeGate
-from coordinator.executors import buffer_bytes, make_executor
+from coordinator.executors import ChunkDigests, buffer_bytes, make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
 from coordinator.kv_cache import KVCells
@@ -112,10 +112,11 @@ class Coordinator:
         Resuming (docs/failure-semantics.md, "Resuming"): with `resume_within`
         (seconds) set, generate/stream/astream (and decode_resuming) pause
         instead of failing when a worker is lost: the endpoint is reconnected
-        automatically (backoff 0.05 s doubling to 0.25 s unless
+        automatically (backoff 0.02 s doubling to 0.05 s unless
         `reconnect_backoff` says otherwise) or, once it has been down for a
         while (`spare_after` seconds; default min(1 s, resume_within / 4)),
-        its stage moves to one of `spares` (host:port workers); the KV
+        its stage moves to one of `spares` (host:port workers), and back to
+        its own endpoint once that is back; the KV
         cache is rebuilt by replaying the steps exactly as first decoded, and
         the step is retried: the same text as without the failure. Not back
         within `resume_within`: the original error."""
@@ -135,7 +136,9 @@ class Coordinator:
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
                            # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
-                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
+                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca,
+                           # a reconnect or a spare's takeover need not hash the weights again
+                           "digests": ChunkDigests()}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
         self.last_cause: FailureKind | None = None

@@ -103,6 +103,15 @@ class ComputePool:
     def restarts(self) -> int:
         return sum(p.restarts for p in self.by_client.values())
 
+    def adopt(self, child: tuple[subprocess.Popen, socket.socket]) -> None:
+        """`child` (spawn_child's) as the spare: one started before the pool was."""
+        if self._spare is None and not self._closed:
+            self._spare = child
+        else:
+            child[1].close()
+            child[0].kill()
+            self._dying.append(child[0])
+
     def warm(self) -> None:
         """Start the spare now, so a client's first compute need not wait for a process to start."""
         if self._spare is None and not self._closed:

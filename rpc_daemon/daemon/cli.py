@@ -77,10 +77,14 @@ def run_daemon(config: DaemonConfig, args: argparse.Namespace) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     from rpc_daemon.service import logs
     logs.configure(args.log_format, args.log_level)
+    # the first compute process starts up (~0.2 s of imports) alongside this process's own imports, on
+    # another core: a restarted worker's first requests do not share the CPU with it after listening
+    from rpc_daemon.compute.pool import spawn_child
+    spare = spawn_child(config.threads)
     from rpc_daemon.daemon.app import serve
     from rpc_daemon.service.loop import run
     try:
-        run(serve(config))
+        run(serve(config, spare=spare))
     except OSError as exc:
         print(f"ggml-rpc-server: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
