@@ -36,8 +36,9 @@ import subprocess
 import sys
 import time
 
-from coordinator import Batch, Coordinator
+from coordinator import Coordinator
 from coordinator.serving.local_workers import LocalWorkers
+from decode_steps import side_by_side_steps
 
 PROXY = pathlib.Path(__file__).resolve().parent / "delay_proxy.py"
 _LISTENING = re.compile(r"listening on (\S+)")
@@ -70,26 +71,6 @@ def proxies(upstreams: list[str], delay: float | None, jitter: float, rate: floa
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def step_times(coordinators: list, n: int, greedy: bool) -> list[list[float]]:
-    """Each coordinator's single-token step times, the coordinators taking
-    turns step by step (so load from elsewhere on the machine hits all alike)."""
-    toks = []
-    for c in coordinators:
-        c.kv_clear()
-        if c.decode(Batch.single(list(range(10, 42)), 0)) != 0:
-            raise SystemExit(f"prompt decode failed: {c.last_error}")
-        toks.append(c.token(-1))
-    times = [[] for _ in coordinators]
-    for i in range(2 + n):  # 2 warm-up steps: the step graph is sent once
-        for k, c in enumerate(coordinators):
-            t = time.perf_counter()
-            if c.decode(Batch.single([toks[k]], 32 + i), greedy=greedy) != 0:
-                raise SystemExit(f"decode failed: {c.last_error}")
-            times[k].append(time.perf_counter() - t)
-            toks[k] = c.token(-1)
-    return [t[2:] for t in times]
 
 
 def parse_links(text: str) -> list[tuple[float | None, float]]:
@@ -149,8 +130,8 @@ def main() -> int:
                     coordinators.append(Coordinator(sets[i], model=args.model, n_ctx=256, threads=1,
                                                     step_links=step_links, head_split=head_split))
                     loads.append(time.perf_counter() - t)
-                logits = step_times(coordinators, args.tg, greedy=False)
-                greedy = step_times(coordinators, args.tg, greedy=True)
+                logits = side_by_side_steps(coordinators, args.tg, greedy=False, warmup=2)
+                greedy = side_by_side_steps(coordinators, args.tg, greedy=True, warmup=2)
                 linked = [c.stats["linked_steps"] for c in coordinators]
             finally:
                 for c in coordinators:
