@@ -71,11 +71,8 @@ class Coordinator:
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
                  head_split: bool = True, on_upload: Callable[[int, int], None] | None = None,
                  resume_within: float | None = None, spares: Sequence[str] = (),
-<<<<<<< HEAD
-                 spare_after: float | None = None, step_links: bool = True):
-=======
-                 spare_after: float | None = None, micro_batch: int = DEFAULT_MICRO_BATCH):
->>>>>>> main
+                 spare_after: float | None = None, micro_batch: int = DEFAULT_MICRO_BATCH,
+                 step_links: bool = True):
         """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
         extra (without it: FileNotFoundError, before anything is started).
 
@@ -99,13 +96,6 @@ class Coordinator:
         it (coordinator/stage.py). Same logits; faster when the head is a large
         part of a step.
 
-<<<<<<< HEAD
-        `step_links` (with several remote endpoints that offer them): a step's
-        hidden state goes from worker to worker, and the last stage's normed
-        state straight to the head shards, instead of back through the
-        coordinator between stages (docs/protocol.md, "Step links"). Same
-        logits; fewer network hops per token. False: always relayed.
-=======
         `micro_batch` (tokens; with several endpoints): a batch is cut into
         micro-batches that follow each other through the stages, so every
         worker computes at once (coordinator/microbatch.py): a prompt longer
@@ -114,7 +104,12 @@ class Coordinator:
         least micro_batch / 2 tokens each). The logits
         are those of decoding the same micro-batches one after another. 0
         turns it off: every batch is one step, the stages one after another.
->>>>>>> main
+
+        `step_links` (with several remote endpoints that offer them): a step's
+        hidden state goes from worker to worker, and the last stage's normed
+        state straight to the head shards, instead of back through the
+        coordinator between stages (docs/protocol.md, "Step links"). Same
+        logits; fewer network hops per token. False: always relayed.
 
         `on_upload(done, total)` (bytes of weights) is called when the upload
         starts and after every chunk, from the coordinator's I/O thread: the
@@ -135,11 +130,7 @@ class Coordinator:
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
         spares = checked_setup(list(spares), None, n_batch, threads)[0] if spares else []
         self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0,
-<<<<<<< HEAD
-                      "linked_steps": 0}
-=======
-                      "micro_batches": 0}
->>>>>>> main
+                      "micro_batches": 0, "linked_steps": 0}
         self._resume = Resumer(self, resume_within, spares, self.stats, spare_after)
         if self._resume.enabled:
             auto_reconnect = True  # the stage comes back by the automatic reconnect
@@ -176,13 +167,9 @@ class Coordinator:
             if self.n_ctx < 1:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
-<<<<<<< HEAD
             self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal,
                                       links=self.step_links, stats=self.stats)
-=======
-            self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal)
             self._micro = MicroBatches(self._pipeline, micro_batch)
->>>>>>> main
             self._run(self._open(split, progress, on_upload))
         except BaseException:
             self.close()

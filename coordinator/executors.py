@@ -6,11 +6,6 @@ Executors raise StageFailed; the coordinator turns it into a decode code.
 from __future__ import annotations
 
 import asyncio
-<<<<<<< HEAD
-import os
-import time
-=======
->>>>>>> main
 import hashlib
 import os
 import time

@@ -135,6 +135,17 @@ class MicroBatches:
         Raises StepFailed for a failure of any micro-batch (after the requests
         in flight have ended); nothing is kept of the others."""
         pipe, steps = self.pipeline, step.steps
+        if len(steps) == 1 and all(f is None or f.done() for f in step.after):
+            # one micro-batch and nothing earlier in flight (a single stream): it may go worker to worker
+            # (step links), every request at once; later steps wait for it as for any step
+            try:
+                result = await pipe.linked(steps[0])
+            except BaseException:
+                _finished(step.done)
+                raise
+            if result is not None:
+                _finished(step.done)
+                return result
 
         def on(p):
             return lambda i, hidden: pipe.run_stage(p, steps[i], None if hidden is None else hidden.hidden)
@@ -154,3 +165,10 @@ class MicroBatches:
         """Into the KV journal, each micro-batch as a step of its own."""
         for s in step.steps:
             self.pipeline.record(s)
+
+
+def _finished(done: list) -> None:
+    """A step is done with every stage."""
+    for f in done:
+        if f is not None and not f.done():
+            f.set_result(None)

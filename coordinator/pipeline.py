@@ -183,31 +183,6 @@ class Pipeline:
             out_rows = np.array([n - 1], dtype=np.int32)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-<<<<<<< HEAD
-        common = self._common(tok_pos, rows, mask, mask_swa)
-        head_places = [p for p in self.places if len(p.stage.head_rows)] if self.head_split and wanted else []
-        linked = None
-        if self.links and step_links.usable(self):  # else (or when it says so) the relayed path
-            linked = await step_links.run(self, tokens, shape, common, out_rows, head_places)
-        if linked is not None:
-            out, head_results = linked
-            self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + 1
-        else:
-            out, head_results = await self._forward(tokens, shape, common, out_rows, self.places), None
-        if not wanted:  # the KV rows are written; no head round for rows nobody wants
-            result = np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
-        elif self.head_split and head_results is not None:
-            result = self._combine_head(head_places, head_results, shape)
-        elif self.head_split:
-            result = await self._head(out.hidden, shape)
-        else:
-            last = self.places[-1].endpoint
-            if greedy:
-                _checked_logits(out.sums, last)
-                result = _checked_tokens(out.tokens, self.hp.n_vocab, last)
-            else:
-                result = _checked_logits(out.logits, last)
-=======
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, StepShape(n, n_kv, len(out_rows), greedy),
                             self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
 
@@ -232,7 +207,6 @@ class Pipeline:
 
     def record(self, step: PreparedStep) -> None:
         """A step that succeeded, into the journal (if any)."""
->>>>>>> main
         if self.journal is not None:
             self.journal.record(step.tokens, step.rows, step.pos, step.seqs, step.out_rows, step.shape.argmax,
                                 step.shape.n_kv, step.mask, step.mask_swa if self.hp.n_swa else None,
@@ -240,10 +214,31 @@ class Pipeline:
 
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
         step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
-        out = await self._forward(step.tokens, step.shape, step.common, step.out_rows, self.places)
-        result = await self.finish(step, out)
+        result = await self._linked(step)
+        if result is None:
+            out = await self._forward(step.tokens, step.shape, step.common, step.out_rows, self.places)
+            result = await self.finish(step, out)
         self.record(step)
         return result
+
+    async def linked(self, step: PreparedStep) -> np.ndarray | None:
+        """`step` over step links, if every worker offers them (None: it must be
+        relayed; nothing was sent). Raises StepFailed."""
+        return await _failures_as_step_failed(self._linked(step))
+
+    async def _linked(self, step: PreparedStep) -> np.ndarray | None:
+        """The step over step links when every worker offers them; None: relay it."""
+        if not (self.links and step_links.usable(self)):
+            return None
+        head_places = [p for p in self.places if len(p.stage.head_rows)] if self.head_split and step.wanted else []
+        linked = await step_links.run(self, step.tokens, step.shape, step.common, step.out_rows, head_places)
+        if linked is None:
+            return None
+        self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + 1
+        out, head_results = linked
+        if head_places:
+            return self._combine_head(head_places, head_results, step.shape)
+        return await self.finish(step, out)  # no head round: the last stage's output, or nothing wanted
 
     async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
         """Every endpoint's shard of the output head at once; then the logits
@@ -256,17 +251,11 @@ class Pipeline:
                                        return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-<<<<<<< HEAD
-            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
-            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
-            raise StepFailed(bug or (lost or failures)[0], lost)
+            raise step_failed(failures)
         return self._combine_head(places, results, shape)
 
     def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
         """The head shards' replies (in `places` order) as one result."""
-=======
-            raise step_failed(failures)
->>>>>>> main
         if shape.argmax:
             best, value = [], []
             for p, data in zip(places, results):

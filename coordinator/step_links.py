@@ -52,7 +52,7 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
     `head_places` (empty: no head round). Returns (the last stage's output,
     or None when it went to the head shards; the shards' reply blobs), or None
     when the step must run on the relayed path instead. Raises StepFailed."""
-    from coordinator.pipeline import StepFailed, _read, _stage_inputs
+    from coordinator.pipeline import StepFailed, _read, _stage_inputs, step_failed
 
     places = pipe.places
     last = len(places) - 1
@@ -139,11 +139,9 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
     if any(isinstance(exc, NotLinked) for exc in failures):
         cancel_waits()
         return None
-    if failures:
-        lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
-        bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
-        real = [exc for exc in failures if not isinstance(exc, InputMissing)]
-        raise StepFailed(bug or (lost or real or failures)[0], lost)
+    if failures:  # a wait that ended for want of its input is reported only if nothing else failed
+        raise step_failed([exc for exc in failures if not isinstance(exc, InputMissing)]
+                          + [exc for exc in failures if isinstance(exc, InputMissing)])
     results = [task.result() for _, task, _ in jobs]
     last_reply, last_out = results[last]
     out = None if head_places else _read(places[last], last_out, shape)

@@ -85,17 +85,14 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
                        help="the last worker computes the whole output head (default: every worker a share)")
-<<<<<<< HEAD
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
                        help="hidden states come back through the coordinator between stages (default: worker "
                             "to worker when every worker offers it; docs/protocol.md, Step links)")
-=======
     p.add_argument("--micro-batch", type=_count(0), default=LIBRARY["micro_batch"], metavar="N",
                    help=f"pipelining over several workers: batches cut into micro-batches that keep every worker "
                         f"busy (prompts in chunks of at most N tokens, several sequences in as many groups as "
                         f"workers, N / 2 tokens or more each), and serve steps one group of slots per worker at once "
                         f"(default {LIBRARY['micro_batch']}; 0: off, the workers one after another)")
->>>>>>> main
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
@@ -245,11 +242,8 @@ def cmd_generate(args) -> int:
         try:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
                             threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split,
-<<<<<<< HEAD
-                            step_links=args.step_links)
-=======
+                            step_links=args.step_links,
                             micro_batch=args.micro_batch, **_resume_options(args))
->>>>>>> main
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
@@ -485,15 +479,8 @@ def _serve(args, socks) -> int:
         try:  # under systemd, a big model's upload extends the start timeout while it progresses
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-<<<<<<< HEAD
-                            head_split=args.head_split, step_links=args.step_links,
-                            resume_within=args.resume_within or None,
-                            spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()],
-                            spare_after=args.spare_after, on_upload=StartTimeoutExtender())
-=======
-                            head_split=args.head_split, **_resume_options(args), on_upload=StartTimeoutExtender(),
-                            micro_batch=args.micro_batch)
->>>>>>> main
+                            head_split=args.head_split, step_links=args.step_links, **_resume_options(args),
+                            on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch)
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
