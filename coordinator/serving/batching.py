@@ -1,9 +1,10 @@
 """Continuous batching: N slots share every decode step.
 
 Each slot is one request with its own sequence id in the shared KV cache. One
-loop builds a batch from every active slot (a chunk of a new prompt, or the
-last sampled token) and decodes it once, so N clients cost one step each
-instead of N. A failed step ends every slot that was in it with the error; no
+loop builds a batch from every active slot (the last sampled token) and
+decodes it once, so N clients cost one step each instead of N. A new prompt is
+decoded in steps of its own, in the chunks it would be decoded in alone
+(`step_slots`). A failed step ends every slot that was in it with the error; no
 token from that step reaches anybody.
 """
 from __future__ import annotations
@@ -61,6 +62,17 @@ class Slot:
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
+
+
+def step_slots(slots: list[Slot]) -> list[Slot]:
+    """The slots the next step decodes: the first one still feeding its prompt, alone, else all.
+    A step's token count picks ggml's kernels (docs/architecture.md, "Kernels and what a result
+    depends on"): a prompt in a step of its own gets the same bits as the request alone, and so
+    does a sampled token in a step of up to 7 (the per-row classes 1-7, 8-63, 64+)."""
+    for slot in slots:
+        if slot.first_token_at is None:
+            return [slot]
+    return slots
 
 
 class Scheduler:
@@ -183,7 +195,7 @@ class Scheduler:
             return
         tokens, pos, seqs, want, rows = [], [], [], [], []
         in_batch: list[Slot] = []
-        for slot in self.active:
+        for slot in step_slots(self.active):
             chunk = slot.pending[: n_batch - len(tokens)]
             if not chunk:
                 break

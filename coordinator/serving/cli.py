@@ -365,6 +365,15 @@ def cmd_bench(args) -> int:
             label = f"ratio {ours} / {theirs}"
             print(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
                   f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
+    targets = []  # issue #14's speed targets, as ratios to llama.cpp measured in this same run
+    for ours, theirs, col, goal in (("local", "llama.cpp", 0, 0.95), (rpc, f"llama.cpp {rpc}", 0, 0.95),
+                                    (rpc, f"llama.cpp {rpc}", 1, 1.4)):
+        if ours in med and theirs in reference:
+            ratio = med[ours][col] / reference[theirs]["pp" if col == 0 else "tg"]
+            what = f"pp{args.pp}" if col == 0 else f"tg{args.tg}"
+            targets.append(f"{ours} {what} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
+    if targets:
+        print("targets vs llama.cpp: " + " | ".join(targets))
     for note in notes:
         print(note)
     print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
