@@ -323,7 +323,9 @@ def cmd_bench(args) -> int:
         notes, ref_results = [notes] if notes else [], {}
         try:
             for c in coords.values():
-                _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
+                # warm up with the measured shapes, as llama-bench does: the pp graph sent, built and
+                # placed once, compute processes started (else the first repetition pays for it)
+                _bench_one(c, args.pp, 2)
             for _ in range(args.reps):  # interleaved, so all see the same machine load
                 for name, c in coords.items():
                     results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
