@@ -174,7 +174,8 @@ def kernels() -> dict:
         llamafile = "off"
     else:  # the build's source edit keeps tinyBLAS to quantized weights (ggml_build._SOURCE_PATCHES)
         llamafile = "quantized" if ORIGIN.info.get("source_patches") else "all"
-    return {"llamafile": llamafile, "tiled_k_quants": os.environ.get("GGML_CPU_TILED_MM", "1") != "0"}
+    tiled = ORIGIN.kind == "build" and os.environ.get("GGML_CPU_TILED_MM", "1") != "0"  # the wheel's 0.20 has none
+    return {"llamafile": llamafile, "tiled_k_quants": tiled}
 
 
 def describe() -> dict:
