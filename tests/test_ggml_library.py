@@ -132,3 +132,4 @@ def test_worker_reports_its_ggml_in_log_device_info_and_metrics(start_daemon):
     info = [ln for ln in text.splitlines() if ln.startswith("ggml_rpc_ggml_info{")]
     assert len(info) == 1 and f'cpu_variant="{ours["cpu_variant"]}"' in info[0], info
     assert f'version="{ours["ggml_version"]}"' in info[0] and info[0].endswith(" 1.0"), info
+    assert f'llamafile="{ours["kernels"]["llamafile"]}"' in info[0] and "tiled_k_quants=" in info[0], info
