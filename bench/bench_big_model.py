@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import socket
 import sys
 import time
 import urllib.request
@@ -29,8 +28,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from coordinator import Batch, Coordinator, DoesNotFit  # noqa: E402
+from conftest import free_port  # noqa: E402
+from coordinator import Coordinator, DoesNotFit  # noqa: E402
 from coordinator.serving.local_workers import LocalWorker  # noqa: E402
+from decode_steps import timed_steps  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 N_EMBD, N_HEAD, N_HEAD_KV, N_FF = 2048, 32, 4, 5632  # TinyLlama 1.1B's layer
@@ -44,27 +45,15 @@ def layer_bytes() -> int:
 
 def write_model(path: pathlib.Path, gib: float) -> pathlib.Path:
     """A llama of f16 random weights, written tensor by tensor (the writer keeps them in memory)."""
-    from tiny_models import Dims, _attention, _common_metadata, _ends, _ffn, spm_vocab, write_gguf
+    from tiny_models import Dims, write_plain_llama
 
     n_layer = max(2, round(gib * GiB / layer_bytes()))
     d = Dims(n_embd=N_EMBD, n_layer=n_layer, n_head=N_HEAD, n_head_kv=N_HEAD_KV, n_ff=N_FF)
-    vocab = spm_vocab(300)
-    first, last = _ends(d, len(vocab.tokens), "f16", "f16")
-    layers = [w for il in range(n_layer) for w in _attention(f"blk.{il}.", d, "f16", "f16") +
-              _ffn(f"blk.{il}.", d, "f16", "f16")]
-    for w in layers:  # keep activations in range over many layers
-        w.std = 0.02
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
-    write_gguf(tmp, "llama", _common_metadata("llama", d, n_ctx=N_CTX), vocab, first + layers + last, seed=1)
+    write_plain_llama(tmp, d, "f16", n_ctx=N_CTX, layer_std=0.02, seed=1)  # 0.02: in range over many layers
     tmp.rename(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gauge(port: int, name: str) -> float:
@@ -83,15 +72,7 @@ def workers(mems_mib: list[int], threads: int) -> list[LocalWorker]:
 
 
 def tokens_per_second(c: Coordinator, n: int) -> float:
-    c.kv_clear()
-    c.decode(Batch.single(list(range(10, 26)), 0), greedy=True)
-    tok, pos = c.token(-1), 16
-    for i in range(4 + n):  # 4 warm-up steps: graphs sent, allocators placed
-        if i == 4:
-            t0 = time.perf_counter()
-        c.decode(Batch.single([tok], pos), greedy=True)
-        tok, pos = c.token(-1), pos + 1
-    return n / (time.perf_counter() - t0)
+    return n / sum(timed_steps(c, n, greedy=True, warmup=4, prompt_len=16))
 
 
 def main(argv: list[str] | None = None) -> int:

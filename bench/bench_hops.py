@@ -23,29 +23,21 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 TRACE = tempfile.NamedTemporaryFile(prefix="hops-", suffix=".txt", delete=False).name
 os.environ["GGML_RPC_HOP_TRACE"] = TRACE  # before rpc_daemon is imported: hoptrace reads it once
 
-from coordinator import Batch, Coordinator  # noqa: E402
+from coordinator import Coordinator  # noqa: E402
 from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
+from decode_steps import timed_steps  # noqa: E402
 
 
 def steps(c: Coordinator, n: int, greedy: bool) -> list[float]:
-    c.kv_clear()
-    c.decode(Batch.single(list(range(10, 42)), 0))
-    tok, pos, out = c.token(-1), 32, []
-    for i in range(8 + n):  # 8 warm-up steps: graphs sent, allocators placed
-        if i == 8:
-            with open(TRACE, "w"):
-                pass  # keep only the measured steps
-        t = time.perf_counter()
-        if c.decode(Batch.single([tok], pos), greedy=greedy) != 0:
-            raise SystemExit(f"decode failed: {c.last_error}")
-        out.append(time.perf_counter() - t)
-        tok, pos = c.token(-1), pos + 1
-    return out[8:]
+    def keep_only_the_measured_steps():
+        with open(TRACE, "w"):
+            pass
+
+    return timed_steps(c, n, greedy, warmup=8, before_measuring=keep_only_the_measured_steps)
 
 
 def hops(path: str, n_stages: int) -> list[list[tuple[str, float]]]:

@@ -30,8 +30,9 @@ import subprocess
 import sys
 import time
 
-from coordinator import Batch, Coordinator
+from coordinator import Coordinator
 from coordinator.serving.local_workers import LocalWorkers
+from decode_steps import timed_steps
 
 PROXY = pathlib.Path(__file__).resolve().parent / "delay_proxy.py"
 _LISTENING = re.compile(r"listening on (\S+)")
@@ -63,20 +64,6 @@ def proxies(upstreams: list[str], delay: float, jitter: float, rate: float | Non
                 p.wait()
 
 
-def step_times(c: Coordinator, n: int, greedy: bool) -> list[float]:
-    c.kv_clear()
-    if c.decode(Batch.single(list(range(10, 42)), 0)) != 0:
-        raise SystemExit(f"prompt decode failed: {c.last_error}")
-    tok, pos, out = c.token(-1), 32, []
-    for i in range(2 + n):  # 2 warm-up steps: the step graph is sent once
-        t = time.perf_counter()
-        if c.decode(Batch.single([tok], pos), greedy=greedy) != 0:
-            raise SystemExit(f"decode failed: {c.last_error}")
-        out.append(time.perf_counter() - t)
-        tok, pos = c.token(-1), pos + 1
-    return out[2:]
-
-
 def parse_links(text: str) -> list[tuple[float, float]]:
     links = []
     for item in text.split(","):
@@ -101,8 +88,8 @@ def main() -> int:
                 c = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1)
                 load = time.perf_counter() - t
                 try:
-                    logits = statistics.median(step_times(c, args.tg, greedy=False))
-                    greedy = statistics.median(step_times(c, args.tg, greedy=True))
+                    logits = statistics.median(timed_steps(c, args.tg, greedy=False, warmup=2))
+                    greedy = statistics.median(timed_steps(c, args.tg, greedy=True, warmup=2))
                 finally:
                     c.close()
             rows.append((delay, jitter, load, logits, greedy))

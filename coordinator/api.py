@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, Sequence
@@ -31,17 +32,19 @@ import structlog
 from coordinator.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
                                       seq_masks)
 from coordinator.endpoints import EndpointSet, Placement
-from coordinator.executors import buffer_bytes, make_executor
+from coordinator.decode_gate import DecodeGate
+from coordinator.executors import ChunkDigests, buffer_bytes, make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
 from coordinator.kv_cache import KVCells
 from coordinator.loop import LoopThread
+from coordinator.microbatch import DEFAULT_MICRO_BATCH, MicroBatches
 from coordinator.models import architecture
 from coordinator.pipeline import Pipeline, StepFailed
 from coordinator.planning import (PAGE, DoesNotFit, checked_setup, compute_reserve, default_model_path, endpoint_free,
                                   fit_split, plan_rows, plan_split, split_weights)
 from coordinator.resume import RESUME_BACKOFF, Resumer
-from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeResult, EndpointFailure,
+from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeOutcome, DecodeResult, EndpointFailure,
                                  EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
 from coordinator.tokenizer import Tokenizer
@@ -51,6 +54,12 @@ __all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "DoesNotFit", 
            "EndpointUnavailable", "FailureKind", "default_model_path", "plan_rows", "plan_split"]
 
 log = structlog.get_logger("coordinator")
+
+# the outcome of the last decode in this task: several steps may be in flight at once, and each
+# caller of adecode_outcome reads its own (self._out and last_error are the last to finish)
+_OUTCOME: contextvars.ContextVar[DecodeOutcome] = contextvars.ContextVar("decode_outcome")
+# set by adecode_outcome: its caller steps groups of sequences at once, so a step's sequences are not grouped again
+_OWN_GROUPS: contextvars.ContextVar[bool] = contextvars.ContextVar("own_groups", default=False)
 
 
 class Coordinator:
@@ -62,7 +71,7 @@ class Coordinator:
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
                  head_split: bool = True, on_upload: Callable[[int, int], None] | None = None,
                  resume_within: float | None = None, spares: Sequence[str] = (),
-                 spare_after: float | None = None):
+                 spare_after: float | None = None, micro_batch: int = DEFAULT_MICRO_BATCH):
         """`model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
         extra (without it: FileNotFoundError, before anything is started).
 
@@ -86,6 +95,15 @@ class Coordinator:
         it (coordinator/stage.py). Same logits; faster when the head is a large
         part of a step.
 
+        `micro_batch` (tokens; with several endpoints): a batch is cut into
+        micro-batches that follow each other through the stages, so every
+        worker computes at once (coordinator/microbatch.py): a prompt longer
+        than this in chunks of at most this many tokens, a batch of several
+        sequences in about as many groups as there are endpoints (of at
+        least micro_batch / 2 tokens each). The logits
+        are those of decoding the same micro-batches one after another. 0
+        turns it off: every batch is one step, the stages one after another.
+
         `on_upload(done, total)` (bytes of weights) is called when the upload
         starts and after every chunk, from the coordinator's I/O thread: the
         server uses it to keep systemd's start timeout from expiring while a big
@@ -94,16 +112,18 @@ class Coordinator:
         Resuming (docs/failure-semantics.md, "Resuming"): with `resume_within`
         (seconds) set, generate/stream/astream (and decode_resuming) pause
         instead of failing when a worker is lost: the endpoint is reconnected
-        automatically (backoff 0.05 s doubling to 0.25 s unless
+        automatically (backoff 0.02 s doubling to 0.05 s unless
         `reconnect_backoff` says otherwise) or, once it has been down for a
         while (`spare_after` seconds; default min(1 s, resume_within / 4)),
-        its stage moves to one of `spares` (host:port workers); the KV
+        its stage moves to one of `spares` (host:port workers), and back to
+        its own endpoint once that is back; the KV
         cache is rebuilt by replaying the steps exactly as first decoded, and
         the step is retried: the same text as without the failure. Not back
         within `resume_within`: the original error."""
         endpoints, split = checked_setup(endpoints, split, n_batch, threads)
         spares = checked_setup(list(spares), None, n_batch, threads)[0] if spares else []
-        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0}
+        self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0,
+                      "micro_batches": 0}
         self._resume = Resumer(self, resume_within, spares, self.stats, spare_after)
         if self._resume.enabled:
             auto_reconnect = True  # the stage comes back by the automatic reconnect
@@ -116,15 +136,19 @@ class Coordinator:
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
                            # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
-                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca}
+                           "secret": load_secret(secret, secret_file), "tls_ca": tls_ca,
+                           # a reconnect or a spare's takeover need not hash the weights again
+                           "digests": ChunkDigests()}
         self.last_error: str | None = None
         self.last_failed_endpoint: str | None = None
         self.last_cause: FailureKind | None = None
         self._io = LoopThread()
-        self._lock = asyncio.Lock()  # one decode step at a time; latching and KV edits between steps
+        # decode steps in flight at once (pipelined); `async with` it: latching, reconnects and KV edits between steps
+        self._gate = DecodeGate()
+        self._latches = 0  # endpoints latched by failed steps, ever (a step in flight notices one)
         self._out = NO_OUTPUT  # what the last decode left to read
         self._generations = Generations(self)
-        self._endpoints = EndpointSet(endpoints, self._io, self._lock, self._connect, self._lose_kv,
+        self._endpoints = EndpointSet(endpoints, self._io, self._gate, self._connect, self._lose_kv,
                                       auto_reconnect, reconnect_backoff, self.stats, self._resume)
         self.gguf = GGUFFile(self.model_path)
         try:
@@ -136,6 +160,7 @@ class Coordinator:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
             self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal)
+            self._micro = MicroBatches(self._pipeline, micro_batch)
             self._run(self._open(split, progress, on_upload))
         except BaseException:
             self.close()
@@ -261,6 +286,29 @@ class Coordinator:
     async def adecode_resuming(self, batch: Batch, greedy: bool = False) -> DecodeResult:
         return await self._io.call(self._resume.decode(batch, greedy))
 
+    async def adecode_outcome(self, batch: Batch, greedy: bool = False) -> DecodeOutcome:
+        """adecode_resuming(), returning this step's own outcome: its code, its
+        outputs (logits(i)/token(i)) and, failed, its error. For callers with
+        several steps in flight at once (the HTTP server's groups of slots),
+        where logits() and last_error are those of the step that finished last.
+        Such a caller forms its own groups: only a long run of one sequence's
+        tokens is cut into micro-batches, the sequences are not grouped again."""
+        async def decode() -> DecodeOutcome:
+            _OWN_GROUPS.set(True)
+            await self._resume.decode(batch, greedy)
+            return _OUTCOME.get()
+        return await self._io.call(decode())
+
+    @property
+    def pipelined(self) -> bool:
+        """Steps are cut into micro-batches and several may be in flight at
+        once (micro_batch > 0 and more than one endpoint)."""
+        return self._micro.enabled and len(self._places) > 1
+
+    @property
+    def micro_batch(self) -> int:
+        return self._micro.micro_batch
+
     @property
     def resume_within(self) -> float | None:
         return self._resume.resume_within
@@ -270,31 +318,14 @@ class Coordinator:
         return list(self._resume.spares)
 
     async def _decode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
-        async with self._lock:
-            self._out = NO_OUTPUT
-            problem = batch_problem(batch, self.n_batch, self.hp.n_vocab, self.kv)
-            if problem:
-                log.warning("invalid batch", error=problem)
-                return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
-            latched = self._endpoints.failed()
-            if latched:  # fail fast, no network traffic
-                f = latched[0]
-                return self._failed(DecodeResult.ENDPOINT_FAILED, f"{f.cause} [latched {time.time() - f.since:.1f} "
-                                    f"s ago; reconnect() to recover]", f.kind, f.endpoint)
-            refeed = self._endpoints.needs_refeed
-            problem = refeed and refeed_problem(batch, refeed, self.kv)
-            if problem:
-                return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
-            n = len(batch.tokens)
-            rows = self.kv.find_slot(n)
-            if rows is None:
-                return self._failed(DecodeResult.NO_KV_SLOT, f"context full: no room for {n} tokens in the KV "
-                                    f"cache ({self.kv.used()} of {self.n_ctx} cells used)", FailureKind.CONTEXT_FULL)
-            tok_pos, tok_seq = np.asarray(batch.pos, dtype=np.int64), seq_masks(seq_ids_of(batch))
-            want = list(batch.logits) if batch.logits is not None else [i == n - 1 for i in range(n)]
-            out_rows = np.array([i for i, w in enumerate(want) if w], dtype=np.int32)
+        if self._micro.enabled:
+            return await self._decode_pipelined(batch, greedy)
+        async with self._gate:  # one step at a time, whole, the stages one after another
+            admitted = self._admit(batch, greedy)
+            if isinstance(admitted, DecodeResult):
+                return admitted
+            rows, tok_pos, tok_seq, out_rows, started = admitted
             saved = self.kv.assign(rows, tok_pos, tok_seq)
-            started = time.perf_counter()
             try:
                 out = await self._pipeline.step(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy)
             except StepFailed as failed:
@@ -303,16 +334,100 @@ class Coordinator:
             except BaseException:
                 self.kv.rollback(saved)
                 raise
-            self.stats["decodes"] += 1
-            self.stats["tokens"] += n
-            self.stats["decode_seconds"] += time.perf_counter() - started
-            self._out = StepOutput(out_rows, tokens=out) if greedy else StepOutput(out_rows, logits=out)
-            refeed.difference_update(s for ids in seq_ids_of(batch) for s in ids)
-            self.last_error = self.last_cause = self.last_failed_endpoint = None
-            return DecodeResult.OK
+            return self._step_ok(batch, greedy, out_rows, out, started)
+
+    async def _decode_pipelined(self, batch: Batch, greedy: bool) -> DecodeResult:
+        """Admitted under the gate's lock, computed while later steps are
+        admitted, finished in admission order (decode_gate.py)."""
+        try:
+            seqs = int(np.bitwise_or.reduce(seq_masks(seq_ids_of(batch))))
+        except Exception:  # a malformed batch: _admit refuses it
+            seqs = 0
+        while True:
+            await self._gate.wait_for(self._gate.sharing(seqs))  # their rows may be this step's inputs
+            async with self._gate.lock:
+                if self._gate.sharing(seqs):
+                    continue
+                admitted = self._admit(batch, greedy)
+                if isinstance(admitted, DecodeResult):
+                    return admitted
+                rows, tok_pos, tok_seq, out_rows, started = admitted
+                step = self._micro.admit(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy,
+                                         group=not _OWN_GROUPS.get())
+                ticket = self._gate.admit(seqs)
+                latches = self._latches
+                break
+        try:
+            try:
+                out, failed = await self._micro.run(step), None
+            except StepFailed as exc:
+                out, failed = None, exc
+            await self._gate.turn(ticket)
+        except BaseException:  # cancelled: rolled back now; the steps after it keep their order
+            self._micro.rollback(step)
+            self._out = NO_OUTPUT
+            self._gate.finish_in_turn(ticket)
+            raise
+        try:
+            if failed is None and self._latches != latches:
+                # an endpoint latched after this step was admitted: its rows there are gone (or, resuming, to be
+                # rebuilt): it fails as a step decoded after the failure would have
+                f = self._endpoints.failed()
+                if f:
+                    self._micro.rollback(step)
+                    self._out = NO_OUTPUT
+                    return self._failed(DecodeResult.ENDPOINT_FAILED, f[0].cause, f[0].kind, f[0].endpoint)
+            if failed is not None:
+                self._micro.rollback(step)
+                self._out = NO_OUTPUT
+                return self._step_failed(failed)
+            self._micro.record(step)
+            self.stats["micro_batches"] += len(step.steps)
+            return self._step_ok(batch, greedy, out_rows, out, started)
+        finally:
+            self._gate.finish(ticket)
+
+    def _admit(self, batch: Batch, greedy: bool):
+        """The checks before a step and its KV rows (not yet assigned): (rows,
+        positions, sequence masks, output rows, start time), or the
+        DecodeResult of a step refused."""
+        self._out = NO_OUTPUT
+        problem = batch_problem(batch, self.n_batch, self.hp.n_vocab, self.kv)
+        if problem:
+            log.warning("invalid batch", error=problem)
+            return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
+        latched = self._endpoints.failed()
+        if latched:  # fail fast, no network traffic
+            f = latched[0]
+            return self._failed(DecodeResult.ENDPOINT_FAILED, f"{f.cause} [latched {time.time() - f.since:.1f} "
+                                f"s ago; reconnect() to recover]", f.kind, f.endpoint)
+        refeed = self._endpoints.needs_refeed
+        problem = refeed and refeed_problem(batch, refeed, self.kv)
+        if problem:
+            return self._failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
+        n = len(batch.tokens)
+        rows = self.kv.find_slot(n)
+        if rows is None:
+            return self._failed(DecodeResult.NO_KV_SLOT, f"context full: no room for {n} tokens in the KV "
+                                f"cache ({self.kv.used()} of {self.n_ctx} cells used)", FailureKind.CONTEXT_FULL)
+        tok_pos, tok_seq = np.asarray(batch.pos, dtype=np.int64), seq_masks(seq_ids_of(batch))
+        want = list(batch.logits) if batch.logits is not None else [i == n - 1 for i in range(n)]
+        out_rows = np.array([i for i, w in enumerate(want) if w], dtype=np.int32)
+        return rows, tok_pos, tok_seq, out_rows, time.perf_counter()
+
+    def _step_ok(self, batch: Batch, greedy: bool, out_rows, out, started: float) -> DecodeResult:
+        self.stats["decodes"] += 1
+        self.stats["tokens"] += len(batch.tokens)
+        self.stats["decode_seconds"] += time.perf_counter() - started
+        self._out = StepOutput(out_rows, tokens=out) if greedy else StepOutput(out_rows, logits=out)
+        self._endpoints.needs_refeed.difference_update(s for ids in seq_ids_of(batch) for s in ids)
+        self.last_error = self.last_cause = self.last_failed_endpoint = None
+        _OUTCOME.set(DecodeOutcome(DecodeResult.OK, self._out))
+        return DecodeResult.OK
 
     def _step_failed(self, failed: StepFailed) -> DecodeResult:
         for exc in failed.lost:
+            self._latches += 1
             self._endpoints.latch(exc)
         exc = failed.reported
         if exc in failed.lost:
@@ -326,6 +441,7 @@ class Coordinator:
     def _failed(self, code: DecodeResult, message: str, cause: FailureKind,
                 endpoint: str | None = None) -> DecodeResult:
         self.last_error, self.last_cause, self.last_failed_endpoint = message, cause, endpoint
+        _OUTCOME.set(DecodeOutcome(code, NO_OUTPUT, message, cause, endpoint))
         return code
 
     def logits(self, i: int = -1) -> np.ndarray:
@@ -348,7 +464,7 @@ class Coordinator:
             return fn(*args)
 
         async def between_steps():
-            async with self._lock:
+            async with self._gate:
                 return fn(*args)
         return self._run(between_steps())
 

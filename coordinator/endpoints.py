@@ -5,6 +5,8 @@ An endpoint whose connection fails is latched: decodes fail fast until a
 reconnect (manual, or automatic with backoff) opens a new connection and
 uploads the stage's weights again. Latching loses every sequence's KV cache;
 the owner's `lose_kv` callback clears it and says which sequences to re-feed.
+With resuming (resume.py) a reconnect may move the stage to a spare, and a
+stage on a spare is moved back to its own endpoint once that is back.
 Nothing here needs a model: `connect(placement)` (an executor, opened and
 loaded) and `lose_kv()` are the owner's.
 """
@@ -34,6 +36,7 @@ class Placement:
     reconnect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     auto_task: asyncio.Task | None = None
     home: str = ""  # the endpoint it was configured with (`endpoint` differs while a spare holds its stage)
+    home_task: asyncio.Task | None = None  # while a spare holds the stage: moving it back home (resuming)
 
 
 def _bounds(r: range | None) -> list[int] | None:
@@ -188,7 +191,7 @@ class EndpointSet:
             failure.attempts, failure.since = p.failure.attempts, p.failure.since
         p.failure = failure
         if self.resumer is not None:  # the table stays: the rows are rebuilt once the stage is back
-            self.resumer.kv_lost(self.places.index(p))
+            self.resumer.kv_lost(self.places.index(p), failure if first else None)
         self.needs_refeed |= self.lose_kv()
         if first:
             log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)
@@ -245,6 +248,8 @@ class EndpointSet:
             async with self.lock:
                 if target != p.endpoint:
                     self.resumer.moved(p, target)
+                    if p.endpoint != p.home and (p.home_task is None or p.home_task.done()):
+                        p.home_task = self.io.loop.create_task(self._bring_home(p))
                 p.stage.graphs.clear()  # their wire form names the old connection's buffer
                 p.executor = ex
                 self.watch(p, ex)
@@ -256,6 +261,53 @@ class EndpointSet:
                          needs_refeed=sorted(self.needs_refeed))
                 if self.resumer is not None:
                     await self.resumer.reconnected(self.places, self.latch)
+
+    # ------------------------------------------------------------ moving a stage back from a spare
+    async def _bring_home(self, p: Placement) -> None:
+        """While a spare holds `p`'s stage (resuming): every HOME_EVERY seconds,
+        try to move it back to its own endpoint (`_move_home`)."""
+        from coordinator.resume import HOME_EVERY
+
+        while p.endpoint != p.home and not self.io.closed:
+            await asyncio.sleep(HOME_EVERY)
+            if p.failure is not None or p.endpoint == p.home:
+                continue  # resuming: its reconnect attempts try the home endpoint too
+            try:
+                await self._move_home(p)
+            except StageFailed as exc:
+                log.debug("stage not moved home yet", endpoint=p.home, cause=exc.message)
+            except Exception:  # a bug of ours: logged, and tried again
+                log.exception("moving a stage home failed", endpoint=p.home)
+
+    async def _move_home(self, p: Placement) -> None:
+        """`p`'s own endpoint connected and loaded while the spare goes on
+        serving; then, between two steps, the stage switches to it and its KV
+        rows are rebuilt there (resume.py's replay); the spare's connection is
+        closed (its buffers freed) and it is a spare again. Raises StageFailed
+        when the home endpoint cannot take the stage (not back yet)."""
+        async with p.reconnect_lock:  # never with a resume of the same stage
+            if p.failure is not None or p.endpoint == p.home or not self.resumer.claim(p.home):
+                return  # resuming, home already, or the home endpoint holds another stage now
+            ex = None
+            try:
+                ex = await self.connect(p, p.home)
+                async with self.lock:
+                    if p.failure is not None:  # the spare failed meanwhile: resumed the usual way
+                        return
+                    old, spare = p.executor, p.endpoint
+                    p.stage.graphs.clear()  # their wire form names the spare's buffer
+                    p.executor, p.endpoint = ex, p.home
+                    ex = None
+                    self.watch(p, p.executor)
+                    self.resumer.moved_home(p, spare)
+                    self.resumer.kv_lost(self.places.index(p))  # the home worker holds none of our KV rows
+                    await self.resumer.reconnected(self.places, self.latch)
+                await old.close()  # outside the lock; its failure no longer latches anything (not p's)
+            finally:
+                if ex is not None:  # not switched to: the home endpoint is a spare again
+                    await ex.close()
+                if p.endpoint != p.home:
+                    self.resumer.release(p.home)
 
     def set_auto_reconnect(self, enabled: bool, backoff: tuple[float, float] | None = None) -> None:
         """On the loop thread: turn the policy on (retrying every latched
@@ -293,7 +345,10 @@ class EndpointSet:
                     return
                 continue  # it failed again at once (rebuilding its KV cache): this task retries it
             except EndpointUnavailable as exc:
-                log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt, cause=exc.message)
+                # attempts 1, 2, 4, 8, ... (resuming tries 20 times a second); failed_endpoints() has every one
+                if attempt & (attempt - 1) == 0:
+                    log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt,
+                                cause=exc.message)
             except Exception:
                 log.exception("automatic reconnect failed", endpoint=p.endpoint)
-            delay = min(delay * 2, cap)
+            delay = self.resumer.next_delay(p, delay, cap) if self.resumer is not None else min(delay * 2, cap)

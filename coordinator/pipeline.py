@@ -11,15 +11,32 @@ latch. docs/architecture.md, "A decode step", has the data flow.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import numpy as np
 
 from coordinator.kv_cache import KVCells
+from coordinator.stage_flow import FlowFailed, flow
 from coordinator.models.common import HParams, StepShape
 from coordinator.results import FailureKind, StageFailed
 from coordinator.stage import StageOutput
 
 REPLAY_AHEAD = 4  # replayed steps a stage may run ahead of the next one (hidden states held)
+
+
+@dataclass
+class PreparedStep:
+    """One step (a micro-batch, or a whole batch) with the inputs fixed when its KV rows were assigned."""
+    tokens: object  # the token ids (a sequence of int)
+    rows: np.ndarray  # int64: the KV rows it writes
+    pos: np.ndarray  # int64 positions
+    seqs: np.ndarray  # uint64 sequence masks
+    out_rows: np.ndarray  # int32: the rows the last stage returns (one dropped row if none is wanted)
+    wanted: bool  # some row wants logits (else the KV rows are all it is for)
+    shape: StepShape
+    common: dict  # the inputs every stage takes: positions, kv_rows, masks
+    mask: np.ndarray
+    mask_swa: np.ndarray
 
 
 class StepFailed(Exception):
@@ -67,6 +84,20 @@ def _stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
     return inputs
 
 
+def step_failed(failures: list[BaseException]) -> StepFailed:
+    """Several failures of one step as the one it reports, in the order given
+    (micro-batch, then stage or endpoint): a bug of ours first, else the first
+    lost connection (ENDPOINT_FAILED before COMPUTE_FAILED), else the first;
+    every lost connection, to latch."""
+    flat: list[BaseException] = []
+    for exc in failures:
+        flat.extend([exc.reported, *(e for e in exc.lost if e is not exc.reported)]
+                    if isinstance(exc, StepFailed) else [exc])
+    lost = [exc for exc in flat if isinstance(exc, StageFailed) and exc.lost_connection]
+    bug = next((exc for exc in flat if not isinstance(exc, StageFailed)), None)
+    return StepFailed(bug or (lost or flat)[0], lost)
+
+
 async def _failures_as_step_failed(coro):
     try:
         return await coro
@@ -95,34 +126,29 @@ class Pipeline:
         """Journal steps (kv_journal.JournalStep) again, in order, as they were
         first decoded, through the stages 0..`through` only: their KV rows are
         rewritten (the stages after keep theirs); no head round. The stages
-        work as a pipeline: stage k replays step i while stage k-1 replays step
-        i+1 (each takes the steps in order, as its KV rows need). Raises
-        StepFailed; the first failure cancels the rest (no request is left in
-        flight: a cancelled request's late reply is dropped)."""
+        work as a pipeline (microbatch.flow): stage k replays step i while
+        stage k-1 replays step i+1, each taking the steps in order, as its KV
+        rows need. Raises StepFailed; after the first failure no stage starts
+        another step, and the requests in flight end before it is raised."""
         places = self.places[: through + 1]
-        links = [asyncio.Queue(maxsize=REPLAY_AHEAD) for _ in places[1:]]
 
-        async def replay_stage(k: int, p) -> None:
-            for step in steps:
-                if k == 0:
+        def replay_on(p):
+            async def replay_one(i: int, carried):
+                step = steps[i]
+                if carried is None:  # the first stage: the inputs common to every stage
                     mask, mask_swa = step.masks()
                     common, hidden = self._common(step.pos, step.rows, mask, mask_swa), None
                 else:
-                    common, hidden = await links[k - 1].get()
+                    common, hidden = carried
                 inputs = _stage_inputs(p, common, step.tokens, hidden, step.out_rows)
                 out = _read(p, await p.executor.run(p.stage, step.shape, inputs), step.shape)
-                if k < len(links):
-                    await links[k].put((common, out.hidden))
+                return common, out.hidden
+            return replay_one
 
         try:
-            async with asyncio.TaskGroup() as stages:
-                for k, p in enumerate(places):
-                    stages.create_task(replay_stage(k, p))
-        except BaseExceptionGroup as group:
-            failures = [exc for exc in group.exceptions if not isinstance(exc, asyncio.CancelledError)]
-            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
-            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
-            raise StepFailed(bug or (lost or failures)[0], lost) from None
+            await flow(len(steps), [replay_on(p) for p in places], ahead=REPLAY_AHEAD)
+        except FlowFailed as failed:
+            raise step_failed(failed.errors) from None
 
     def _common(self, tok_pos, rows, mask, mask_swa) -> dict:
         common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
@@ -139,29 +165,49 @@ class Pipeline:
             hidden = out.hidden
         return out
 
-    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool) -> PreparedStep:
+        """A step's inputs, fixed now: n_kv and the masks from the KV table as
+        it is (the step's own rows assigned, those of later steps not yet)."""
         n = len(tokens)
-        wanted = len(out_rows)
-        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped below
+        wanted = len(out_rows) > 0
+        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
             out_rows = np.array([n - 1], dtype=np.int32)
         n_kv = self.kv.n_kv()
-        shape = StepShape(n, n_kv, len(out_rows), greedy)
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        out = await self._forward(tokens, shape, self._common(tok_pos, rows, mask, mask_swa), out_rows, self.places)
-        if not wanted:  # the KV rows are written; no head round for rows nobody wants
-            result = np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
-        elif self.head_split:
-            result = await self._head(out.hidden, shape)
-        else:
-            last = self.places[-1].endpoint
-            if greedy:
-                _checked_logits(out.sums, last)
-                result = _checked_tokens(out.tokens, self.hp.n_vocab, last)
-            else:
-                result = _checked_logits(out.logits, last)
+        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, StepShape(n, n_kv, len(out_rows), greedy),
+                            self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
+
+    async def run_stage(self, p, step: PreparedStep, hidden) -> StageOutput:
+        """Stage `p` of `step`, given the hidden state from the stage before (None for the first)."""
+        inputs = _stage_inputs(p, step.common, step.tokens, hidden, step.out_rows)
+        return _read(p, await p.executor.run(p.stage, step.shape, inputs), step.shape)
+
+    async def finish(self, step: PreparedStep, out: StageOutput) -> np.ndarray:
+        """The step's result from the last stage's output: the head round (head
+        split), or the last stage's logits or tokens, checked."""
+        greedy = step.shape.argmax
+        if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
+            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        if self.head_split:
+            return await self._head(out.hidden, step.shape)
+        last = self.places[-1].endpoint
+        if greedy:
+            _checked_logits(out.sums, last)
+            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
+        return _checked_logits(out.logits, last)
+
+    def record(self, step: PreparedStep) -> None:
+        """A step that succeeded, into the journal (if any)."""
         if self.journal is not None:
-            self.journal.record(tokens, rows, tok_pos, tok_seq, out_rows, greedy, n_kv, mask,
-                                mask_swa if self.hp.n_swa else None, self.kv.pos >= 0)
+            self.journal.record(step.tokens, step.rows, step.pos, step.seqs, step.out_rows, step.shape.argmax,
+                                step.shape.n_kv, step.mask, step.mask_swa if self.hp.n_swa else None,
+                                self.kv.pos >= 0)
+
+    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+        step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+        out = await self._forward(step.tokens, step.shape, step.common, step.out_rows, self.places)
+        result = await self.finish(step, out)
+        self.record(step)
         return result
 
     async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
@@ -175,9 +221,7 @@ class Pipeline:
                                        return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            lost = [exc for exc in failures if isinstance(exc, StageFailed) and exc.lost_connection]
-            bug = next((exc for exc in failures if not isinstance(exc, StageFailed)), None)
-            raise StepFailed(bug or (lost or failures)[0], lost)
+            raise step_failed(failures)
         if shape.argmax:
             best, value = [], []
             for p, data in zip(places, results):

@@ -117,3 +117,21 @@ class StepOutput:
 
 
 NO_OUTPUT = StepOutput()
+
+
+@dataclass
+class DecodeOutcome:
+    """One decode's own result (Coordinator.adecode_outcome): its code, what it
+    left to read (logits(i)/token(i), as the Coordinator's after it) and, if it
+    failed, the error, its FailureKind and the endpoint."""
+    code: DecodeResult
+    output: StepOutput = NO_OUTPUT
+    error: str | None = None
+    cause: FailureKind | None = None
+    endpoint: str | None = None
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        return self.output.logits(i)
+
+    def token(self, i: int = -1) -> int:
+        return self.output.token(i)

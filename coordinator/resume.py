@@ -10,13 +10,15 @@ docs/failure-semantics.md, "Resuming", states the behaviour and the guarantee.
   endpoint or, once it has been down `spare_after` seconds, on a spare
   (`candidates`, `claim`, `moved`). Every reconnect of one stage holds that
   stage's reconnect lock, so two resumes never race for it; a spare is
-  claimed before it is tried, so two stages never take the same one.
+  claimed before it is tried, so two stages never take the same one. A
+  stage on a spare moves back to its own endpoint once that is back
+  (endpoints.py, `_bring_home`; `moved_home`), its rows rebuilt there alike.
 * When no endpoint is latched any more, `reconnected` replays the journal
   through the stages that lost their KV cache (under the decode lock, before
   any new step), in the step shapes first decoded: the rows get the same bits.
 * `decode` is decode() plus waiting: a step that failed with ENDPOINT_FAILED
-  waits (up to `resume_within` from the failure) until every endpoint is
-  serving again and is retried; it decodes the same batch on the same KV
+  waits (up to `resume_within` from the failure; woken by the reconnect that
+  clears the last latch) until every endpoint is serving again and is retried; it decodes the same batch on the same KV
   table, so it gives the same logits. Past the bound it returns the original
   failure, as decode() would have.
 """
@@ -33,8 +35,11 @@ from coordinator.results import DecodeResult
 
 log = structlog.get_logger("coordinator.resume")
 
-POLL = 0.01  # how often a paused decode looks whether the stages are back
-RESUME_BACKOFF = (0.05, 0.25)  # reconnect attempts while resuming: a restarted worker is found within 0.25 s
+# reconnect attempts while a stage resumes: a restarted worker is found within 50 ms of listening (a
+# refused connect costs next to nothing; a host that does not answer holds each attempt for connect_timeout)
+RESUME_BACKOFF = (0.02, 0.05)
+LATE_BACKOFF_CAP = 2.0  # once a stage has been down resume_within, nobody paused waits on it: back off to this
+HOME_EVERY = 2.0  # while a spare holds a stage, how often its own endpoint is tried again (moving it back)
 
 
 class Resumer:
@@ -54,18 +59,25 @@ class Resumer:
                             else spare_after)
         self.journal = StepJournal() if self.enabled else None
         self.lost: set[int] = set()  # stages whose worker lost our KV rows, to rebuild
+        self.first_failures: dict[str, tuple] = {}  # endpoint -> (cause, kind) of its latest latch's first failure
+        self._serving = asyncio.Event()  # set when a reconnect leaves no endpoint latched: paused decodes go on
         self.stats = stats if stats is not None else {}  # the coordinator's, shared with its metrics
         self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
-                           "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0})
+                           "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0,
+                           "moves_home": 0})
 
     @property
     def enabled(self) -> bool:
         return self.resume_within is not None
 
     # ------------------------------------------------------------ hooks of the EndpointSet
-    def kv_lost(self, index: int) -> None:
-        """Stage `index`'s worker freed our buffers (its endpoint latched)."""
+    def kv_lost(self, index: int, failure=None) -> None:
+        """Stage `index`'s worker freed our buffers (its endpoint latched:
+        `failure`, the first of that latch; a failed reconnect attempt then
+        replaces the latch's cause, which is not the one to report)."""
         self.lost.add(index)
+        if failure is not None:
+            self.first_failures[failure.endpoint] = (failure.cause, failure.kind)
 
     def candidates(self, p) -> list[str]:
         """The endpoints to try, in order, in one reconnect attempt for `p`."""
@@ -73,6 +85,13 @@ class Resumer:
         if self.spares and self.spare_after is not None and down >= self.spare_after:
             return [*self.spares, p.endpoint]  # a stopped worker would hold a connect for connect_timeout
         return [p.endpoint]
+
+    def next_delay(self, p, delay: float, cap: float) -> float:
+        """The wait before `p`'s next reconnect attempt after one of `delay`
+        (doubling up to `cap`); past resume_within of down time, up to LATE_BACKOFF_CAP."""
+        if p.failure is not None and time.time() - p.failure.since >= self.resume_within:
+            cap = max(cap, LATE_BACKOFF_CAP)
+        return min(delay * 2, cap)
 
     def claim(self, endpoint: str) -> bool:
         if endpoint in self.spares:
@@ -92,12 +111,27 @@ class Resumer:
         log.warning("spare took over a stage", stage=p.stage.index, spare=spare, lost=old,
                     layers=[p.layers.start, p.layers.stop])
 
+    def moved_home(self, p, spare: str) -> None:
+        """`p`'s stage is back on its own endpoint; the spare that held it is free again."""
+        self.spares.append(spare)
+        self.stats["moves_home"] += 1
+        log.warning("stage moved back from the spare to its own worker", stage=p.stage.index, endpoint=p.endpoint,
+                    spare=spare, layers=[p.layers.start, p.layers.stop])
+
     async def reconnected(self, places: list, latch) -> None:
         """Under the decode lock, after a reconnect cleared a latch: once no
         endpoint is latched, rebuild the KV rows the reconnected stages lost.
         `latch(exc)` latches an endpoint whose connection fails meanwhile."""
-        if not self.enabled or not self.lost or any(p.failure is not None for p in places):
+        if not self.enabled or any(p.failure is not None for p in places):
             return
+        try:
+            if self.lost:
+                await self._rebuild(latch)
+        finally:
+            if not any(p.failure is not None for p in places):
+                self._serving.set()
+
+    async def _rebuild(self, latch) -> None:
         through = max(self.lost)
         steps = self.journal.prune(self.coord.kv.pos >= 0)
         started = time.perf_counter()
@@ -134,21 +168,27 @@ class Resumer:
         if code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
             return code
         first = (c.last_error, c.last_cause, c.last_failed_endpoint)
-        for f in c._endpoints.failed():  # the failure itself, not a later fast-fail's "[latched ...]" form
-            if f.endpoint == first[2]:
-                first = (f.cause, f.kind, f.endpoint)
+        if first[2] in self.first_failures:  # the failure itself: not a fast-fail's "[latched ...]" form, nor
+            cause, kind = self.first_failures[first[2]]  # a reconnect attempt's that replaced the latch's since
+            first = (cause, kind, first[2])
         paused = time.monotonic()
         deadline = paused + self.resume_within
         log.warning("decode paused: waiting for the stage to resume", endpoint=first[2], cause=first[0],
                     within=self.resume_within)
         while code == DecodeResult.ENDPOINT_FAILED:
             while c._endpoints.failed():
-                if time.monotonic() >= deadline:
-                    c.last_error, c.last_cause, c.last_failed_endpoint = first
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    c._failed(code, *first)
                     log.error("resume gave up: the stage did not come back in time", endpoint=first[2],
                               cause=first[0], waited=round(time.monotonic() - paused, 3))
                     return code
-                await asyncio.sleep(POLL)
+                # no await between the look and the clear: a reconnect that ends meanwhile sets it again
+                self._serving.clear()
+                try:
+                    await asyncio.wait_for(self._serving.wait(), left)
+                except TimeoutError:
+                    pass
             code = await c._decode(batch, greedy)
         seconds = time.monotonic() - paused
         if code == DecodeResult.OK:

@@ -110,8 +110,46 @@ def include_path() -> pathlib.Path:
     return ORIGIN.include
 
 
-ffi = cffi.FFI()
-ffi.cdef(_CDEF.read_text())
+def _declared_ffi(cdef: pathlib.Path):
+    """An FFI with the declarations in `cdef`. Parsing its 90 kB of C takes
+    pycparser ~0.13 s at every start of a process (a restarted worker is back,
+    and its compute process ready, that much later); cffi's out-of-line ABI
+    form of the same declarations loads in ~5 ms. It is made once per text and
+    cffi version into the cache (`ggml_build.cache_root()/cffi`, where the
+    ggml build lives); where that cannot be written, the text is parsed."""
+    import hashlib
+    import io
+
+    text = cdef.read_text()
+    key = hashlib.sha256(f"cffi {cffi.__version__}\n{text}".encode()).hexdigest()[:32]
+    saved = ggml_build.cache_root() / "cffi" / f"ggml_cdef_{key}.py"
+    try:
+        return _load_abi(saved)
+    except (OSError, SyntaxError, KeyError):  # not made yet (or a bad file): made again below
+        pass
+    builder = cffi.FFI()
+    builder.cdef(text)
+    try:
+        from cffi.recompiler import make_py_source
+
+        source = io.StringIO()
+        make_py_source(builder, "_ggml_cdef", source)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+        tmp.write_text(source.getvalue())
+        os.replace(tmp, saved)  # whole or not at all, for processes starting at the same time
+        return _load_abi(saved)
+    except (OSError, SyntaxError, KeyError):
+        return builder
+
+
+def _load_abi(path: pathlib.Path):
+    namespace: dict = {}
+    exec(compile(path.read_bytes(), str(path), "exec"), namespace)
+    return namespace["ffi"]
+
+
+ffi = _declared_ffi(_CDEF)
 lib = ffi.dlopen(str(library_path()))
 
 

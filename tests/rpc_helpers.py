@@ -3,6 +3,7 @@ a small reference graph, and the "is a normal client still served" check."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
@@ -26,6 +27,17 @@ def rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def open_memfds(pid: int) -> int:
+    """Client buffers (memfds) the daemon process `pid` still holds open."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += "ggml-rpc-" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return n
 
 
 # ---------------------------------------------------------------- raw frames
@@ -108,6 +120,13 @@ class RawConn:
         self.close()
 
 
+def raw_session(d) -> RawConn:
+    """A raw connection to daemon `d` that has said HELLO."""
+    conn = RawConn(d.port)
+    conn.hello()
+    return conn
+
+
 # ---------------------------------------------------------------- graphs
 
 def small_graph(buf: int, offset: int = 0, x_data=None, y_data=None):
@@ -164,6 +183,17 @@ async def normal_session(endpoint: str, seed: int = 0) -> None:
     try:
         assert c.server_hello["status"] == Status.SUCCESS and c.server_hello["version"] == P.PROTOCOL_VERSION
         await checked_session(c, seed)
+    finally:
+        await c.aclose()
+
+
+async def with_buffer(endpoint: str, body, size: int = 4096):
+    """`await body(client, buffer)` on a new connection holding one fresh buffer of
+    `size` bytes; the connection is closed after, whatever happens."""
+    c = await RpcClient.connect(endpoint)
+    try:
+        h, _ = await c.request(Command.ALLOC_BUFFER, {"size": size})
+        return await body(c, h["buffer"])
     finally:
         await c.aclose()
 

@@ -8,6 +8,8 @@ reach another client's memory even through a graph that validation let by.
 * Each client computes in a process of its own, where only its arena is mapped:
   out-of-bounds reads and writes (with --unsafe-no-validation) at many offsets
   never see nor change another client's bytes.
+* A client that floods the worker with computes does not starve another
+  client's: they take turns.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, assert_served, check_compute, checked_session, expect_error
+from rpc_helpers import N, RawConn, assert_served, chain_graph, check_compute, checked_session, expect_error
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -266,3 +268,63 @@ def test_arena_reuses_freed_ranges_zeroed_and_releases_pages():
     reg.release(1)
     reg.release(2)
     assert reg.allocated == 0 and len(reg) == 0 and reg.arena(1) is None
+
+
+# ---------------------------------------------------------------- compute fairness
+
+FLOOD = 24  # computes client A has queued at the daemon at once (below its 64-request backpressure)
+
+
+def test_flooding_client_does_not_starve_another(start_daemon):
+    """Computes run one at a time daemon-wide, through a FIFO lock that each
+    connection asks for once per request (its requests run in order on its own
+    task). So a client with a backlog of computes holds one place in the line,
+    and another client's compute waits for at most the one running: they
+    alternate. Measured as order, not time: while A has FLOOD long computes
+    pipelined, B runs 5 small ones in turn, and each of B's computes must
+    complete with at most 2 of A's completing meanwhile (the one running, and one
+    of slack for replies read in the same loop pass); a lock that let A's next
+    compute jump ahead of B's (or a connection that drained its queue under the
+    lock) makes B wait for A's whole backlog, about FLOOD. A still has most of
+    its backlog left when B is done, so B really competed with a flood."""
+    d = start_daemon("-t", "1")
+
+    async def main():
+        a = await RpcClient.connect(d.endpoint, liveness_timeout=60.0)
+        b = await RpcClient.connect(d.endpoint, liveness_timeout=60.0)
+        try:
+            h, _ = await a.request(Command.ALLOC_BUFFER, {"size": 2 * N * N * 4})
+            chain = np.random.default_rng(1).standard_normal(2 * N * N).astype(np.float32).tobytes()
+            await a.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": len(chain)}, chain)
+            tensors, _ = chain_graph(h["buffer"], steps=1)
+            await a.request(Command.GRAPH_COMPUTE, {"graph_id": 1, "tensors": tensors, "outputs": []})
+            h, _ = await b.request(Command.ALLOC_BUFFER, {"size": 4096})
+            b_buf, b_data = h["buffer"], np.arange(12, dtype=np.float32)
+            await b.request(Command.SET_TENSOR, {"buffer": b_buf, "offset": 0, "size": 48}, b_data.tobytes())
+            await check_compute(b, b_buf, 0, b_data)  # B's compute process started: only turns are measured
+
+            a_done = 0
+
+            async def a_compute():
+                nonlocal a_done
+                await a.request(Command.GRAPH_RECOMPUTE, {"graph_id": 1, "outputs": []})
+                a_done += 1
+
+            flood = [asyncio.create_task(a_compute()) for _ in range(FLOOD)]
+            while a_done == 0:  # A's backlog is queued at the daemon and computing (bounded by run's timeout)
+                await asyncio.sleep(0.005)
+            a_during_b = []
+            for _ in range(5):
+                before = a_done
+                await check_compute(b, b_buf, 0, b_data)
+                a_during_b.append(a_done - before)
+            a_left = FLOOD - a_done
+            await asyncio.gather(*flood)
+            return a_during_b, a_left
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    a_during_b, a_left = run(main())
+    assert max(a_during_b) <= 2, f"B's computes waited behind {a_during_b} of A's"
+    assert a_left >= FLOOD // 2, f"A's flood was almost over ({a_left} left) before B was done"

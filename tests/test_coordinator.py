@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, free_port
 from coordinator import Batch, Coordinator, DecodeError, DecodeResult, default_model_path
 from tiny_models import write_tiny_llama
 
@@ -697,12 +697,9 @@ def test_local_workers_die_with_a_killed_coordinator(tmp_path):
     """ggml-coordinator started its own workers; SIGKILL it: they must not linger."""
     import os
     import signal
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(_cli() + ["serve", "--port", str(port), "--parallel", "1", "--ctx-per-slot", "64",
                                       "--log-level", "info"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

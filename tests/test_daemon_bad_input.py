@@ -18,7 +18,8 @@ from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, assert_served, encode_prefix, check_compute, expect_error, normal_session, small_graph
+from rpc_helpers import (RawConn, assert_served, check_compute, checked_session, encode_prefix, expect_error,
+                         normal_session, open_memfds, raw_session, small_graph, with_buffer)
 
 MiB = 1 << 20
 
@@ -26,13 +27,6 @@ MiB = 1 << 20
 
 def run(coro, timeout: float = 30.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def raw_session(d) -> RawConn:
-    """A raw connection that has said HELLO."""
-    conn = RawConn(d.port)
-    conn.hello()
-    return conn
 
 
 # ---------------------------------------------------------------- framing abuse
@@ -288,55 +282,43 @@ def _huge_ne_overflow(t, idx):
                                     _unsupported_op, _invalid_type, _invalid_type_big, _huge_ne, _huge_elements,
                                     _huge_ne_overflow])
 def test_bad_graph(d, mutate):
-    async def scenario():
-        c = await RpcClient.connect(d.endpoint)
-        try:
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-            buf = h["buffer"]
-            x = np.arange(12, dtype=np.float32) * 3
-            await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": 48}, x.tobytes())
-            _, idx, fields, yb, _ = small_graph(buf, 0)
-            fields = copy.deepcopy(fields)
-            bad_index, fragment = mutate(fields["tensors"], idx)
-            for graph_id in (0, 5):
-                await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=graph_id), yb),
-                                   Status.INVALID_REQUEST, f"tensors[{bad_index}]", fragment)
-            # a refused graph is not cached
-            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 5, "inputs": fields["inputs"],
-                                                                   "outputs": fields["outputs"]}, yb),
-                               Status.NOT_FOUND)
-            await check_compute(c, buf, 0, x)
-            await check_compute(c, buf, 0, x, graph_id=5)
-        finally:
-            await c.aclose()
+    async def scenario(c, buf):
+        x = np.arange(12, dtype=np.float32) * 3
+        await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": 48}, x.tobytes())
+        _, idx, fields, yb, _ = small_graph(buf, 0)
+        fields = copy.deepcopy(fields)
+        bad_index, fragment = mutate(fields["tensors"], idx)
+        for graph_id in (0, 5):
+            await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=graph_id), yb),
+                               Status.INVALID_REQUEST, f"tensors[{bad_index}]", fragment)
+        # a refused graph is not cached
+        await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 5, "inputs": fields["inputs"],
+                                                               "outputs": fields["outputs"]}, yb),
+                           Status.NOT_FOUND)
+        await check_compute(c, buf, 0, x)
+        await check_compute(c, buf, 0, x, graph_id=5)
 
-    run(scenario())
+    run(with_buffer(d.endpoint, scenario))
 
 
 def test_graph_input_errors(d):
-    async def scenario():
-        c = await RpcClient.connect(d.endpoint)
-        try:
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-            buf = h["buffer"]
-            _, idx, fields, yb, _ = small_graph(buf, 0)
-            cases = [
-                (dict(fields, inputs=[]), yb, f"no data for input tensor {idx['y']}"),
-                (dict(fields, inputs=[[idx["y"], 0, 48]]), yb[:40], "outside the blob of 40 bytes"),
-                (dict(fields, inputs=[[idx["y"], 0, 44]]), yb, "needs 48 bytes, got 44"),
-                (dict(fields, inputs=[[idx["x"], 0, 48]]), yb, f"tensor {idx['x']} is not an input leaf"),
-                (dict(fields, outputs=[99]), yb, "outputs[0]=99"),
-                (dict(fields, tensors="nope"), yb, "'tensors' must be a list"),
-                (dict(fields, graph_id=-1), yb, "'graph_id'=-1"),
-            ]
-            for f, blob, msg in cases:
-                await expect_error(c.request(Command.GRAPH_COMPUTE, f, blob), Status.INVALID_REQUEST, msg)
-            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 77}), Status.NOT_FOUND)
-            await check_compute(c, buf, 0, np.zeros(12, np.float32))
-        finally:
-            await c.aclose()
+    async def scenario(c, buf):
+        _, idx, fields, yb, _ = small_graph(buf, 0)
+        cases = [
+            (dict(fields, inputs=[]), yb, f"no data for input tensor {idx['y']}"),
+            (dict(fields, inputs=[[idx["y"], 0, 48]]), yb[:40], "outside the blob of 40 bytes"),
+            (dict(fields, inputs=[[idx["y"], 0, 44]]), yb, "needs 48 bytes, got 44"),
+            (dict(fields, inputs=[[idx["x"], 0, 48]]), yb, f"tensor {idx['x']} is not an input leaf"),
+            (dict(fields, outputs=[99]), yb, "outputs[0]=99"),
+            (dict(fields, tensors="nope"), yb, "'tensors' must be a list"),
+            (dict(fields, graph_id=-1), yb, "'graph_id'=-1"),
+        ]
+        for f, blob, msg in cases:
+            await expect_error(c.request(Command.GRAPH_COMPUTE, f, blob), Status.INVALID_REQUEST, msg)
+        await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 77}), Status.NOT_FOUND)
+        await check_compute(c, buf, 0, np.zeros(12, np.float32))
 
-    run(scenario())
+    run(with_buffer(d.endpoint, scenario))
 
 
 @pytest.mark.parametrize("version", [P.PROTOCOL_VERSION + 1, 0, "1", None])
@@ -385,12 +367,22 @@ def test_client_leaves_without_reading_reply(d):
 
 
 def test_fifty_clients_at_once(d):
+    """50 clients connected at the same time (all HELLOs answered before any
+    session starts, so the daemon holds 50 connections at once), then all 50
+    sessions run together and every answer is checked. A daemon that served
+    connections one after another, or let one client's wait hold the others,
+    fails the connect (5 s) or liveness (10 s) bound of some client, or the
+    run's timeout."""
     async def all_of_them():
-        await asyncio.gather(*(normal_session(d.endpoint, seed=i) for i in range(50)))
+        clients = await asyncio.gather(*(RpcClient.connect(d.endpoint, liveness_timeout=10.0) for _ in range(50)))
+        try:
+            assert all(c.server_hello["status"] == Status.SUCCESS for c in clients)
+            await asyncio.gather(*(checked_session(c, seed=i) for i, c in enumerate(clients)))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
 
-    t = time.monotonic()
-    run(all_of_them(), timeout=60)
-    assert time.monotonic() - t < 30
+    run(all_of_them(), timeout=120)
+    assert d.alive()
 
 
 # ---------------------------------------------------------------- idle clients
@@ -625,17 +617,6 @@ def raw_session_port(port) -> RawConn:
     conn = RawConn(port)
     conn.hello()
     return conn
-
-
-def open_memfds(pid: int) -> int:
-    """Client buffers (memfds) the daemon process still holds open."""
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            n += "ggml-rpc-" in os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            pass
-    return n
 
 
 def memfd_bytes(pid: int) -> int:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, free_port
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
 BIN = pathlib.Path(sys.executable).parent
@@ -161,9 +161,7 @@ def test_daemon_ready_and_watchdog(tmp_path):
 def test_coordinator_ready_and_watchdog(tmp_path):
     notify = NotifySocket(tmp_path / "notify.sock")
     worker = DaemonProcess("-t", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="200000")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "--endpoints", worker.endpoint,
                              "--port", str(port), "--parallel", "1", "--ctx-per-slot", "64"],
@@ -183,9 +181,7 @@ def test_daemon_metrics_port():
     from rpc_daemon.client import RpcClient
     from rpc_daemon.wire.protocol import Command
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        mport = s.getsockname()[1]
+    mport = free_port()
     d = DaemonProcess("-t", "1", "--metrics-port", str(mport))
     try:
         async def use_it():

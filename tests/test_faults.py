@@ -50,6 +50,7 @@ from tiny_models import write_tiny_llama
 OK, ENDPOINT_FAILED, COMPUTE_FAILED = DecodeResult.OK, DecodeResult.ENDPOINT_FAILED, DecodeResult.COMPUTE_FAILED
 LIVENESS = 1.0  # the matrix's detection bound (the default bound, 2 s, has a test of its own)
 SLACK = 0.5  # scheduling slack on top of a bound: two cores shared with everything else
+CONNECT_TIMEOUT = 5.0  # Coordinator's default connect_timeout, which the rig keeps
 PROMPT = "The capital of France is"
 N_GEN = 8
 N_CTX = 64
@@ -162,7 +163,10 @@ def check_latched(rig: Rig, pos: int, kind: str) -> None:
         times.append(time.perf_counter() - t)
         assert code is ENDPOINT_FAILED
         assert c.last_failed_endpoint == rig.eb and c.last_cause == kind
-    assert statistics.median(times) < 1e-3, times
+    # no wait on the network: a decode that sent to B, or waited for it, would take at least a liveness
+    # bound (a stopped B) or put frames on a connection (checked below); a quarter of it leaves room for
+    # a loaded machine's scheduling, where 20 returns of a latched code take microseconds each when idle
+    assert statistics.median(times) < LIVENESS / 4, times
     assert [cl.frames_sent - cl.pings_sent for cl in rig.clients()] == sent, "a latched decode touched the network"
     with pytest.raises(RuntimeError):
         c.logits(-1)
@@ -408,7 +412,8 @@ def test_reconnect_to_a_dead_worker_keeps_the_latch(rig):
     t0 = time.perf_counter()
     with pytest.raises(EndpointUnavailable) as info:
         c.reconnect(rig.eb)
-    assert time.perf_counter() - t0 < 1.0
+    # refused at once: not a connect timeout (5 s, the coordinator's default) nor retries
+    assert time.perf_counter() - t0 < CONNECT_TIMEOUT / 2
     assert info.value.kind == "unreachable" and "refused" in str(info.value) and rig.eb in str(info.value)
     [f] = c.failed_endpoints()
     assert f.endpoint == rig.eb and f.kind == "unreachable"

@@ -29,9 +29,17 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on sy
 
 import ggml_ffi  # noqa: E402
 from ggml_ffi import core, gen_cdef  # noqa: E402
-from ggml_ffi._loader import _CDEF, ORIGIN, ffi, include_path, lib, library_path  # noqa: E402
+from ggml_ffi._loader import _CDEF, ORIGIN, include_path, lib, library_path  # noqa: E402
+from ggml_ffi._loader import ffi as loaded_ffi  # noqa: E402
+
+import cffi  # noqa: E402
 
 CDEF_TEXT = _CDEF.read_text()
+# The loaded ffi is usually cffi's out-of-line form of the cdef (ggml_ffi/_loader.py), whose struct
+# types cannot be introspected (`.fields` of an opaque one trips an assertion in cffi): the checks
+# against C read the cdef parsed here, and test_loaded_declarations_are_the_parsed_ones ties the two.
+ffi = cffi.FFI()
+ffi.cdef(CDEF_TEXT)
 
 # Enum families the binding relies on; each must be present in the cdef.
 REQUIRED_ENUM_PREFIXES = (
@@ -239,6 +247,20 @@ def test_struct_layouts_match_c(c_facts):
             if cf != pf:
                 bad.append(f"{expr}.{fname} ({f.type.cname}): offset/size C={cf} cffi={pf}")
     assert not bad, _report("struct layout", bad)
+
+
+def test_loaded_declarations_are_the_parsed_ones():
+    bad = []
+    for expr, t in AGGREGATES:
+        if (loaded_ffi.sizeof(expr), loaded_ffi.alignof(expr)) != (ffi.sizeof(t), ffi.alignof(t)):
+            bad.append(f"{expr}: sizeof/alignof loaded={loaded_ffi.sizeof(expr), loaded_ffi.alignof(expr)}")
+        for fname, f in t.fields:
+            if fname and f.bitsize == -1 and loaded_ffi.offsetof(expr, fname) != f.offset:
+                bad.append(f"{expr}.{fname}: offset loaded={loaded_ffi.offsetof(expr, fname)} parsed={f.offset}")
+    bad += [f"sizeof({name}): loaded={loaded_ffi.sizeof(name)} parsed={size}"
+            for name, size in TYPEDEFS.items() if loaded_ffi.sizeof(name) != size]
+    bad += [f"sizeof(enum {e})" for e in ENUMS if loaded_ffi.sizeof(f"enum {e}") != ffi.sizeof(f"enum {e}")]
+    assert not bad, _report("loaded declaration", bad)
 
 
 def test_typedef_and_enum_sizes_match_c(c_facts):

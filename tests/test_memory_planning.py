@@ -13,7 +13,7 @@ from conftest import DaemonProcess, free_port
 from coordinator import Coordinator, DoesNotFit
 from coordinator.planning import fit_split
 from test_tensor_cache import _bytes_in
-from tiny_models import Dims, _attention, _common_metadata, _ends, _ffn, spm_vocab, write_gguf
+from tiny_models import Dims, write_plain_llama
 
 N_CTX, N_BATCH, N_LAYER = 64, 16, 8
 MiB = 1 << 20
@@ -23,12 +23,7 @@ MiB = 1 << 20
 def model(tmp_path_factory):
     """llama, 8 layers of 4 MiB of f32 weights each: ~33 MiB with its ends."""
     d = Dims(n_embd=256, n_layer=N_LAYER, n_head=4, n_head_kv=4, n_ff=1024)
-    vocab = spm_vocab(300)
-    first, last = _ends(d, len(vocab.tokens), "f32", "f32")
-    layers = [w for il in range(N_LAYER) for w in _attention(f"blk.{il}.", d, "f32", "f32") +
-              _ffn(f"blk.{il}.", d, "f32", "f32")]
-    return write_gguf(tmp_path_factory.mktemp("plan") / "eight-layers.gguf", "llama", _common_metadata("llama", d),
-                      vocab, first + layers + last)
+    return write_plain_llama(tmp_path_factory.mktemp("plan") / "eight-layers.gguf", d, "f32")
 
 
 def workers(*mem_mib: int, extra=()):

@@ -4,16 +4,19 @@ tokens (and logits, bit for bit) compared with a run without faults."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import WorkerSet
+from conftest import DaemonProcess, WorkerSet
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult
 from coordinator.sampling import Sampler
 
@@ -211,6 +214,65 @@ def test_spare_after_spare_took_it_over(model, cluster):
         assert c.spares() == [w.endpoint(1)]
 
 
+def wait_for(what, timeout: float = 20.0) -> None:
+    """Until `what()` is true; bounded."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what.__doc__ or what}"
+        time.sleep(0.05)
+
+
+def test_stage_moves_back_home_when_its_worker_returns(model, cluster):
+    """The spare took the stage; once its own worker is back the stage moves
+    back there between two steps (KV rows replayed: the same tokens), the
+    spare's connection is closed (its buffers freed) and it is a spare again;
+    health is ok, not degraded."""
+    w = cluster(3)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2)], spare_after=0.2) as c:
+        want, _ = decode_run(c, N_GEN, False)
+
+        def fault(step):
+            if step == 4:
+                w.kill(1)
+            elif step == 8:
+                assert c.endpoints()[1]["endpoint"] == w.endpoint(2) and c.health()["status"] == "degraded"
+                w.restart(1)
+            elif step == 9:
+                wait_for(lambda: c.endpoints()[1]["endpoint"] == w.endpoint(1))
+        tokens, _ = decode_run(c, N_GEN, False, fault)
+        assert tokens == want
+        assert c.stats["spare_takeovers"] == 1 and c.stats["moves_home"] == 1 and c.stats["kv_rebuilds"] == 2
+        assert c.health()["status"] == "ok" and c.spares() == [w.endpoint(2)]
+        spare_log = w.workers[2].log_lines
+        wait_for(lambda: sum("client disconnected" in x for x in spare_log)
+                 == sum("client connected" in x for x in spare_log) == 1)
+        # and it can take the stage over again
+        tokens, _ = decode_run(c, N_GEN, False, lambda step: step == 3 and w.kill(1))
+        assert tokens == want and c.endpoints()[1]["endpoint"] == w.endpoint(2)
+
+
+def test_two_stages_lost_at_once_never_share_a_spare(model, cluster):
+    """Both workers killed at the same step, one spare: one stage takes the
+    spare, the other waits; the first worker comes back 2 s later and holds a
+    stage again (its own, or the other one as a spare). Never two stages on one
+    worker, never one stage resumed twice; the same tokens."""
+    w = cluster(3)
+    with coordinator(model, [w.endpoint(0), w.endpoint(1)], spares=[w.endpoint(2)], spare_after=0.2) as c:
+        want, _ = decode_run(c, N_GEN, False)
+
+        def fault(step):
+            if step == 5:
+                w.kill(0, 2.0)
+                w.kill(1)
+        tokens, _ = decode_run(c, N_GEN, False, fault)
+        w.join()
+        assert tokens == want
+        holders = [e["endpoint"] for e in c.endpoints()]
+        assert sorted(holders) == sorted([w.endpoint(0), w.endpoint(2)]), holders
+        assert c.stats["kv_rebuilds"] == 1 and c.stats["resumes"] == 1, c.stats
+        assert c.health()["status"] == "degraded"
+
+
 @pytest.mark.parametrize("phase, fault, takeovers", [
     ("upload", "cmd=SET_TENSOR|SET_TENSOR_HASH,after=1,action=kill", 1),
     # it takes the weights, then its third compute, in the middle of the replay, kills it: it
@@ -296,6 +358,25 @@ def arm_self_kill(w, i: int, restart_after: float | None = None) -> None:
         t = threading.Thread(target=restart, daemon=True)
         t.start()
         w.restarts.append(t)
+
+
+def test_cli_generate_resumes_through_a_killed_and_restarted_worker(model, cluster):
+    """ggml-coordinator generate --resume-within: a worker killed in the
+    middle of the generation and back 0.5 s later; it pauses (says so), exits
+    0 and prints the text of the run without a fault."""
+    w = cluster(2)
+    w.restart(1, "--test-fault", SELF_KILL)
+    cmd = [sys.executable, "-m", "coordinator", "generate", "--endpoints", f"{w.endpoint(0)},{w.endpoint(1)}",
+           "-m", str(model), "-c", str(N_CTX), "-p", PROMPT, "-n", str(N_GEN)]
+    run = dict(capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    want = subprocess.run(cmd, **run)
+    assert want.returncode == 0 and want.stdout, want.stderr
+    arm_self_kill(w, 1, RESTART_AFTER)
+    got = subprocess.run(cmd + ["--resume-within", "20"], **run)
+    w.join()
+    assert got.returncode == 0, got.stderr
+    assert "decode paused" in got.stderr, got.stderr  # the kill did hit the generation
+    assert got.stdout == want.stdout
 
 
 def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
@@ -441,3 +522,44 @@ def test_journal_keeps_exactly_the_steps_live_rows_depend_on():
     assert [len(s.tokens) for s in journal.prune(kv.pos >= 0)] == [2]
     kv.seq_rm(2)
     assert journal.prune(kv.pos >= 0) == [] and len(journal) == 0
+
+
+def test_a_reconnect_does_not_hash_the_weights_again(tmp_path):
+    """The coordinator hashes each chunk of the model file once: a reconnect
+    (or a spare's takeover) looks the stage up in the worker's tensor cache
+    with the digests it has, and gives the same text."""
+    d = DaemonProcess("-t", "1", "--cache", str(tmp_path / "cache"))
+    try:
+        with Coordinator([d.endpoint]) as c:  # the bundled Gemma 3 270M: chunks large enough to look up
+            digests = c._exec_opts["digests"]
+            hashed = digests.hashed
+            text = c.generate("The capital of France is", max_tokens=8)
+            c.reconnect(d.endpoint)
+            stats = c._places[0].executor.load_stats
+            assert stats["cache_hits"] == stats["lookups"] == hashed > 1, (stats, hashed)
+            assert digests.hashed == hashed
+            assert c.generate("The capital of France is", max_tokens=8) == text
+    finally:
+        d.stop()
+
+
+def test_chunk_digests_follow_the_file_on_disk(tmp_path):
+    """A model file changed on disk (another mtime, size or inode) is hashed
+    afresh; the same file is not."""
+    import os
+    from types import SimpleNamespace
+
+    from coordinator.executors import ChunkDigests
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 1000)
+    model, digests = SimpleNamespace(path=path), ChunkDigests()
+    chunk = path.read_bytes()[:500]
+    first = digests.digest(digests.of_file(model), "w", 0, chunk)
+    assert first == hashlib.sha256(chunk).hexdigest() and digests.hashed == 1
+    assert digests.digest(digests.of_file(model), "w", 0, chunk) == first and digests.hashed == 1
+    path.write_bytes(b"b" * 1000)
+    os.utime(path, ns=(1, 1))  # another mtime, whatever the clock's granularity
+    chunk = path.read_bytes()[:500]
+    assert digests.digest(digests.of_file(model), "w", 0, chunk) == hashlib.sha256(chunk).hexdigest() != first
+    assert digests.hashed == 2

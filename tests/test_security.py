@@ -33,7 +33,7 @@ from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.daemon.ratelimit import TokenBucket
 from rpc_daemon.wire.tls import client_context
 from rpc_helpers import (SECRET, RawConn, assert_served, check_compute, checked_session, expect_error,
-                         small_graph)
+                         open_memfds, raw_session, small_graph, with_buffer)
 
 MiB = 1 << 20
 WRONG = b"incorrect horse battery staple 98765432"
@@ -77,22 +77,6 @@ def served_with(d, **connect) -> None:
     assert d.alive(), "daemon died:\n" + "".join(d.log_lines[-30:])
     run(go())
     assert d.alive()
-
-
-def open_memfds(pid: int) -> int:
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            n += "ggml-rpc-" in os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            pass
-    return n
-
-
-def raw_session(d) -> RawConn:
-    conn = RawConn(d.port)
-    conn.hello()
-    return conn
 
 
 @contextlib.contextmanager
@@ -173,60 +157,48 @@ def test_arbitrary_read_get_tensor(d):
 def test_type_size_overflow(d, ttype, ne, nb, fragment):
     """CVE-2024-42477 (rpc-server: ggml_nbytes overflow, then a tiny buffer is
     taken as big enough). Ours: ne/nb bounds and element counts with Python ints."""
-    async def scenario():
-        c = await RpcClient.connect(d.endpoint)
-        try:
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-            buf = h["buffer"]
-            _, idx, fields, yb, _ = small_graph(buf, 0)
-            fields = copy.deepcopy(fields)
-            for name in ("x", "y"):  # a buffer tensor and an inline input
-                tensors = copy.deepcopy(fields["tensors"])
-                tensors[idx[name]].update(type=ttype, ne=ne, **({"nb": nb} if nb else {}))
-                await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), yb),
-                                   Status.INVALID_REQUEST, f"tensors[{idx[name]}]", fragment)
-            # and the raw allocation sizes
-            for size in (2**64 - 1, 2**63, 0, -1):
-                await expect_error(c.request(Command.ALLOC_BUFFER, {"size": size}), Status.INVALID_REQUEST, "'size'")
-            await check_compute(c, buf, 0, np.zeros(12, np.float32))
-        finally:
-            await c.aclose()
+    async def scenario(c, buf):
+        _, idx, fields, yb, _ = small_graph(buf, 0)
+        fields = copy.deepcopy(fields)
+        for name in ("x", "y"):  # a buffer tensor and an inline input
+            tensors = copy.deepcopy(fields["tensors"])
+            tensors[idx[name]].update(type=ttype, ne=ne, **({"nb": nb} if nb else {}))
+            await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), yb),
+                               Status.INVALID_REQUEST, f"tensors[{idx[name]}]", fragment)
+        # and the raw allocation sizes
+        for size in (2**64 - 1, 2**63, 0, -1):
+            await expect_error(c.request(Command.ALLOC_BUFFER, {"size": size}), Status.INVALID_REQUEST, "'size'")
+        await check_compute(c, buf, 0, np.zeros(12, np.float32))
 
-    run(scenario())
+    run(with_buffer(d.endpoint, scenario))
 
 
 def test_buffer_zero_is_not_a_pointer(d):
     """CVE-2026-34159 (rpc-server: a tensor whose buffer is 0 kept its `data`
     field as a raw pointer). Ours: data outside a client buffer is always the
     daemon's to place; an offset without a buffer is refused."""
-    async def scenario():
-        c = await RpcClient.connect(d.endpoint)
-        try:
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-            buf = h["buffer"]
-            _, idx, fields, yb, _ = small_graph(buf, 0)
-            for name, flags in (("x", 0), ("x", lib.GGML_TENSOR_FLAG_INPUT), ("s", None), ("z", None)):
-                tensors = copy.deepcopy(fields["tensors"])
-                tensors[idx[name]].update(buffer=0, offset=0x7F00DEAD0000)
-                if flags is not None:
-                    tensors[idx[name]]["flags"] = flags
-                for graph_id in (0, 9):
-                    await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors,
-                                                                             graph_id=graph_id), yb),
-                                       Status.INVALID_REQUEST, f"tensors[{idx[name]}]", "without a buffer")
-            # buffer 0 in the plain commands is no buffer at all
-            for cmd, f in [(Command.SET_TENSOR, {"size": 8}), (Command.GET_TENSOR, {"size": 8}),
-                           (Command.BUFFER_CLEAR, {}), (Command.FREE_BUFFER, {}),
-                           (Command.SET_TENSOR_HASH, {"size": 8, "hash": "0" * 64})]:
-                await expect_error(c.request(cmd, dict(f, buffer=0, offset=0x7F00DEAD0000),
-                                             b"\0" * 8 if cmd == Command.SET_TENSOR else b""),
-                                   Status.INVALID_REQUEST, "'buffer'=0")
-            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 9}), Status.NOT_FOUND)
-            await check_compute(c, buf, 0, np.zeros(12, np.float32))
-        finally:
-            await c.aclose()
+    async def scenario(c, buf):
+        _, idx, fields, yb, _ = small_graph(buf, 0)
+        for name, flags in (("x", 0), ("x", lib.GGML_TENSOR_FLAG_INPUT), ("s", None), ("z", None)):
+            tensors = copy.deepcopy(fields["tensors"])
+            tensors[idx[name]].update(buffer=0, offset=0x7F00DEAD0000)
+            if flags is not None:
+                tensors[idx[name]]["flags"] = flags
+            for graph_id in (0, 9):
+                await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors,
+                                                                         graph_id=graph_id), yb),
+                                   Status.INVALID_REQUEST, f"tensors[{idx[name]}]", "without a buffer")
+        # buffer 0 in the plain commands is no buffer at all
+        for cmd, f in [(Command.SET_TENSOR, {"size": 8}), (Command.GET_TENSOR, {"size": 8}),
+                       (Command.BUFFER_CLEAR, {}), (Command.FREE_BUFFER, {}),
+                       (Command.SET_TENSOR_HASH, {"size": 8, "hash": "0" * 64})]:
+            await expect_error(c.request(cmd, dict(f, buffer=0, offset=0x7F00DEAD0000),
+                                         b"\0" * 8 if cmd == Command.SET_TENSOR else b""),
+                               Status.INVALID_REQUEST, "'buffer'=0")
+        await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 9}), Status.NOT_FOUND)
+        await check_compute(c, buf, 0, np.zeros(12, np.float32))
 
-    run(scenario())
+    run(with_buffer(d.endpoint, scenario))
 
 
 def test_use_after_free_through_recompute(d):
@@ -327,68 +299,56 @@ def set_rows_graph(buf: int, n_ids: int = 3):
 
 
 def test_get_rows_ids_out_of_range(d):
-    async def scenario():
-        c = await RpcClient.connect(d.endpoint)
-        try:
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-            buf = h["buffer"]
-            a = np.arange(4 * ROWS, dtype=np.float32).reshape(ROWS, 4)
-            await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": a.nbytes}, a.tobytes())
-            fields, i_ids, i_z, n = get_rows_graph(buf)
-            good = np.array([0, 9, 4], np.int32)
-            h, out = await c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=3), good.tobytes())
-            np.testing.assert_array_equal(np.frombuffer(out, np.float32).reshape(3, 4), a[good])
-            for bad, shown in (([0, ROWS, 1], ROWS), ([-1, 2, 3], -1), ([1, 2, 2**31 - 1], 2**31 - 1)):
-                blob = np.array(bad, np.int32).tobytes()
-                await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=0), blob),
-                                         Status.INVALID_REQUEST, f"tensors[{i_ids}] ('ids')", f"row id {shown}",
-                                         f"outside 0..{ROWS - 1}", "GET_ROWS")
-                # the cached graph is checked on every recompute too
-                await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 3, "inputs": fields["inputs"],
-                                                                       "outputs": fields["outputs"]}, blob),
-                                   Status.INVALID_REQUEST, f"row id {shown}")
-            h, out = await c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 3, "inputs": fields["inputs"],
-                                                               "outputs": fields["outputs"]}, good.tobytes())
-            np.testing.assert_array_equal(np.frombuffer(out, np.float32).reshape(3, 4), a[good])
-            # ids that are a view of an inline input: only the viewed part counts
-            fields, i_full, _, n = get_rows_graph(buf, view=True)
-            ids = np.array([77, -5, 99, 1, 2, 3], np.int32)  # the view sees [1, 2, 3]
-            h, out = await c.request(Command.GRAPH_COMPUTE, fields, ids.tobytes())
-            np.testing.assert_array_equal(np.frombuffer(out, np.float32).reshape(3, 4), a[[1, 2, 3]])
-            ids[4] = ROWS + 5
-            await expect_error(c.request(Command.GRAPH_COMPUTE, fields, ids.tobytes()), Status.INVALID_REQUEST,
-                               f"row id {ROWS + 5} at [1, 0, 0, 0]", "GET_ROWS")
-            _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": a.nbytes})
-            assert out == a.tobytes()
-        finally:
-            await c.aclose()
+    async def scenario(c, buf):
+        a = np.arange(4 * ROWS, dtype=np.float32).reshape(ROWS, 4)
+        await c.request(Command.SET_TENSOR, {"buffer": buf, "offset": 0, "size": a.nbytes}, a.tobytes())
+        fields, i_ids, i_z, n = get_rows_graph(buf)
+        good = np.array([0, 9, 4], np.int32)
+        h, out = await c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=3), good.tobytes())
+        np.testing.assert_array_equal(np.frombuffer(out, np.float32).reshape(3, 4), a[good])
+        for bad, shown in (([0, ROWS, 1], ROWS), ([-1, 2, 3], -1), ([1, 2, 2**31 - 1], 2**31 - 1)):
+            blob = np.array(bad, np.int32).tobytes()
+            await expect_error(c.request(Command.GRAPH_COMPUTE, dict(fields, graph_id=0), blob),
+                                     Status.INVALID_REQUEST, f"tensors[{i_ids}] ('ids')", f"row id {shown}",
+                                     f"outside 0..{ROWS - 1}", "GET_ROWS")
+            # the cached graph is checked on every recompute too
+            await expect_error(c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 3, "inputs": fields["inputs"],
+                                                                   "outputs": fields["outputs"]}, blob),
+                               Status.INVALID_REQUEST, f"row id {shown}")
+        h, out = await c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 3, "inputs": fields["inputs"],
+                                                           "outputs": fields["outputs"]}, good.tobytes())
+        np.testing.assert_array_equal(np.frombuffer(out, np.float32).reshape(3, 4), a[good])
+        # ids that are a view of an inline input: only the viewed part counts
+        fields, i_full, _, n = get_rows_graph(buf, view=True)
+        ids = np.array([77, -5, 99, 1, 2, 3], np.int32)  # the view sees [1, 2, 3]
+        h, out = await c.request(Command.GRAPH_COMPUTE, fields, ids.tobytes())
+        np.testing.assert_array_equal(np.frombuffer(out, np.float32).reshape(3, 4), a[[1, 2, 3]])
+        ids[4] = ROWS + 5
+        await expect_error(c.request(Command.GRAPH_COMPUTE, fields, ids.tobytes()), Status.INVALID_REQUEST,
+                           f"row id {ROWS + 5} at [1, 0, 0, 0]", "GET_ROWS")
+        _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": a.nbytes})
+        assert out == a.tobytes()
 
-    run(scenario())
+    run(with_buffer(d.endpoint, scenario))
 
 
 def test_set_rows_ids_out_of_range(d):
-    async def scenario():
-        c = await RpcClient.connect(d.endpoint)
-        try:
-            h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
-            buf = h["buffer"]
-            make, i_ids = set_rows_graph(buf)
-            src = np.arange(12, dtype=np.float32).reshape(3, 4) + 100
-            fields, blob = make([2, 0, 9], src)
-            await c.request(Command.GRAPH_COMPUTE, fields, blob)
-            _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 4 * 4 * ROWS})
-            dst = np.frombuffer(out, np.float32).reshape(ROWS, 4)
-            np.testing.assert_array_equal(dst[[2, 0, 9]], src)
-            for bad in ([2, 0, ROWS], [-1, 0, 1], [0, 1, 2**40]):
-                fields, blob = make(bad, src * 0 - 1)
-                await expect_error(c.request(Command.GRAPH_COMPUTE, fields, blob), Status.INVALID_REQUEST,
-                                   f"tensors[{i_ids}] ('kv_idxs')", "SET_ROWS", f"outside 0..{ROWS - 1}")
-            _, out2 = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 4 * 4 * ROWS})
-            assert out2 == out  # nothing written by the refused requests
-        finally:
-            await c.aclose()
+    async def scenario(c, buf):
+        make, i_ids = set_rows_graph(buf)
+        src = np.arange(12, dtype=np.float32).reshape(3, 4) + 100
+        fields, blob = make([2, 0, 9], src)
+        await c.request(Command.GRAPH_COMPUTE, fields, blob)
+        _, out = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 4 * 4 * ROWS})
+        dst = np.frombuffer(out, np.float32).reshape(ROWS, 4)
+        np.testing.assert_array_equal(dst[[2, 0, 9]], src)
+        for bad in ([2, 0, ROWS], [-1, 0, 1], [0, 1, 2**40]):
+            fields, blob = make(bad, src * 0 - 1)
+            await expect_error(c.request(Command.GRAPH_COMPUTE, fields, blob), Status.INVALID_REQUEST,
+                               f"tensors[{i_ids}] ('kv_idxs')", "SET_ROWS", f"outside 0..{ROWS - 1}")
+        _, out2 = await c.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 4 * 4 * ROWS})
+        assert out2 == out  # nothing written by the refused requests
 
-    run(scenario())
+    run(with_buffer(d.endpoint, scenario))
 
 
 def test_rows_out_of_range_unvalidated_is_contained(start_daemon):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import pathlib
 import urllib.request
 
@@ -88,9 +89,13 @@ def test_without_cache_hash_loads_are_not_found(daemon, data):
     assert isinstance(out, RpcError) and out.status == Status.NOT_FOUND and "no tensor cache" in out.message
 
 
-def _bytes_in(metrics_port: int) -> float:
+def _metric(metrics_port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("ggml_rpc_bytes_in_total"))
+    return next(float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == name)
+
+
+def _bytes_in(metrics_port: int) -> float:
+    return _metric(metrics_port, "ggml_rpc_bytes_in_total")
 
 
 def test_coordinator_loads_weights_from_a_restarted_workers_cache(tmp_path):
@@ -117,3 +122,195 @@ def test_coordinator_loads_weights_from_a_restarted_workers_cache(tmp_path):
     assert stats[1]["cache_hits"] == stats[1]["lookups"] > 1 and stats[1]["max_lookups_in_flight"] > 1, stats
     assert stats[0]["cache_hits"] == 0 and stats[0]["max_sends_in_flight"] > 1, stats
     assert texts[0] == texts[1]
+
+
+# --- the bound (--cache-max): least recently used entries go first, never one in use
+
+MIB = 1 << 20
+
+
+def chunk(seed: int, size: int = SIZE) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def cached(cache: pathlib.Path) -> dict[str, int]:
+    """The entries on disk: {hash: size}."""
+    return {f.name: f.stat().st_size for f in cache.glob("??/*") if not f.name.startswith(".")}
+
+
+def test_cache_is_bounded_least_recently_used_first(tmp_path):
+    """--cache-max 5 MiB holds two 2 MiB entries: a third evicts the one used
+    longest ago (a load counts as a use), also after a restart; metrics and the
+    log say so."""
+    cache = tmp_path / "cache"
+    a, b, c, d_ = (chunk(i) for i in range(4))
+    mport = free_port()
+    d = DaemonProcess("-t", "1", "--cache", str(cache), "--cache-max", "5", "--metrics-port", str(mport))
+    try:
+        run(store(d.endpoint, a))
+        run(store(d.endpoint, b))
+        assert run(load(d.endpoint, sha(a), SIZE)) == a  # a is now the more recently used
+        run(store(d.endpoint, c))
+        assert set(cached(cache)) == {sha(a), sha(c)}, "b, the least recently used, should have gone"
+        line = d.wait_log("tensor cache evicted")
+        assert "entries=1" in line and sha(b) in line, line
+        gone = run(load(d.endpoint, sha(b), SIZE))
+        assert isinstance(gone, RpcError) and gone.status == Status.NOT_FOUND
+        assert _metric(mport, "ggml_rpc_tensor_cache_bytes") == 2 * SIZE == sum(cached(cache).values())
+        assert _metric(mport, "ggml_rpc_tensor_cache_bytes_max") == 5 * MIB
+        assert _metric(mport, "ggml_rpc_tensor_cache_entries") == 2
+        assert _metric(mport, "ggml_rpc_tensor_cache_evictions_total") == 1
+        assert run(load(d.endpoint, sha(a), SIZE)) == a  # now c is the least recently used
+    finally:
+        d.stop()
+    d = DaemonProcess("-t", "1", "--cache", str(cache), "--cache-max", "5")  # the use order is on disk
+    try:
+        run(store(d.endpoint, d_))
+        assert set(cached(cache)) == {sha(a), sha(d_)}
+        assert run(load(d.endpoint, sha(a), SIZE)) == a and run(load(d.endpoint, sha(d_), SIZE)) == d_
+    finally:
+        d.stop()
+    d = DaemonProcess("-t", "1", "--cache", str(cache), "--cache-max", "3")  # a smaller bound: trimmed at start
+    try:
+        assert set(cached(cache)) == {sha(d_)}
+        d.wait_log("over --cache-max at start")
+        big = chunk(9, 4 * MIB)  # larger than the whole cache: served, not cached, nothing evicted for it
+        run(store(d.endpoint, big))
+        assert set(cached(cache)) == {sha(d_)}
+        d.wait_log("larger than the whole cache")
+    finally:
+        d.stop()
+
+
+def test_partial_and_truncated_entries_are_cleaned_and_rewritten(tmp_path):
+    """A write cut short by a crash (a temp file of a dead process) is removed at start; an entry
+    truncated on disk is never served, and the next store of its content
+    rewrites it (it used to stay truncated for good: the store saw the name and
+    skipped it)."""
+    cache = tmp_path / "cache"
+    data = chunk(1)
+    entry = cache / sha(data)[:2] / sha(data)
+    entry.parent.mkdir(parents=True)
+    entry.write_bytes(data[: SIZE // 2])
+    partial = entry.parent / ".tmp-999999999-x"  # its writer (that pid) is gone: cut short
+    partial.write_bytes(data[:1000])
+    in_progress = entry.parent / f".tmp-{os.getpid()}-x"  # a live writer's (a daemon sharing the dir): kept
+    in_progress.write_bytes(data[:1000])
+    old_partial = entry.parent / f"{sha(data)}.tmp12345"  # how daemons before --cache-max named them
+    old_partial.write_bytes(data[:1000])
+    unrelated = cache / "README"  # not the cache's: left alone
+    unrelated.write_text("mine")
+    d = DaemonProcess("-t", "1", "--cache", str(cache))
+    try:
+        assert not partial.exists() and not old_partial.exists() and in_progress.exists()
+        assert unrelated.read_text() == "mine"
+        refused = run(load(d.endpoint, sha(data), SIZE))
+        assert isinstance(refused, RpcError) and refused.status == Status.NOT_FOUND
+        run(store(d.endpoint, data))
+        assert entry.read_bytes() == data
+        assert run(load(d.endpoint, sha(data), SIZE)) == data
+        # cut short behind the daemon's back, same name: refused, removed, and stored again later
+        entry.write_bytes(data[: SIZE // 4])
+        refused = run(load(d.endpoint, sha(data), SIZE))
+        assert isinstance(refused, RpcError) and refused.status == Status.NOT_FOUND
+        assert not entry.exists()
+        run(store(d.endpoint, data))
+        assert run(load(d.endpoint, sha(data), SIZE)) == data
+        assert d.alive()
+    finally:
+        d.stop()
+
+
+def test_an_entry_being_read_is_not_evicted(tmp_path):
+    """A SET_TENSOR_HASH in progress holds its entry: stores from another client
+    that need room evict the others, never it, and the load completes with the
+    right bytes. (The entry's file is swapped for a FIFO, so the worker's read
+    waits, deterministically, until the test writes the content into it.)"""
+    import threading
+
+    cache = tmp_path / "cache"
+    a, b, c = chunk(1), chunk(2), chunk(3)
+    d = DaemonProcess("-t", "1", "--cache", str(cache), "--cache-max", "5")
+    try:
+        run(store(d.endpoint, a))
+        entry = cache / sha(a)[:2] / sha(a)
+        entry.unlink()
+        os.mkfifo(entry)
+        result = {}
+        reader = threading.Thread(target=lambda: result.setdefault("a", run(load(d.endpoint, sha(a), SIZE))))
+        reader.start()
+        # the worker opens the FIFO for reading: open for writing returns once it has (bounded wait)
+        fd = None
+        for _ in range(200):
+            try:
+                fd = os.open(entry, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:  # ENXIO: no reader yet
+                threading.Event().wait(0.05)
+        assert fd is not None, "the worker never opened the entry"
+        run(store(d.endpoint, b))  # fits beside a
+        run(store(d.endpoint, c))  # needs room: b goes, not a, which is being read
+        assert set(cached(cache)) == {sha(a), sha(c)}
+        os.set_blocking(fd, True)
+        os.write(fd, a)
+        os.close(fd)
+        reader.join(60)
+        assert result.get("a") == a, "the load of the entry in use failed"
+    finally:
+        d.stop()
+
+
+def test_concurrent_clients_keep_the_bound(tmp_path):
+    """Eight clients store 24 chunks (1 MiB each, some the same content) at once
+    into a 6 MiB cache: every SET_TENSOR succeeds, the disk never holds more
+    than the bound, the metric agrees with the disk, and every entry left is
+    intact."""
+    cache = tmp_path / "cache"
+    mport = free_port()
+    d = DaemonProcess("-t", "1", "--cache", str(cache), "--cache-max", "6", "--metrics-port", str(mport))
+    chunks = [chunk(i % 16, MIB) for i in range(24)]  # 16 distinct, 8 stored twice
+    peak = 0
+
+    async def client(i: int) -> None:
+        for data in chunks[i::8]:
+            await store(d.endpoint, data)
+
+    async def watch(stop: asyncio.Event) -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, sum(cached(cache).values()))
+            await asyncio.sleep(0.01)
+
+    async def all_clients() -> None:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        await asyncio.gather(*(client(i) for i in range(8)))
+        stop.set()
+        await watcher
+
+    try:
+        run(all_clients(), timeout=120)
+        on_disk = cached(cache)
+        assert peak <= 6 * MIB and sum(on_disk.values()) <= 6 * MIB, (peak, on_disk)
+        assert _metric(mport, "ggml_rpc_tensor_cache_bytes") == sum(on_disk.values())
+        assert _metric(mport, "ggml_rpc_tensor_cache_entries") == len(on_disk) == 6
+        assert _metric(mport, "ggml_rpc_tensor_cache_evictions_total") >= 10  # 16 distinct into 6 places
+        for name in on_disk:
+            assert sha((cache / name[:2] / name).read_bytes()) == name
+        assert not list(cache.glob("??/.tmp-*"))
+        assert d.alive()
+    finally:
+        d.stop()
+
+
+def test_cache_max_flag_is_checked():
+    import subprocess
+    import sys
+
+    for args, fragment in ((["--cache-max", "5"], "give --cache"), (["--cache", "x", "--cache-max", "-1"], ">= 0")):
+        p = subprocess.run([sys.executable, "-m", "rpc_daemon", *args], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and fragment in p.stderr, (args, p.returncode, p.stderr)

@@ -17,13 +17,14 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+
+from conftest import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -63,12 +64,6 @@ StandardError=append:{root}/%n.log
 def systemd_cgroups() -> set[pathlib.Path]:
     """The cgroups named like systemd's (*.slice, *.scope, *.service) in every hierarchy."""
     return {p for p in CGROUPS.rglob("*") if p.is_dir() and p.suffix in (".slice", ".scope", ".service")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Systemd:

@@ -304,6 +304,22 @@ def _alternate(a: tuple[str, str], b: tuple[str, str]):
     return lambda il: a if il % 2 == 0 else b
 
 
+def write_plain_llama(path: str | os.PathLike, d: Dims, wtype: str, n_ctx: int = 256,
+                      layer_std: float | None = None, seed: int = 0) -> str:
+    """A llama of shape `d` whose every matrix is `wtype` (an own output head,
+    SentencePiece vocabulary of 300): for tests and benches that need a model of
+    a given size, not coverage of types. `layer_std` overrides the layers'
+    weight scale (0.02 keeps activations in range over many layers)."""
+    vocab = spm_vocab(300)
+    first, last = _ends(d, len(vocab.tokens), wtype, wtype)
+    layers = _layers(d, lambda il: (wtype, wtype))
+    if layer_std is not None:
+        for w in layers:
+            w.std = layer_std
+    return write_gguf(path, "llama", _common_metadata("llama", d, n_ctx=n_ctx), vocab, first + layers + last,
+                      seed=seed)
+
+
 def model_llama(head: str = "own"):
     """Llama 1/2-style (SentencePiece): 4 layers, GQA 4/2, f32/f16/q8_0. head: "own" (an
     output.weight of its own), "tied" (none: the token embedding is the head), "ties"

@@ -1,11 +1,15 @@
 """Continuous batching: N slots share every decode step.
 
-Each slot is one request with its own sequence id in the shared KV cache. One
-loop builds a batch from every active slot (the last sampled token) and
-decodes it once, so N clients cost one step each instead of N. A new prompt is
-decoded in steps of its own, in the chunks it would be decoded in alone
-(`step_slots`). A failed step ends every slot that was in it with the error; no
-token from that step reaches anybody.
+Each slot is one request with its own sequence id in the shared KV cache. A
+loop builds a batch from every active slot of its group (the last sampled
+token) and decodes it once, so N clients cost one step each instead of N. A new
+prompt is decoded in steps of its own, in the chunks it would be decoded in
+alone (`step_slots`). With pipelining (the coordinator's micro_batch, and
+several workers) there is one group, and one loop, per worker: each new slot
+joins the group with the fewest, and the groups' steps are in flight at once,
+so worker A computes one group's step while worker B computes another's
+(coordinator/decode_gate.py). A failed step ends every slot that was in it
+with the error; no token from that step reaches anybody.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class Slot:
     fed: int = 0  # tokens of `pending` in the step being decoded
     generated: int = 0
     cancelled: bool = False
+    group: int = 0  # the loop that steps it
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -89,21 +94,31 @@ class Scheduler:
         for seq in range(n_slots):
             self.free.put_nowait(seq)
         self.active: list[Slot] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.decode_started: float | None = None  # set while a step is in flight
+        # one group of slots per stage when steps are pipelined, each stepped by its own loop
+        pipelined = getattr(coord, "pipelined", False)
+        self.n_groups = max(1, min(n_slots, len(coord.endpoints()))) if pipelined else 1
+        self._wake = [asyncio.Event() for _ in range(self.n_groups)]
+        self._tasks: list[asyncio.Task] = []
+        self._started: dict[int, float] = {}  # group -> when its step in flight started
         self.closing = False
         self.last_step_end = time.monotonic()
         self.generated = 0  # tokens sampled for any request, ever (the cluster view's tokens/s)
 
+    @property
+    def decode_started(self) -> float | None:
+        """When the oldest step in flight started; None if none is."""
+        return min(self._started.values(), default=None)
+
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(g)) for g in range(self.n_groups)]
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
 
@@ -120,7 +135,7 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return bool(self._tasks) and not any(task.done() for task in self._tasks)
 
     @property
     def busy(self) -> int:
@@ -142,16 +157,17 @@ class Scheduler:
         if self.closing:
             self.free.put_nowait(seq)
             raise ShuttingDown()
+        sizes = [sum(s.group == g for s in self.active) for g in range(self.n_groups)]
         slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
-                    pending=list(prompt))
+                    pending=list(prompt), group=sizes.index(min(sizes)))
         self.active.append(slot)
-        self._wake.set()
+        self._wake[slot.group].set()
         return slot
 
     def cancel(self, slot: Slot) -> None:
         """The client went away: the loop frees the slot before its next step."""
         slot.cancelled = True
-        self._wake.set()
+        self._wake[slot.group].set()
 
     def _release(self, slot: Slot) -> None:
         if slot not in self.active:
@@ -172,30 +188,31 @@ class Scheduler:
         slot.events.put_nowait(SlotEvent("done", finish_reason=reason))
         self._release(slot)
 
-    async def _run(self) -> None:
+    async def _run(self, group: int) -> None:
         while True:
             try:
-                await self._step()
+                await self._step(group)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug must end the requests in flight, not the loop
                 log.exception("decode loop step failed")
-                for slot in list(self.active):
+                for slot in [s for s in self.active if s.group == group]:
                     slot.events.put_nowait(SlotEvent("error", code=DecodeResult.COMPUTE_FAILED,
                                                      message=f"internal error: {type(exc).__name__}: {exc}"))
                     self._release(slot)
 
-    async def _step(self) -> None:
+    async def _step(self, group: int) -> None:
         n_batch = self.coord.n_batch
-        for slot in [s for s in self.active if s.cancelled]:
+        for slot in [s for s in self.active if s.cancelled and s.group == group]:
             self._release(slot)
-        if not self.active:
-            self._wake.clear()
-            await self._wake.wait()
+        mine = [s for s in self.active if s.group == group]
+        if not mine:
+            self._wake[group].clear()
+            await self._wake[group].wait()
             return
         tokens, pos, seqs, want, rows = [], [], [], [], []
         in_batch: list[Slot] = []
-        for slot in step_slots(self.active):
+        for slot in step_slots(mine):
             chunk = slot.pending[: n_batch - len(tokens)]
             if not chunk:
                 break
@@ -209,20 +226,20 @@ class Scheduler:
                 rows.append((len(tokens) - 1, slot))
             slot.fed = len(chunk)
             in_batch.append(slot)
-        self.decode_started = time.monotonic()
+        self._started[group] = time.monotonic()
         started = time.perf_counter()
         try:
             # with resume_within set, a lost worker is a pause here, not an error (coordinator/resume.py)
-            code = await self.coord.adecode_resuming(Batch(tokens, pos, seqs, want))
+            outcome = await self.coord.adecode_outcome(Batch(tokens, pos, seqs, want))
         finally:
-            self.decode_started = None
+            del self._started[group]
             self.last_step_end = time.monotonic()
+        code = outcome.code
         if self.metrics:
             self.metrics.observe_decode(time.perf_counter() - started, code, len(tokens))
         if code != DecodeResult.OK:
-            err = self.coord.last_error or code.name
-            endpoint = getattr(self.coord, "last_failed_endpoint", None) \
-                if code == DecodeResult.ENDPOINT_FAILED else None
+            err = outcome.error or code.name
+            endpoint = outcome.endpoint if code == DecodeResult.ENDPOINT_FAILED else None
             log.error("decode step failed", code=code.name, error=err, slots=len(in_batch))
             for slot in in_batch:
                 slot.events.put_nowait(SlotEvent("error", code=code, message=err, endpoint=endpoint))
@@ -236,7 +253,7 @@ class Scheduler:
             slot.fed = 0
         for row, slot in rows:
             if not slot.cancelled:
-                self._sample(slot, self.coord.logits(row))
+                self._sample(slot, outcome.logits(row))
 
     def _sample(self, slot: Slot, logits) -> None:
         token = slot.sampler.sample(logits)

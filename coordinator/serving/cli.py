@@ -85,12 +85,36 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     if with_head_flag:
         p.add_argument("--no-head-split", dest="head_split", action="store_false",
                        help="the last worker computes the whole output head (default: every worker a share)")
+    p.add_argument("--micro-batch", type=_count(0), default=LIBRARY["micro_batch"], metavar="N",
+                   help=f"pipelining over several workers: batches cut into micro-batches that keep every worker "
+                        f"busy (prompts in chunks of at most N tokens, several sequences in as many groups as "
+                        f"workers, N / 2 tokens or more each), and serve steps one group of slots per worker at once "
+                        f"(default {LIBRARY['micro_batch']}; 0: off, the workers one after another)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help="the workers' shared secret (else systemd's credential $CREDENTIALS_DIRECTORY/rpc-secret, "
                         "else $GGML_RPC_SECRET); local workers get it too")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
+
+
+def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None:
+    """Resuming through a lost worker (docs/failure-semantics.md, "Resuming"), for generate and serve alike."""
+    p.add_argument("--resume-within", type=_seconds, default=default, metavar="S",
+                   help=f"{what} in flight when a worker fails pauses up to S seconds for its stage to come "
+                        f"back (restarted, or on a spare), then goes on with the same text (default: "
+                        f"{f'{default:g}; 0: fail at once' if default else '0, failing at once'})")
+    p.add_argument("--spares", default=None, metavar="HOST:PORT,...",
+                   help="workers that take over the stage of a worker that does not come back quickly "
+                        "(needs --resume-within)")
+    p.add_argument("--spare-after", type=_seconds, default=None, metavar="S",
+                   help="how long a lost worker may take to come back before a spare takes its stage "
+                        "(default: 1 s, or a quarter of --resume-within if that is less)")
+
+
+def _resume_options(args) -> dict:
+    return {"resume_within": args.resume_within or None, "spare_after": args.spare_after,
+            "spares": [e.strip() for e in (args.spares or "").split(",") if e.strip()]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,6 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--top-k", type=int, default=GENERATION["top_k"])
     g.add_argument("--top-p", type=float, default=GENERATION["top_p"])
     g.add_argument("--seed", type=int, default=GENERATION["seed"])
+    _resume_flags(g, 0.0, "the generation")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--version", action="version", version=f"ggml-coordinator {package_version()}")
     _common(s)
@@ -128,15 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                    help="the chat template of /v1/chat/completions: a built-in (chatml, gemma, llama3, mistral, "
                         "phi3) or a Jinja template file (default: the model's own, else a generic fallback)")
-    s.add_argument("--resume-within", type=_seconds, default=SERVE_RESUME_WITHIN, metavar="S",
-                   help="a request in flight when a worker fails pauses up to S seconds for its stage to come "
-                        f"back (restarted, or on a spare), then goes on with the same text (default: "
-                        f"{SERVE_RESUME_WITHIN:g}; 0: fail at once)")
-    s.add_argument("--spares", default=None, metavar="HOST:PORT,...",
-                   help="workers that take over the stage of a worker that does not come back quickly")
-    s.add_argument("--spare-after", type=_seconds, default=None, metavar="S",
-                   help="how long a lost worker may take to come back before a spare takes its stage "
-                        "(default: 1 s, or a quarter of --resume-within if that is less)")
+    _resume_flags(s, SERVE_RESUME_WITHIN, "a request")
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
@@ -160,6 +177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ctx_size is None:
         args.ctx_size = LIBRARY["n_ctx"]
     _check_settings(p, args)
+    if getattr(args, "spares", None) and not args.resume_within:
+        p.error("--spares needs --resume-within: a spare takes over a stage while a generation waits")
     from coordinator.planning import NO_DEFAULT_MODEL, default_model_available
     if args.model is None and not default_model_available():  # at once: before any worker is started
         p.error(NO_DEFAULT_MODEL)
@@ -216,7 +235,8 @@ def cmd_generate(args) -> int:
     with endpoints_for(args) as endpoints:
         try:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
-                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split)
+                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split,
+                            micro_batch=args.micro_batch, **_resume_options(args))
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED
@@ -312,7 +332,7 @@ def cmd_bench(args) -> int:
         coords = {}
         try:
             for name, (eps, opts) in setups.items():
-                opts = {"threads": args.threads, **opts}
+                opts = {"threads": args.threads, "micro_batch": args.micro_batch, **opts}
                 coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
                                            **opts, **_security(args))
         except BaseException:
@@ -456,9 +476,8 @@ def _serve(args, socks) -> int:
         try:  # under systemd, a big model's upload extends the start timeout while it progresses
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
                             n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-                            head_split=args.head_split, resume_within=args.resume_within or None,
-                            spares=[e.strip() for e in (args.spares or "").split(",") if e.strip()],
-                            spare_after=args.spare_after, on_upload=StartTimeoutExtender())
+                            head_split=args.head_split, **_resume_options(args), on_upload=StartTimeoutExtender(),
+                            micro_batch=args.micro_batch)
         except (ConnectionError, OSError, ValueError) as exc:
             say(f"cannot start: {exc}", "error")
             return EXIT_CONNECT_FAILED

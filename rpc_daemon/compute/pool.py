@@ -87,7 +87,10 @@ class ComputePool:
 
     @property
     def lock(self) -> asyncio.Lock:
-        """Daemon-wide: one graph computes at a time, whoever's it is."""
+        """Daemon-wide: one graph computes at a time, whoever's it is. asyncio.Lock
+        is FIFO and lets no newcomer past a waiter, and a connection asks for it
+        once per request: so connections with computes pending take turns (a
+        lock that let the releaser re-take it would let one client starve the rest)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         return self._lock
@@ -99,6 +102,15 @@ class ComputePool:
     @property
     def restarts(self) -> int:
         return sum(p.restarts for p in self.by_client.values())
+
+    def adopt(self, child: tuple[subprocess.Popen, socket.socket]) -> None:
+        """`child` (spawn_child's) as the spare: one started before the pool was."""
+        if self._spare is None and not self._closed:
+            self._spare = child
+        else:
+            child[1].close()
+            child[0].kill()
+            self._dying.append(child[0])
 
     def warm(self) -> None:
         """Start the spare now, so a client's first compute need not wait for a process to start."""

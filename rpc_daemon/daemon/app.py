@@ -23,13 +23,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=None) -> None:
+    """`spare`: a compute process started ahead (rpc_daemon/compute/pool.py, spawn_child)."""
     loop = asyncio.get_running_loop()
     ssl_context = None
     if config.tls_cert:
         from rpc_daemon.wire.tls import server_context
         ssl_context = server_context(config.tls_cert, config.tls_key)
     daemon = Daemon(config)
+    if spare is not None:
+        daemon.compute.adopt(spare)
     metrics_server = None
     if config.metrics_port is not None:
         from rpc_daemon.daemon.metrics import serve_metrics

@@ -30,6 +30,9 @@ def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
                    help="cap on bytes allocated for clients, in MiB (default: physical memory)")
     p.add_argument("-c", "--cache", nargs="?", const=str(DEFAULT_CACHE), default=None, metavar="DIR",
                    help=f"enable the tensor cache (default dir {DEFAULT_CACHE})")
+    p.add_argument("--cache-max", type=int, default=_C.cache_max >> 20, metavar="MiB",
+                   help="bytes the tensor cache may hold on disk, in MiB; past it the least recently used "
+                        "entries are deleted (default: twice --mem, at most half the cache's file system)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument("--idle-timeout", type=float, default=_C.idle_timeout,
@@ -47,10 +50,12 @@ def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonC
     """The DaemonConfig the production flags in `args` ask for (p.error on a bad one)."""
     if not 0 <= args.port <= 65535:
         p.error("--port must be 0..65535")
-    if args.threads < 1 or args.mem < 0:
-        p.error("--threads must be >= 1 and --mem >= 0")
+    if args.threads < 1 or args.mem < 0 or args.cache_max < 0:
+        p.error("--threads must be >= 1, --mem and --cache-max >= 0")
+    if args.cache_max and args.cache is None:
+        p.error("--cache-max bounds the tensor cache: give --cache [DIR] too")
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
-                          cache_dir=args.cache, idle_timeout=args.idle_timeout,
+                          cache_dir=args.cache, cache_max=args.cache_max << 20, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
                           metrics_port=args.metrics_port)
     return security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
@@ -72,10 +77,14 @@ def run_daemon(config: DaemonConfig, args: argparse.Namespace) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     from rpc_daemon.service import logs
     logs.configure(args.log_format, args.log_level)
+    # the first compute process starts up (~0.2 s of imports) alongside this process's own imports, on
+    # another core: a restarted worker's first requests do not share the CPU with it after listening
+    from rpc_daemon.compute.pool import spawn_child
+    spare = spawn_child(config.threads)
     from rpc_daemon.daemon.app import serve
     from rpc_daemon.service.loop import run
     try:
-        run(serve(config))
+        run(serve(config, spare=spare))
     except OSError as exc:
         print(f"ggml-rpc-server: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ class DaemonConfig:
     mem: int = 0  # bytes; 0 = physical memory
     metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port
     cache_dir: str | None = None
+    cache_max: int = 0  # bytes the tensor cache may hold; 0 = tensor_cache.default_max_bytes
     idle_timeout: float = 300.0
     hello_timeout: float = 10.0
     compute_timeout: float = 600.0

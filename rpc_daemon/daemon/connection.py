@@ -24,7 +24,7 @@ from rpc_daemon.daemon.buffers import BufferRegistry, SharedBuffer, arena_size_f
 from rpc_daemon.daemon.config import DaemonConfig, fd_client_limit, physical_memory
 from rpc_daemon.daemon.handlers import COMMANDS, Session
 from rpc_daemon.daemon.ratelimit import TokenBucket
-from rpc_daemon.daemon.tensor_cache import TensorCache
+from rpc_daemon.daemon.tensor_cache import TensorCache, default_max_bytes
 from rpc_daemon.service import hoptrace
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import framing as F
@@ -57,7 +57,9 @@ class Daemon:
         self.compute = ComputePool(config.threads, config.compute_timeout)
         self.buffers.compute_bytes = lambda: self.compute.compute_bytes
         self.compute.budget_base = lambda: self.buffers.max_bytes - self.buffers.allocated
-        self.cache = TensorCache(config.cache_dir) if config.cache_dir else None
+        self.cache = None
+        if config.cache_dir:
+            self.cache = TensorCache(config.cache_dir, config.cache_max or default_max_bytes(config.cache_dir, mem))
         self.connections: set[Connection] = set()
         self._ids = itertools.count(1)
         self.stats = collections.Counter()

@@ -39,6 +39,15 @@ class DaemonCollector:
         yield GaugeMetricFamily("ggml_rpc_compute_processes", "Compute processes serving clients (one per client "
                                                               "that computes; the spare not counted)",
                                 value=len(d.compute.by_client))
+        if d.cache is not None:
+            yield GaugeMetricFamily("ggml_rpc_tensor_cache_bytes", "Bytes the tensor cache holds on disk",
+                                    value=d.cache.bytes)
+            yield GaugeMetricFamily("ggml_rpc_tensor_cache_bytes_max", "Cap on the tensor cache (--cache-max)",
+                                    value=d.cache.max_bytes)
+            yield GaugeMetricFamily("ggml_rpc_tensor_cache_entries", "Entries in the tensor cache",
+                                    value=d.cache.entries)
+            yield CounterMetricFamily("ggml_rpc_tensor_cache_evictions", "Entries deleted to make room "
+                                      "(least recently used first)", value=d.cache.evictions)
 
 
 def serve_metrics(daemon, host: str, port: int):

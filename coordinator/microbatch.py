@@ -1,0 +1,156 @@
+"""Pipeline parallelism within a decode step: the batch is cut into
+micro-batches that follow each other through the stages (stage_flow.flow),
+so worker A computes micro-batch k+1 while worker B computes micro-batch k,
+and the head round of one overlaps the layers of the next.
+
+Each micro-batch is decoded exactly as if it were a decode of its own, the
+micro-batches one after another: its KV rows are assigned, and n_kv and its
+masks fixed, after those of the micro-batches before it and before those of
+the ones after; every stage computes them in that order. So the logits are
+those of the unpipelined path decoding the same micro-batches in turn, bit
+for bit, and the KV journal records each micro-batch as a step of its own
+(a resume replays them in those shapes). A failure of any micro-batch fails
+the whole decode: every row it assigned is rolled back and nothing of any
+micro-batch is returned or recorded.
+
+How a batch is cut (`plan_cuts`), with two or more stages only:
+
+* a run of tokens of one sequence longer than `micro_batch` (a long prompt)
+  into pieces of `micro_batch` tokens and the rest: causal, so piece k+1 on a
+  stage needs only that stage's KV rows of piece k (one size for every long
+  prompt's pieces: the workers keep a few graph shapes cached, not one per
+  prompt length);
+* then the pieces packed, in batch order, into about max(n_stages,
+  n_tokens / micro_batch) micro-batches of about equal size, but not below
+  micro_batch / 2 tokens (5 prompts of 20 tokens over 2 stages: 40, 40, 20; one
+  token for each of 8 sequences: one micro-batch, as a 4-token step costs
+  about 0.7 of an 8-token one); for a caller that steps its own groups at
+  once (the HTTP server, adecode_outcome), only into about n_tokens /
+  micro_batch;
+* a cut in which a token would attend to a token of a later micro-batch
+  (a batch not in causal order) is not used: the batch stays whole.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.pipeline import Pipeline, PreparedStep, step_failed
+from coordinator.stage_flow import FlowFailed, flow
+
+DEFAULT_MICRO_BATCH = 64  # tokens; prompt chunks of 64 keep ggml's matmuls efficient on the CPU
+
+
+def _runs(tok_seq: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal stretches of consecutive tokens with the same sequence mask."""
+    starts = [0, *np.flatnonzero(tok_seq[1:] != tok_seq[:-1]) + 1, len(tok_seq)]
+    return list(zip(starts, starts[1:]))
+
+
+def _in_causal_order(cuts: list[tuple[int, int]], tok_pos: np.ndarray, tok_seq: np.ndarray) -> bool:
+    """No token attends to (shares a sequence with, at a position not after
+    its own) a token of a later micro-batch."""
+    piece = np.repeat(np.arange(len(cuts)), [b - a for a, b in cuts])
+    sees = ((tok_seq[:, None] & tok_seq[None, :]) != 0) & (tok_pos[None, :] <= tok_pos[:, None])
+    return not (sees & (piece[None, :] > piece[:, None])).any()
+
+
+def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_batch: int,
+              group: bool = True) -> list[tuple[int, int]]:
+    """The micro-batches of a batch, as [start, stop) token ranges in batch
+    order. `group` False: only long runs are cut, the sequences are not put
+    in groups (a caller that steps its own groups at once, as the server)."""
+    n = len(tok_pos)
+    whole = [(0, n)]
+    if n_stages < 2 or micro_batch < 1 or n < 2:
+        return whole
+    pieces = []
+    for a, b in _runs(tok_seq):  # pieces of exactly micro_batch tokens, the rest last: few graph shapes
+        pieces.extend((i, min(i + micro_batch, b)) for i in range(a, b, micro_batch))
+    # tokens per micro-batch; groups of sequences not below micro_batch / 2 tokens: a smaller step costs
+    # nearly as much as a larger one on the CPU (measured: 4 tokens about 0.7 of 8), which overlap cannot win back
+    target = -(-n // max(n_stages if group else 1, -(-n // micro_batch)))
+    target = max(target, micro_batch // 2) if group else target
+    cuts: list[list[int]] = []
+    for a, b in pieces:
+        if cuts and cuts[-1][1] - cuts[-1][0] + b - a <= target:
+            cuts[-1][1] = b
+        else:
+            cuts.append([a, b])
+    cuts = [(int(a), int(b)) for a, b in cuts]
+    if len(cuts) < 2 or not _in_causal_order(cuts, tok_pos, tok_seq):
+        return whole
+    return cuts
+
+
+@dataclass
+class Admitted:
+    """A decode step's micro-batches, their KV rows assigned and inputs fixed,
+    its place in every stage's order taken; not yet computed."""
+    steps: list[PreparedStep]
+    saved: list[tuple]  # what the rows held, for KVCells.rollback
+    after: list  # per stage: done when the step before has finished with that stage
+    done: list  # per stage: set when this step has
+
+
+class MicroBatches:
+    """Decode steps cut into micro-batches that flow through the stages, and
+    the order in which every stage takes them, across steps too: a step
+    admitted after another is computed after it on every stage, so several
+    steps may be in flight at once (decode_gate.py). `micro_batch`: 0 turns
+    pipelining off (the coordinator then decodes one step at a time, each
+    whole, the stages one after another: Pipeline.step)."""
+
+    def __init__(self, pipeline: Pipeline, micro_batch: int):
+        if isinstance(micro_batch, bool) or not (isinstance(micro_batch, int) and micro_batch >= 0):
+            raise ValueError(f"micro_batch must be a number of tokens (0: no pipelining), not {micro_batch!r}")
+        self.pipeline, self.micro_batch = pipeline, micro_batch
+        self._tails: list = [None] * len(pipeline.places)  # per stage: the last admitted step's `done`
+
+    @property
+    def enabled(self) -> bool:
+        return self.micro_batch > 0
+
+    def admit(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray, out_rows: np.ndarray,
+              greedy: bool, group: bool = True) -> Admitted:
+        """Assign the rows `rows` micro-batch by micro-batch (each fixes n_kv
+        and its masks after the rows of those before it) and take the step's
+        place in every stage's order. Synchronous: nothing else happens between.
+        `group`: see plan_cuts."""
+        kv, pipe = self.pipeline.kv, self.pipeline
+        saved, steps = [], []
+        for a, b in plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group):
+            saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
+            mine = (out_rows[(out_rows >= a) & (out_rows < b)] - a).astype(np.int32)
+            steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy))
+        loop = asyncio.get_running_loop()
+        done = [loop.create_future() for _ in pipe.places]
+        after, self._tails = self._tails, done
+        return Admitted(steps, saved, after, done)
+
+    async def run(self, step: Admitted) -> np.ndarray:
+        """The logits (or greedy tokens) of the step's output rows, in order.
+        Raises StepFailed for a failure of any micro-batch (after the requests
+        in flight have ended); nothing is kept of the others."""
+        pipe, steps = self.pipeline, step.steps
+
+        def on(p):
+            return lambda i, hidden: pipe.run_stage(p, steps[i], None if hidden is None else hidden.hidden)
+
+        stages = [on(p) for p in pipe.places] + [lambda i, out: pipe.finish(steps[i], out)]
+        try:
+            results = await flow(len(steps), stages, after=step.after, done=step.done)
+        except FlowFailed as failed:
+            raise step_failed(failed.errors) from None
+        return np.concatenate(results)
+
+    def rollback(self, step: Admitted) -> None:
+        for s in reversed(step.saved):
+            self.pipeline.kv.rollback(s)
+
+    def record(self, step: Admitted) -> None:
+        """Into the KV journal, each micro-batch as a step of its own."""
+        for s in step.steps:
+            self.pipeline.record(s)
