@@ -96,10 +96,10 @@ def _cdef_for(origin: LibraryOrigin) -> tuple[LibraryOrigin, pathlib.Path]:
 
 
 ORIGIN, _CDEF = _cdef_for(find_origin())
-# ggml 0.25's tiled K-quant matmul runs from 8 rows of src1 on, the vec_dot kernel below: a
-# token's logits would depend on how many tokens share its batch (a sequence decoded in a batch
-# would not equal it decoded alone). Read by ggml once, at the first matmul; =1 opts in.
-os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+# ggml 0.25's tiled K-quant matmul (1.25x the prompt speed of vec_dot): it runs from 8 batch rows
+# on and vec_dot below, so a K-quant row's result has two classes of batch sizes, 1-7 and 8+
+# (docs/architecture.md, "Kernels"). Read by ggml once, at the first matmul; =0 opts out.
+os.environ.setdefault("GGML_CPU_TILED_MM", "1")
 
 
 def library_path() -> pathlib.Path:
@@ -206,9 +206,19 @@ def cpu_library() -> CpuLibrary:
     return CpuLibrary(cpu, reg, path, variant, _features(reg))
 
 
+def kernels() -> dict:
+    """The matrix-product kernels in use (docs/architecture.md, "Kernels and what a result depends on")."""
+    if cpu_library().features.get("LLAMAFILE") != "1":
+        llamafile = "off"
+    else:  # the build's source edit keeps tinyBLAS to quantized weights (ggml_build._SOURCE_PATCHES)
+        llamafile = "quantized" if ORIGIN.info.get("source_patches") else "all"
+    tiled = ORIGIN.kind == "build" and os.environ.get("GGML_CPU_TILED_MM", "1") != "0"  # the wheel's 0.20 has none
+    return {"llamafile": llamafile, "tiled_k_quants": tiled}
+
+
 def describe() -> dict:
     """Which ggml this process runs, for logs, DEVICE_INFO and metrics."""
     cpu = cpu_library()
     return {"ggml_version": ffi.string(lib.ggml_version()).decode(), "origin": ORIGIN.kind,
             "library": str(library_path()), "cpu_variant": cpu.variant, "cpu_library": str(cpu.path),
-            "cpu_features": sorted(k for k, v in cpu.features.items() if v == "1")}
+            "cpu_features": sorted(k for k, v in cpu.features.items() if v == "1"), "kernels": kernels()}

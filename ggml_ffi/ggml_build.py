@@ -52,10 +52,22 @@ _CMAKE_COMMON = [
     "-DLLAMA_BUILD_COMMON=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
-    # llamafile's tinyBLAS takes some matrix shapes and not others (a worker's share of the output
-    # head vs the whole head): the same rows would sum in another order, and the head shards would
-    # not give the in-process logits bit for bit. The bundled model's K-quants never use it anyway.
-    "-DGGML_LLAMAFILE=OFF",
+    # llamafile's tinyBLAS: its kernels for the 32-element quants (q8_0, q5_0, q4_0, ...) sum each
+    # output exactly as ggml's vec_dot does (tests/test_kernels.py), 1.5x faster from 2 batch rows on
+    # (gemma3's q5_0 and q8_0 tensors); _SOURCE_PATCHES keeps it off the float types, where it does not
+    "-DGGML_LLAMAFILE=ON",
+]
+# Edits to the pinned source before it is built: (file under the llama.cpp tree, text, replacement).
+# tinyBLAS's f32/f16/bf16 kernels sum in another order than vec_dot and take only some shapes (rows
+# a multiple of 4): a worker's share of an f16 output head and the whole head, or a row decoded
+# alone and in a batch, would differ in the last bits. With this edit they go to vec_dot as before.
+_SOURCE_PATCHES = [
+    ("ggml/src/ggml-cpu/llamafile/sgemm.cpp",
+     "    if (Ctype != GGML_TYPE_F32)\n        return false;\n",
+     "    if (Ctype != GGML_TYPE_F32)\n        return false;\n"
+     "    // ggml-distributed: float weights stay on vec_dot (the same sums for every batch shape)\n"
+     "    if (Atype == GGML_TYPE_F32 || Atype == GGML_TYPE_F16 || Atype == GGML_TYPE_BF16)\n"
+     "        return false;\n"),
 ]
 _CMAKE_VARIANT = {
     "native": ["-DGGML_NATIVE=ON"],
@@ -88,11 +100,22 @@ def cpu_tag() -> str:
     return hashlib.sha256("".join(facts).encode()).hexdigest()[:10]
 
 
+def recipe(variant: str) -> dict:
+    """What a build of `variant` is made with besides the source: its cmake flags and source edits."""
+    return {"cmake_flags": _CMAKE_COMMON + _CMAKE_VARIANT[variant], "source_patches": _SOURCE_PATCHES}
+
+
+def recipe_tag(variant: str) -> str:
+    """A short hash of recipe(variant): builds with other flags or edits live in other directories,
+    so changing them never reuses (nor replaces) a build made the old way."""
+    return hashlib.sha256(json.dumps(recipe(variant), sort_keys=True).encode()).hexdigest()[:8]
+
+
 def variant_dir_name(variant: str) -> str:
     if variant not in VARIANTS:
         raise ValueError(f"unknown ggml build variant {variant!r} (one of {', '.join(VARIANTS)})")
     suffix = f"native-{cpu_tag()}" if variant == "native" else variant
-    return f"ggml-{GGML_VERSION}-{suffix}"
+    return f"ggml-{GGML_VERSION}-{suffix}-{recipe_tag(variant)}"
 
 
 def requested_variant() -> str:
@@ -109,7 +132,9 @@ def is_finished(d: pathlib.Path, variant: str) -> bool:
         info = json.loads((d / INFO_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return info.get("cmake_flags") == _CMAKE_COMMON + _CMAKE_VARIANT[variant] and (d / "lib" / "libggml.so.0").exists()
+    made = {"cmake_flags": info.get("cmake_flags"), "source_patches": [list(p) for p in info.get("source_patches", [])]}
+    want = {k: [list(p) for p in v] if k == "source_patches" else v for k, v in recipe(variant).items()}
+    return made == want and (d / "lib" / "libggml.so.0").exists()
 
 
 def find_build() -> pathlib.Path | None:
@@ -180,6 +205,18 @@ def _unpack_llama_cpp(sdist: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
     return src
 
 
+def _patch_source(src: pathlib.Path) -> None:
+    """Apply _SOURCE_PATCHES; a text that is not there exactly once fails the build (a new pin
+    must be looked at again, not built without the edit)."""
+    for rel, text, replacement in _SOURCE_PATCHES:
+        path = src / rel
+        code = path.read_text()
+        if code.count(text) != 1:
+            raise BuildUnavailable(f"cannot apply the source edit to {rel}: its anchor is not there exactly once "
+                                   f"(ggml {GGML_VERSION}); see _SOURCE_PATCHES in {__file__}")
+        path.write_text(code.replace(text, replacement))
+
+
 def _tools() -> tuple[str, str]:
     cmake = shutil.which("cmake")
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
@@ -221,6 +258,7 @@ def build(variant: str | None = None, jobs: int | None = None) -> pathlib.Path:
     with tempfile.TemporaryDirectory(prefix="ggml-build-", dir=cache_root()) as tmp:
         tmp = pathlib.Path(tmp)
         src = _unpack_llama_cpp(_fetch_sdist(tmp), tmp / "src")
+        _patch_source(src)
         bdir, log = tmp / "build", cache_root() / f"{final.name}.build.log"
         log.write_text("")
         flags = _CMAKE_COMMON + _CMAKE_VARIANT[variant]
@@ -238,7 +276,8 @@ def build(variant: str | None = None, jobs: int | None = None) -> pathlib.Path:
             shutil.copyfile(p, stage / "lib" / p.name)
         shutil.copytree(src / "ggml" / "include", stage / "include")
         info = {"ggml_version": GGML_VERSION, "variant": variant, "source": f"{PIN_SDIST}=={PIN_SDIST_VERSION}",
-                "sdist_sha256": PIN_SDIST_SHA256, "cmake_flags": flags, "cpu_tag": cpu_tag(),
+                "sdist_sha256": PIN_SDIST_SHA256, "cmake_flags": flags, "source_patches": _SOURCE_PATCHES,
+                "cpu_tag": cpu_tag(),
                 "build_seconds": round(time.monotonic() - started, 1)}
         (stage / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
         if final.exists():  # an unfinished earlier attempt

@@ -182,10 +182,13 @@ def test_gemma3_knows_paris(local):
 
 
 # ---------------------------------------------------------------- batched decode
-BATCH_PROMPTS = ["The capital of France is",
-                 "Water boils at",
+# Each prompt is 8 tokens or more (gemma3: 9, 10, 16, 11), so decoded alone its K-quant matmuls take
+# the tiled kernel as they do in the 46-token batch (a shorter prompt alone would take vec_dot and
+# differ in the last bits: docs/architecture.md, "Kernels and what a result depends on").
+BATCH_PROMPTS = ["The capital of France is a city that",
+                 "Water boils at one hundred degrees Celsius when the",
                  "In 1492, Christopher Columbus sailed across the Atlantic Ocean and",
-                 "My favourite food is"]
+                 "My favourite food is a warm bowl of soup with"]
 N_STEPS = 8
 
 
@@ -217,7 +220,7 @@ def alone(local):
     return get
 
 
-# gemma3: the 4 prompts make a 50-token batch, the tiny llama's make 118 tokens. From
+# gemma3: the 4 prompts make a 46-token batch, the tiny llama's make 164 tokens. From
 # 64 query rows on, libggml's CPU flash attention takes another (tiled) kernel whose
 # results differ from the per-row kernel's by ~1e-3 relative (f16 intermediates), so
 # only below that are the batched logits bitwise those of a sequence decoded alone.
@@ -382,7 +385,9 @@ def test_kv_calls_refuse_bad_arguments(tiny_small):
 
 def test_seq_rm_tail_then_redecode(gemma):
     c = gemma
-    ids = c.tokenize("The quick brown fox jumps over the lazy dog because")
+    # 24 tokens: both halves are 8 or more, so all three prompt steps take the same matmul kernels
+    ids = c.tokenize("The quick brown fox jumps over the lazy dog because it wanted to see what was on the "
+                     "other side of the hill")
     p = len(ids) // 2
     ok(c, Batch.single(ids[:p], 0))
     ok(c, Batch.single(ids[p:], p))

@@ -125,7 +125,11 @@ def test_worker_reports_its_ggml_in_log_device_info_and_metrics(start_daemon):
     assert h["cpu_variant"] == ours["cpu_variant"], h
     assert h["ggml"] == dict(ggml_identity(), origin=ours["origin"]), h
     assert set(h["cpu_features"]) == {f.lower() for f in ours["cpu_features"]}, h
+    assert {k: v for k, v in h["kernels"].items() if k != "extra_buffers"} == ours["kernels"], h
+    assert isinstance(h["kernels"]["extra_buffers"], dict), h  # filled once the start's probe has run
+    assert f"llamafile={ours['kernels']['llamafile']}" in line and "tiled_k_quants=" in line, line
     text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
     info = [ln for ln in text.splitlines() if ln.startswith("ggml_rpc_ggml_info{")]
     assert len(info) == 1 and f'cpu_variant="{ours["cpu_variant"]}"' in info[0], info
     assert f'version="{ours["ggml_version"]}"' in info[0] and info[0].endswith(" 1.0"), info
+    assert f'llamafile="{ours["kernels"]["llamafile"]}"' in info[0] and "tiled_k_quants=" in info[0], info

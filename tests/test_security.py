@@ -697,8 +697,8 @@ def test_secret_from_env_is_not_inherited(start_daemon):
             with open(f"/proc/{pid}/environ", "rb") as f:
                 assert A.ENV_VAR.encode() not in f.read()
             checked += 1
-        except ProcessLookupError:  # the departed client's compute process, killed and reaped meanwhile
-            pass
+        except (ProcessLookupError, FileNotFoundError):  # a child gone meanwhile (zombie: ESRCH; reaped: ENOENT):
+            pass  # the departed client's compute process, or a start-up probe of ggml's buffer types
     assert checked, "no compute process"  # the spare at least
 
 

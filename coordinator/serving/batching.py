@@ -1,9 +1,10 @@
 """Continuous batching: N slots share every decode step.
 
 Each slot is one request with its own sequence id in the shared KV cache. A
-loop builds a batch from every active slot of its group (a chunk of a new
-prompt, or the last sampled token) and decodes it once, so N clients cost one
-step each instead of N. With pipelining (the coordinator's micro_batch, and
+loop builds a batch from every active slot of its group (the last sampled
+token) and decodes it once, so N clients cost one step each instead of N. A new
+prompt is decoded in steps of its own, in the chunks it would be decoded in
+alone (`step_slots`). With pipelining (the coordinator's micro_batch, and
 several workers) there is one group, and one loop, per worker: each new slot
 joins the group with the fewest, and the groups' steps are in flight at once,
 so worker A computes one group's step while worker B computes another's
@@ -66,6 +67,17 @@ class Slot:
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
+
+
+def step_slots(slots: list[Slot]) -> list[Slot]:
+    """The slots the next step decodes: the first one still feeding its prompt, alone, else all.
+    A step's token count picks ggml's kernels (docs/architecture.md, "Kernels and what a result
+    depends on"): a prompt in a step of its own gets the same bits as the request alone, and so
+    does a sampled token in a step of up to 7 (the per-row classes 1-7, 8-63, 64+)."""
+    for slot in slots:
+        if slot.first_token_at is None:
+            return [slot]
+    return slots
 
 
 class Scheduler:
@@ -200,7 +212,7 @@ class Scheduler:
             return
         tokens, pos, seqs, want, rows = [], [], [], [], []
         in_batch: list[Slot] = []
-        for slot in mine:
+        for slot in step_slots(mine):
             chunk = slot.pending[: n_batch - len(tokens)]
             if not chunk:
                 break

@@ -354,7 +354,9 @@ def cmd_bench(args) -> int:
         notes, ref_results = [notes] if notes else [], {}
         try:
             for c in coords.values():
-                _bench_one(c, min(args.pp, 8), 2)  # warm up: graphs sent, compute processes started
+                # warm up with the measured shapes, as llama-bench does: the pp graph sent, built and
+                # placed once, compute processes started (else the first repetition pays for it)
+                _bench_one(c, args.pp, 2)
             for _ in range(args.reps):  # interleaved, so all see the same machine load
                 for name, c in coords.items():
                     results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
@@ -396,6 +398,15 @@ def cmd_bench(args) -> int:
             label = f"ratio {ours} / {theirs}"
             print(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
                   f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
+    targets = []  # issue #14's speed targets, as ratios to llama.cpp measured in this same run
+    for ours, theirs, col, goal in (("local", "llama.cpp", 0, 0.95), (rpc, f"llama.cpp {rpc}", 0, 0.95),
+                                    (rpc, f"llama.cpp {rpc}", 1, 1.4)):
+        if ours in med and theirs in reference:
+            ratio = med[ours][col] / reference[theirs]["pp" if col == 0 else "tg"]
+            what = f"pp{args.pp}" if col == 0 else f"tg{args.tg}"
+            targets.append(f"{ours} {what} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
+    if targets:
+        print("targets vs llama.cpp: " + " | ".join(targets))
     for note in notes:
         print(note)
     print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "

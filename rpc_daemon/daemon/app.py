@@ -6,7 +6,7 @@ import ipaddress
 
 import structlog
 
-from ggml_ffi import describe
+from ggml_ffi import describe, extra_buffers
 from rpc_daemon.daemon.config import DaemonConfig
 from rpc_daemon.daemon.connection import Connection, Daemon
 from rpc_daemon.service.lifecycle import serve_until_signalled
@@ -50,12 +50,19 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=
                         "traffic is neither encrypted nor integrity-protected", host=config.host)
     ggml = describe()  # which libggml and CPU variant computes here (docs/operations.md)
     log.info("ggml", version=ggml["ggml_version"], origin=ggml["origin"], cpu_variant=ggml["cpu_variant"],
-             cpu_features=",".join(ggml["cpu_features"]), library=ggml["library"])
+             cpu_features=",".join(ggml["cpu_features"]), library=ggml["library"],
+             **ggml["kernels"])
     log.info("listening", host=config.host, port=port, threads=config.threads,
              mem_bytes=daemon.buffers.max_bytes, cache=config.cache_dir,
              auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,
              unsafe_no_validation=config.unsafe_no_validation or None)
     daemon.compute.warm()  # the first client's first compute need not wait for the process to start
+    # which extra buffer types (CPU_REPACK, AMX) this machine really runs: probed in child processes
+    # (their crash costs nothing), once per library, CPU and kernel, without holding up the start
+    probing = asyncio.get_running_loop().run_in_executor(None, extra_buffers.usable)
+    probing.add_done_callback(lambda f: None if f.cancelled() else
+                              log.info("ggml extra buffer types", **(f.result() if not f.exception() else
+                                                                     {"probe_failed": repr(f.exception())})))
 
     async def shutdown() -> None:
         server.close()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import structlog
 
+from ggml_ffi import extra_buffers
 from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, round_up
@@ -127,6 +128,7 @@ async def handle_device_info(s: Session, h, blob, direct):
             "client_free_memory": client_free,
             "alignment": ALIGNMENT, "max_buffer_size": reg.max_bytes, "threads": s.config.threads,
             "cpu_features": [f.lower() for f in ggml["cpu_features"]], "cpu_variant": ggml["cpu_variant"],
+            "kernels": dict(ggml["kernels"], extra_buffers=extra_buffers.known() or {}),
             "ggml": dict(ggml_identity(), origin=ggml["origin"]), "tensor_cache": s.daemon.cache is not None,
             "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect
 

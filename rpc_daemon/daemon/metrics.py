@@ -17,7 +17,8 @@ class DaemonCollector:
         ggml = describe()
         yield InfoMetricFamily("ggml_rpc_ggml", "The libggml this worker computes with and the CPU variant it chose",
                                value={"version": ggml["ggml_version"], "origin": ggml["origin"],
-                                      "cpu_variant": ggml["cpu_variant"]})
+                                      "cpu_variant": ggml["cpu_variant"], "llamafile": ggml["kernels"]["llamafile"],
+                                      "tiled_k_quants": str(ggml["kernels"]["tiled_k_quants"]).lower()})
         yield CounterMetricFamily("ggml_rpc_compute_seconds", "Time spent in graph compute",
                                   value=stats["compute_us"] / 1e6)
         yield CounterMetricFamily("ggml_rpc_computes", "Graph computes run", value=stats["computes"])
