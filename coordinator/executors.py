@@ -266,6 +266,12 @@ class RemoteExecutor:
                                 kind_on_error=FailureKind.ENDPOINT)
             self.step_peers = peers
 
+    def _forget_sent(self, evicted) -> list[int]:
+        """The ids of the evicted graphs this worker holds, no longer counted as sent: to free there."""
+        ids = [old.graph_id for old in evicted if old.graph_id in self.sent_graphs]
+        self.sent_graphs.difference_update(ids)
+        return ids
+
     def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None,
                     forward: list[dict]) -> asyncio.Task:
         """Start one linked compute: `step_input` (input name, tag, timeout)
@@ -274,10 +280,8 @@ class RemoteExecutor:
         calls (the task and those of evicted graphs' GRAPH_FREE start in order).
         The task gives (reply, blob): the blob is empty when every push succeeded."""
         g, evicted = stage.graph(shape, head)
-        for old in evicted:
-            if old.graph_id in self.sent_graphs:
-                self.sent_graphs.discard(old.graph_id)
-                asyncio.get_running_loop().create_task(self._free_quietly(old.graph_id))
+        for graph_id in self._forget_sent(evicted):
+            asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
         fields, blob = self._compute_fields(g, inputs)
         tensors, index_of = g.wire
         if step_input is not None:
@@ -398,10 +402,8 @@ class RemoteExecutor:
 
     async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
         g, evicted = stage.graph(shape, head)
-        for old in evicted:
-            if old.graph_id in self.sent_graphs:
-                self.sent_graphs.discard(old.graph_id)
-                await self._request(Command.GRAPH_FREE, {"graph_id": old.graph_id})
+        for graph_id in self._forget_sent(evicted):
+            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         fields, blob = self._compute_fields(g, inputs)
         tensors, _ = g.wire
         if g.graph_id in self.sent_graphs:

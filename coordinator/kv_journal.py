@@ -70,13 +70,14 @@ class StepJournal:
         return len(self.steps)
 
     def record(self, tokens, rows, pos, seqs, out_rows, greedy: bool, n_kv: int, mask, mask_swa,
-               live: np.ndarray) -> None:
-        """A step that succeeded; `live` (bool per KV row): the rows in use after it."""
+               live) -> None:
+        """A step that succeeded; `live()` (bool per KV row): the rows in use after
+        it, asked for only when the journal is pruned."""
         self.steps.append(JournalStep(np.asarray(tokens, np.int32).copy(), rows.copy(), pos.copy(), seqs.copy(),
                                       out_rows.copy(), bool(greedy), int(n_kv), _bits(mask),
                                       None if mask_swa is None else _bits(mask_swa)))
         if len(self.steps) >= self._prune_at:  # amortized: the pass is linear in what is kept
-            self.prune(live)
+            self.prune(live())
             self._prune_at = max(MIN_PRUNE, 2 * len(self.steps))
 
     def clear(self) -> None:

@@ -101,6 +101,12 @@ def step_failed(failures: list[BaseException]) -> StepFailed:
     return StepFailed(bug or (lost or flat)[0], lost)
 
 
+async def _run_on(p, common: dict, tokens, hidden, out_rows, shape: StepShape) -> StageOutput:
+    """Stage `p` computed once: its inputs sent, its reply read back."""
+    inputs = _stage_inputs(p, common, tokens, hidden, out_rows)
+    return _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+
+
 async def _failures_as_step_failed(coro):
     try:
         return await coro
@@ -149,8 +155,7 @@ class Pipeline:
                     common, hidden = self._common(step.pos, step.rows, mask, mask_swa), None
                 else:
                     common, hidden = carried
-                inputs = _stage_inputs(p, common, step.tokens, hidden, step.out_rows)
-                out = _read(p, await p.executor.run(p.stage, step.shape, inputs), step.shape)
+                out = await _run_on(p, common, step.tokens, hidden, step.out_rows, step.shape)
                 return common, out.hidden
             return replay_one
 
@@ -165,12 +170,11 @@ class Pipeline:
             common["mask_swa"] = mask_swa
         return common
 
-    async def _forward(self, tokens, shape: StepShape, common: dict, out_rows, places) -> StageOutput:
-        """The stages in `places` one after another; the last one's output."""
+    async def _forward(self, step: PreparedStep) -> StageOutput:
+        """The stages one after another; the last one's output."""
         hidden = out = None
-        for p in places:
-            inputs = _stage_inputs(p, common, tokens, hidden, out_rows)
-            out = _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+        for p in self.places:
+            out = await self.run_stage(p, step, hidden)
             hidden = out.hidden
         return out
 
@@ -188,8 +192,7 @@ class Pipeline:
 
     async def run_stage(self, p, step: PreparedStep, hidden) -> StageOutput:
         """Stage `p` of `step`, given the hidden state from the stage before (None for the first)."""
-        inputs = _stage_inputs(p, step.common, step.tokens, hidden, step.out_rows)
-        return _read(p, await p.executor.run(p.stage, step.shape, inputs), step.shape)
+        return await _run_on(p, step.common, step.tokens, hidden, step.out_rows, step.shape)
 
     async def finish(self, step: PreparedStep, out: StageOutput) -> np.ndarray:
         """The step's result from the last stage's output: the head round (head
@@ -210,13 +213,13 @@ class Pipeline:
         if self.journal is not None:
             self.journal.record(step.tokens, step.rows, step.pos, step.seqs, step.out_rows, step.shape.argmax,
                                 step.shape.n_kv, step.mask, step.mask_swa if self.hp.n_swa else None,
-                                self.kv.pos >= 0)
+                                lambda: self.kv.pos >= 0)
 
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
         step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
         result = await self._linked(step)
         if result is None:
-            out = await self._forward(step.tokens, step.shape, step.common, step.out_rows, self.places)
+            out = await self._forward(step)
             result = await self.finish(step, out)
         self.record(step)
         return result

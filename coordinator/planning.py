@@ -67,7 +67,7 @@ def split_weights(split: Sequence[float] | None, infos: list[dict], n_endpoints:
     """`split` if given; else every endpoint's reported free memory (what this client may
     still allocate there) if all are positive; else equal."""
     if split is None:
-        free = [i.get("client_free_memory", i.get("free_memory", 0)) for i in infos]
+        free = [_reported_free(i) for i in infos]
         split = free if all(f > 0 for f in free) else [1.0] * n_endpoints
     if len(split) != n_endpoints:
         raise ValueError(f"split has {len(split)} proportions for {n_endpoints} endpoints")
@@ -107,7 +107,12 @@ def endpoint_free(info: dict) -> int | None:
     """What a stage may take on an endpoint (DEVICE_INFO): None (no bound) in process."""
     if info.get("name") == "local":
         return None
-    return int(info.get("client_free_memory", info.get("free_memory", 0)))
+    return int(_reported_free(info))
+
+
+def _reported_free(info: dict):
+    """The free memory DEVICE_INFO reports for this client (older workers: for all)."""
+    return info.get("client_free_memory", info.get("free_memory", 0))
 
 
 class DoesNotFit(ValueError):

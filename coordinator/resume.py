@@ -150,7 +150,7 @@ class Resumer:
             self.coord._forget_kv()
             return
         seconds = time.perf_counter() - started
-        n_tokens = sum(len(s.tokens) for s in steps)
+        n_tokens = self.journal.replay_tokens()
         self.lost.clear()
         self.stats["kv_rebuilds"] += 1
         self.stats["replayed_steps"] += len(steps)

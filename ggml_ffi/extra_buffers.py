@@ -16,6 +16,7 @@ prints it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -111,6 +112,7 @@ def probe(name: str) -> str:
     return f"ok ({', '.join(sorted(errors)).lower()})"
 
 
+@functools.lru_cache(maxsize=None)  # the loaded library, the CPU and the kernel do not change while running
 def _memo_path() -> str:
     lib_file = library_path()
     st = os.stat(lib_file)

@@ -510,7 +510,7 @@ def test_journal_keeps_exactly_the_steps_live_rows_depend_on():
         kv.assign(rows, tok_pos, seqs)
         mask, _ = kv.masks(kv.n_kv(), tok_pos, seqs)
         journal.record(np.zeros(len(pos), np.int32), rows, tok_pos, seqs, np.array([0], np.int32), True,
-                       kv.n_kv(), mask, None, kv.pos >= 0)
+                       kv.n_kv(), mask, None, lambda: kv.pos >= 0)
 
     step({0: 3})  # 0: seq 0's prompt
     step({1: 2})  # 1: seq 1's prompt

@@ -109,8 +109,7 @@ class ComputePool:
             self._spare = child
         else:
             child[1].close()
-            child[0].kill()
-            self._dying.append(child[0])
+            self._bury(child[0])
 
     def warm(self) -> None:
         """Start the spare now, so a client's first compute need not wait for a process to start."""

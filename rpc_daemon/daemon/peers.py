@@ -250,10 +250,10 @@ async def take_step_input(s, h: dict, blob, link: V.StepLink):
     if link.input is None:
         return h, blob
     data = await steps_of(s).mailbox.take(link.input.tag, link.input.timeout)
-    inputs = h.get("inputs")
+    inputs = h.get("inputs", [])  # absent: none, as the parser reads it
     if not isinstance(inputs, list):
         return h, blob  # refused by the validation, as without a step input
-    return dict(h, inputs=inputs + [[link.input.tensor, len(blob), len(data)]]), bytes(blob) + data
+    return dict(h, inputs=inputs + [[link.input.tensor, len(blob), len(data)]]), b"".join((blob, data))
 
 
 def deferred(s, result, link: V.StepLink):
