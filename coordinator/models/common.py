@@ -85,6 +85,7 @@ class GraphBuilder:
     def __init__(self, ctx, hp: HParams, weights, kv, shape: StepShape, inputs: StepInputs, gf):
         self.ctx, self.c = ctx, ctx.ptr
         self.hp, self.w, self.kv, self.shape, self.inputs, self.gf = hp, weights, kv, shape, inputs, gf
+        self.outputs_only = False  # the rows past the last layer's attention are already the output rows
 
     # ---------------------------------------------------------------- blocks
     def norm(self, x, weight):
@@ -122,6 +123,18 @@ class GraphBuilder:
         lib.ggml_flash_attn_ext_set_prec(out, lib.GGML_PREC_F32)
         return lib.ggml_reshape_2d(c, out, out.ne[0] * out.ne[1], out.ne[2] * out.ne[3])
 
+    def output_rows_only(self, il: int, attn, x):
+        """In the model's last layer, the projected attention output and the residual of
+        the rows that want logits only, as llama.cpp does (inp_out_ids, after the output
+        projection): the rest of the layer is per row, so no other row's work reaches a
+        logit, and a prompt's FFN runs for its last row alone. Every row's K and V were
+        written before. Elsewhere (attn, x) as they are."""
+        rows = self.inputs.tensors.get("out_rows")
+        if il != self.hp.n_layer - 1 or rows is None:
+            return attn, x
+        self.outputs_only = True
+        return lib.ggml_get_rows(self.c, attn, rows), lib.ggml_get_rows(self.c, x, rows)
+
     def qkv(self, il: int, x):
         """Q, K, V as [head_dim, heads, n_tokens], with their biases where the layer has
         them (qwen2); from one fused attn_qkv product (phi3) as views of its Q, K, V rows."""
@@ -153,7 +166,8 @@ class GraphBuilder:
 
     def attn_residual(self, il: int, attn, x):
         """The attention's output projection plus the layer's input: the FFN's input."""
-        return lib.ggml_add(self.c, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        cur, x = self.output_rows_only(il, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        return lib.ggml_add(self.c, cur, x)
 
     def swiglu_residual(self, il: int, ffn_in):
         """The pre-norm SwiGLU FFN block plus its input: the layer's output."""
@@ -202,7 +216,8 @@ class GraphBuilder:
 
     def final_norm(self, x):
         """The rows that want logits, normalized: what the output head multiplies."""
-        x = lib.ggml_get_rows(self.c, x, self.inputs.tensors["out_rows"])
+        if not self.outputs_only:
+            x = lib.ggml_get_rows(self.c, x, self.inputs.tensors["out_rows"])
         return self.norm(x, self.w["output_norm.weight"])
 
     def output_head(self, x):
