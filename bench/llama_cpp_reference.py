@@ -15,9 +15,21 @@ llama-cpp-python sdist (ggml_ffi/ggml_build.py) unpacked at
 (the rpc-server target is called ggml-rpc-server in this llama.cpp tree).
 
 `bench` runs llama-bench in process and over 2 local rpc-servers (`-ngl 99
---rpc`), `--repack 0` (our workers use no repacked buffers either), and prints
-pp/tg tokens/s. `ggml-coordinator bench` calls `reference_rows()` for its
-reference rows.
+--rpc`), `--repack 0`, and prints pp/tg tokens/s. `ggml-coordinator bench`
+calls `reference_rows()` for its reference rows.
+
+What each side runs: the same ggml source, built -march=native; weights in
+plain CPU buffers on both (our workers and in-process path place none in the
+CPU_REPACK buffer type: for the bundled model only its q4_K tensors would be
+repacked on x86, which measured no faster, docs/architecture.md "Extra buffer
+types"; and llama.cpp's `--repack 1` also places weights in the AMX buffer
+type, which dies of SIGILL on VMs that list AMX without granting it); flash
+attention (llama-bench's `-fa auto` turns it on for the CPU) over an f16 KV
+cache; ggml's tiled K-quant kernel (GGML_CPU_TILED_MM, on by default); in
+the last layer the FFN runs for the rows that want logits only. Where the
+builds differ: ours edits tinyBLAS to leave float weights to vec_dot
+(ggml_build._SOURCE_PATCHES; the bundled model multiplies only quantized matrices,
+so this changes nothing here).
 """
 from __future__ import annotations
 
