@@ -12,8 +12,11 @@ steps in the same invocation (this machine is shared: only side by side
 numbers compare). Bounded: --tg steps (default 32) per setup.
 
 The hop table is of the layer chain alone (head_split=False: one request per
-stage, in order); the last line adds the step time with the output head split
-over the workers (the default), whose concurrent requests it does not break down.
+stage, in order); then the default setup (step links, the output head split
+over the workers) is broken down along its critical path: coordinator to
+stage 0's compute, stage 0's layers, the push to stage 1, stage 1's layers,
+the push of the normed rows to each head shard, the shards' compute, and the
+last reply, with the step time; the last line compares the step times.
 """
 from __future__ import annotations
 
@@ -64,6 +67,54 @@ def hops(path: str, n_stages: int) -> list[list[tuple[str, float]]]:
             for g in gaps]
 
 
+def critical_path(path: str) -> list[tuple[str, float]]:
+    """(segment, median microseconds) along a linked, head-split step over two
+    workers: each step's events start at its burst of requests (stage 0, stage 1,
+    two head shards) and end at the last reply; the compute processes' first
+    computes of a step are the layers, in stage order, the next two the heads."""
+    events = []
+    for line in open(path).read().splitlines():
+        pid, rest = line.split(" ", 1)
+        point, t = rest.rsplit(" ", 1)
+        events.append((int(t), int(pid), point))
+    events.sort()
+    steps, cur, replies = [], None, 0
+    for e in events:
+        if e[2] == "client send" and (cur is None or replies >= 4):
+            cur, replies = [], 0
+            steps.append(cur)
+        if cur is not None:
+            cur.append(e)
+            replies += e[2] == "client has reply"
+    gaps = collections.defaultdict(list)
+    for step in steps:
+        starts = [(t, pid) for t, pid, point in step if point == "compute start"]
+        ends = {}
+        for t, pid, point in step:
+            if point == "compute end":
+                ends.setdefault(pid, []).append(t)
+        last_reply = max((t for t, _, point in step if point == "client has reply"), default=None)
+        if len(starts) != 4 or last_reply is None or sorted(len(v) for v in ends.values()) != [2, 2]:
+            continue  # a step the trace did not catch whole
+        (a0, pa), (b0, pb) = starts[0], starts[1]
+        if pa == pb:
+            continue
+        head = {pid: t for t, pid in starts[2:]}
+        a1, b1 = ends[pa][0], ends[pb][0]
+        for name, us in (("coordinator send -> stage 0 compute", a0 - step[0][0]),
+                         ("stage 0 layers (compute)", a1 - a0),
+                         ("stage 0 end -> stage 1 compute (push)", b0 - a1),
+                         ("stage 1 layers (compute)", b1 - b0),
+                         ("stage 1 end -> its head shard's compute", head[pb] - b1),
+                         ("stage 1 end -> stage 0's head shard (push)", head[pa] - b1),
+                         ("head shard compute, stage 0", ends[pa][1] - head[pa]),
+                         ("head shard compute, stage 1", ends[pb][1] - head[pb]),
+                         ("last head end -> last reply (logits)", last_reply - max(ends[pa][1], ends[pb][1])),
+                         ("step: first send -> last reply", last_reply - step[0][0])):
+            gaps[name].append(us)
+    return [(name, statistics.median(v)) for name, v in gaps.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tg", type=int, default=32)
@@ -80,6 +131,7 @@ def main() -> int:
             remote_steps = steps(remote, args.tg, args.greedy)
             table = hops(TRACE, len(endpoints))
             shared_steps = steps(shared, args.tg, args.greedy)
+            path = critical_path(TRACE)
         finally:
             shared.close()
             remote.close()
@@ -93,6 +145,9 @@ def main() -> int:
             print(f"  {name:<42} {us:8.0f} us")
         hop_us = sum(us for name, us in rows if name != "compute start -> compute end")
         print(f"  {'everything but compute':<42} {hop_us:8.0f} us")
+    print("default setup (step links, head split), along the critical path:")
+    for name, us in path:
+        print(f"  {name:<42} {us:8.0f} us")
     loc, rem = statistics.median(local_steps) * 1e3, statistics.median(remote_steps) * 1e3
     sh = statistics.median(shared_steps) * 1e3
     print(f"in-process step {loc:.2f} ms; remote step {rem:.2f} ms (head whole), ratio {loc / rem:.3f}; "

@@ -381,8 +381,8 @@ def cmd_bench(args) -> int:
         notes.append("both sides: ggml 0.25.3 from the same pinned source built -march=native, plain CPU buffers "
                      "(no repacked weights: llama.cpp's --repack 1 also turns on AMX, which dies on VMs that list "
                      "it; CPU_REPACK made no measurable difference to ours), flash attention, f16 KV cache, the "
-                     "last layer's FFN for the output rows only; ours also sends quantized weights (not float) "
-                     "to llamafile's tinyBLAS (docs/architecture.md, \"Kernels\")")
+                     "last layer's FFN for the output rows only, llamafile's tinyBLAS (ours: for quantized "
+                     "weights only, as this model's are; docs/architecture.md, \"Kernels\")")
     cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
     width = max(len(name) for name in results) + 20
     print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
