@@ -181,6 +181,33 @@ def test_gemma3_knows_paris(local):
     assert len(re.findall(r"[A-Za-z]{2,}", text)) >= 3, text
 
 
+# ---------------------------------------------------------------- the last layer's output rows
+@pytest.mark.parametrize("model", ["gemma3", "tiny"])
+def test_the_last_layer_goes_past_attention_for_the_output_rows_only(model, local):
+    """As llama.cpp (inp_out_ids): past the last layer's attention output projection only the
+    rows that want logits go on, so its FFN multiplies those; every earlier product all the
+    step's rows. Those rows' logits are what the full-width graph gives them, up to the
+    kernel class of the row count (docs/architecture.md, "Kernels")."""
+    from coordinator.models.common import StepShape
+    from ggml_ffi import ffi, graph_nodes, lib
+
+    c = local[model]
+    stage, last = c._places[-1].stage, c.hp.n_layer - 1
+    g, _ = stage.graph(StepShape(16, 256, 2))
+    rows = {ffi.string(n.src[0].name).decode(): n.ne[1] for n in graph_nodes(g.gf) if n.op == lib.GGML_OP_MUL_MAT}
+    assert rows[f"blk.{last}.attn_output.weight"] == 16 and rows[f"blk.{last - 1}.ffn_down.weight"] == 16
+    assert rows[f"blk.{last}.ffn_down.weight"] == 2 and rows[f"blk.{last}.ffn_up.weight"] == 2
+    ids = (c.tokenize(PROMPTS[model]) * 16)[:16]
+    c.kv_clear()
+    ok(c, Batch(ids, list(range(16)), [[0]] * 16, [False] * 13 + [True, False, True]))
+    some = [c.logits(13).copy(), c.logits(15).copy()]
+    c.kv_clear()
+    ok(c, Batch.single(ids, 0, all_logits=True))
+    for got, want in zip(some, [c.logits(13), c.logits(15)]):
+        assert int(got.argmax()) == int(want.argmax())
+        assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
 # ---------------------------------------------------------------- batched decode
 # Each prompt is 8 tokens or more (gemma3: 9, 10, 16, 11), so decoded alone its K-quant matmuls take
 # the tiled kernel as they do in the 46-token batch (a shorter prompt alone would take vec_dot and
