@@ -324,7 +324,7 @@ def _reference(args, n_workers: int):
 
 
 def cmd_bench(args) -> int:
-
+    load_before = os.getloadavg()[0]  # printed with the results: other jobs on the cores move every row
     results = {}
     with endpoints_for(args) as endpoints:
         rpc = f"rpc x{len(endpoints)}"
@@ -414,6 +414,8 @@ def cmd_bench(args) -> int:
         print("targets vs llama.cpp: " + " | ".join(targets))
     for note in notes:
         print(note)
+    print(f"load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} "
+          f"cores: other jobs share them with every row, so on a busy machine run this more than once")
     print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
           "workers' threads")
     print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
