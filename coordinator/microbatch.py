@@ -51,10 +51,15 @@ def _runs(tok_seq: np.ndarray) -> list[tuple[int, int]]:
 
 def _in_causal_order(cuts: list[tuple[int, int]], tok_pos: np.ndarray, tok_seq: np.ndarray) -> bool:
     """No token attends to (shares a sequence with, at a position not after
-    its own) a token of a later micro-batch."""
-    piece = np.repeat(np.arange(len(cuts)), [b - a for a, b in cuts])
-    sees = ((tok_seq[:, None] & tok_seq[None, :]) != 0) & (tok_pos[None, :] <= tok_pos[:, None])
-    return not (sees & (piece[None, :] > piece[:, None])).any()
+    its own) a token of a later micro-batch: in each sequence, every token's
+    position is above those of the micro-batches before its own."""
+    start = np.repeat([a for a, _ in cuts], [b - a for a, b in cuts])  # where each token's micro-batch starts
+    bits = np.arange(int(np.bitwise_or.reduce(tok_seq, initial=0)).bit_length(), dtype=tok_seq.dtype)
+    member = ((tok_seq[:, None] >> bits) & 1) != 0  # [token, sequence]
+    pos = tok_pos.astype(np.int64)
+    highest = np.maximum.accumulate(np.where(member, pos[:, None], np.iinfo(np.int64).min), axis=0)
+    later = start > 0
+    return not (member[later] & (pos[later, None] <= highest[start[later] - 1])).any()
 
 
 def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_batch: int,
