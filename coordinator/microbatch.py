@@ -121,10 +121,13 @@ class MicroBatches:
         `group`: see plan_cuts."""
         kv, pipe = self.pipeline.kv, self.pipeline
         saved, steps = [], []
-        for a, b in plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group):
+        cuts = plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group)
+        for a, b in cuts:
             saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
             mine = (out_rows[(out_rows >= a) & (out_rows < b)] - a).astype(np.int32)
-            steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy))
+            # several micro-batches are relayed (run): their head choice counts the relayed hops
+            steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy,
+                                      relayed=len(cuts) > 1))
         loop = asyncio.get_running_loop()
         done = [loop.create_future() for _ in pipe.places]
         after, self._tails = self._tails, done
