@@ -1,6 +1,7 @@
 """Pipeline parallelism over 2 local workers, side by side in one run.
 
     python bench/bench_pipeline.py [--reps 3] [--pp 512] [--tg 16] [--streams 8] [--models gemma3,llama]
+                                   [--micro-batches 32,48] [--only-pp]
 
 For each model, with two fresh local workers (1 thread each) and the same
 workers for every setup:
@@ -112,24 +113,28 @@ def bench_model(name: str, path: str, args) -> list[str]:
     eps = [w.endpoint for w in workers]
     setups = {"local -t 2": (["local"], {"threads": 2}), "2 workers, pipelined": (eps, {}),
               "2 workers, unpipelined": (eps, {"micro_batch": 0})}
+    for mb in args.micro_batches:  # other piece sizes, pp only
+        setups[f"2 workers, mb {mb}"] = (eps, {"micro_batch": mb})
+    only_pp = args.only_pp
     coords, servers = {}, {}
     try:
         for label, (e, opts) in setups.items():
             coords[label] = Coordinator(e, model=path, n_ctx=N_CTX, **opts)
-        for label, extra in ((on, ()), (off, ("--micro-batch", "0"))):
+        for label, extra in (() if only_pp else ((on, ()), (off, ("--micro-batch", "0")))):
             servers[label] = Server(eps, parallel=args.streams, args=("-m", path, "-t", "1", *extra))
             asyncio.run(round_of(servers[label].url, args.streams, 4))  # warm up
         n_vocab = coords["local -t 2"].hp.n_vocab
         prompt = [int(x) for x in np.random.default_rng(0).integers(3, min(n_vocab, 1000), args.pp)]
         for c in coords.values():  # warm up: graphs built and sent, compute processes started
             pp_rate(c, prompt)
-            streams_rate(c, args.streams, 2, n_vocab)
-            streams_rate(c, 1, 2, n_vocab)
+            if not only_pp:
+                streams_rate(c, args.streams, 2, n_vocab)
+                streams_rate(c, 1, 2, n_vocab)
         rows: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.reps):
             for label, c in coords.items():
                 rows.setdefault(("pp", label), []).append(pp_rate(c, prompt))
-                if label != "local -t 2":
+                if label in (on, off) and not only_pp:
                     rows.setdefault(("batch", label), []).append(streams_rate(c, args.streams, args.tg, n_vocab))
                     rows.setdefault(("tg", label), []).append(streams_rate(c, 1, args.tg, n_vocab))
             for label, server in servers.items():
@@ -150,7 +155,12 @@ def bench_model(name: str, path: str, args) -> list[str]:
     for (what, label), xs in sorted(rows.items()):
         out.append(f"  {what:<8} {label:<24} {statistics.median(xs):>9.1f}")
     out += [f"  ratio pp{args.pp}: pipelined / local -t 2      {spread(ratios('pp', on, local))}",
-            f"  ratio pp{args.pp}: unpipelined / local -t 2    {spread(ratios('pp', off, local))}",
+            f"  ratio pp{args.pp}: unpipelined / local -t 2    {spread(ratios('pp', off, local))}"]
+    out += [f"  ratio pp{args.pp}: micro-batch {mb} / local -t 2  {spread(ratios('pp', f'2 workers, mb {mb}', local))}"
+            for mb in args.micro_batches]
+    if only_pp:
+        return out
+    out += [
             f"  ratio serve, {args.streams} streams: pipelined / unpipelined {spread(ratios('serve', on, off))}",
             f"  ratio one batch of {args.streams} sequences: pipelined / unpipelined "
             f"{spread(ratios('batch', on, off))}",
@@ -166,6 +176,9 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--serve-tokens", type=int, default=32, help="tokens per client in the serve measurement")
     ap.add_argument("--models", default="gemma3,llama")
+    ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="comma-separated other micro-batch sizes to measure pp with too")
+    ap.add_argument("--only-pp", action="store_true", help="pp only (no serve, batch or tg)")
     args = ap.parse_args()
     paths = {"gemma3": default_model_path, "llama": small_vocab_llama}
     for name in args.models.split(","):
