@@ -107,6 +107,47 @@ def spread(xs: list[float]) -> str:
     return f"{min(xs):.2f}-{max(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
 
 
+def piece_costs(name: str, path: str, args) -> list[str]:
+    """In process, one thread: a --pp prompt decoded in pieces of each size
+    (what a micro-batch costs on a stage), and whole with 1 and 2 threads;
+    each size's time over the whole prompt's, cost(s). Two equal stages of one
+    thread each, fed pieces of s tokens, take half the work in pieces plus one
+    piece (the pipeline's fill and drain), so the pp ratio against `local -t 2`
+    is at most 2 / (speedup(-t 2) x cost(s) x (1 + s / pp)): printed as the
+    ceiling (docs/operations.md, "Benchmarks")."""
+    sizes = sorted({*args.piece_sizes, args.pp})
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 300, args.pp)]
+    coords = {t: Coordinator(["local"], model=path, n_ctx=N_CTX, threads=t) for t in (1, 2)}
+    times: dict[str, list[float]] = {}
+    try:
+        for rep in range(args.reps + 1):  # the first round warms up (graphs built)
+            runs = [(1, s) for s in sizes] + [(2, args.pp)]
+            for threads, size in runs:
+                c = coords[threads]
+                c.kv_clear()
+                t = time.perf_counter()
+                for a in range(0, args.pp, size):
+                    n = min(size, args.pp - a)
+                    ok(c.decode(Batch(prompt[a:a + n], list(range(a, a + n)), [[0]] * n,
+                                      [False] * (n - 1) + [a + n == args.pp])))
+                if rep:
+                    times.setdefault(f"-t {threads}, pieces of {size}", []).append(time.perf_counter() - t)
+    finally:
+        for c in coords.values():
+            c.close()
+    whole = times[f"-t 1, pieces of {args.pp}"]
+    speedup = statistics.median(w / x for w, x in zip(whole, times[f"-t 2, pieces of {args.pp}"]))
+    out = [f"## {name}: pp{args.pp} in process, in pieces; time / one thread whole (min-max over {args.reps}); "
+           f"pipelined ceiling 2 / (speedup x cost x (1 + s / pp)), speedup of -t 2 {speedup:.2f}"]
+    for label, xs in times.items():
+        cost = [x / w for x, w in zip(xs, whole)]
+        size = int(label.rsplit(" ", 1)[1])
+        ceiling = "" if label.startswith("-t 2") else \
+            f"  ceiling {2 / (speedup * statistics.median(cost) * (1 + size / args.pp)):.2f}"
+        out.append(f"  {label:<24} {statistics.median(xs):7.3f} s  {spread(cost)}{ceiling}")
+    return out
+
+
 def bench_model(name: str, path: str, args) -> list[str]:
     on, off, local = "2 workers, pipelined", "2 workers, unpipelined", "local -t 2"
     workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
@@ -179,10 +220,13 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                     help="comma-separated other micro-batch sizes to measure pp with too")
     ap.add_argument("--only-pp", action="store_true", help="pp only (no serve, batch or tg)")
+    ap.add_argument("--piece-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="instead: in process, what a prompt costs in pieces of these sizes (e.g. 32,64,128,256)")
     args = ap.parse_args()
     paths = {"gemma3": default_model_path, "llama": small_vocab_llama}
     for name in args.models.split(","):
-        print("\n".join(bench_model(name, paths[name](), args)), flush=True)
+        run = piece_costs if args.piece_sizes else bench_model
+        print("\n".join(run(name, paths[name](), args)), flush=True)
     return 0
 
 
