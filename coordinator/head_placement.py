@@ -121,4 +121,6 @@ class HeadPlacement:
         return {"mode": self.mode, "choice": self.choice, "one_way_seconds": hop, "saved_seconds": saved,
                 "extra_hops": hops, "steps_split": self.steps["split"], "steps_whole": self.steps["whole"],
                 "changes": self.changes,
-                "rtt_seconds": {e: statistics.median(d) for e, d in self._rtts.items() if d}}
+                # copies taken at once: the server's threads read this while the loop thread records
+                "rtt_seconds": {e: statistics.median(d) for e, d in
+                                ((e, tuple(d)) for e, d in list(self._rtts.items())) if d}}
