@@ -72,6 +72,11 @@ class HeadPlacement:
         """A worker's connection is new (reconnected, or a spare): its old round trips say nothing."""
         self._rtts.pop(endpoint, None)
 
+    def keep_only(self, endpoints: set) -> None:
+        """Forget the round trips of workers that no longer hold a stage (a stage moved to a spare)."""
+        for endpoint in [e for e in self._rtts if e not in endpoints]:
+            self._rtts.pop(endpoint, None)
+
     def one_way(self) -> float | None:
         """The slowest worker's one-way delay (half its median round trip), or None if none is measured."""
         medians = [statistics.median(d) for d in self._rtts.values() if d]

@@ -214,7 +214,7 @@ class Pipeline:
             return False
         return split or not self.places[-1].stage.whole_head
 
-    async def measure_rtts(self, pings: int = 2) -> None:
+    async def measure_rtts(self, pings: int = 3) -> None:
         """PING every connected worker `pings` times (one after another), all
         workers at once; each round trip into the placement's estimate. A
         worker that does not answer is its requests' to report, not this."""
@@ -227,6 +227,7 @@ class Pipeline:
                 self.placement.record_rtt(p.endpoint, rtt)
 
         await asyncio.gather(*(one(p) for p in self.places))
+        self.placement.keep_only({p.endpoint for p in self.places})
 
     async def run_stage(self, p, step: PreparedStep, hidden) -> StageOutput:
         """Stage `p` of `step`, given the hidden state from the stage before (None for the first)."""
