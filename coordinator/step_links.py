@@ -60,9 +60,13 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
     head_tags = [next(_tags) for _ in head_places]
     targets = [[(places[k + 1], stage_tags[k + 1])] if k < last else list(zip(head_places, head_tags))
                for k in range(len(places))]
+    # the last stage names every head shard whether this step's head is split or not, so a head
+    # placement that changes between steps (head_placement.py) costs no STEP_PEERS round trip
+    shards = frozenset(p.endpoint for p in places if pipe.head_split and len(p.stage.head_rows))
     try:
         # a round trip only when a connection's peers change (its first linked step)
-        await asyncio.gather(*(p.executor.name_peers(frozenset(q.endpoint for q, _ in targets[k]))
+        await asyncio.gather(*(p.executor.name_peers(frozenset(q.endpoint for q, _ in targets[k])
+                                                     | (shards if k == last else frozenset()))
                                for k, p in enumerate(places)))
     except StageFailed as exc:
         raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
