@@ -7,7 +7,9 @@ For each model, with two fresh local workers (1 thread each) and the same
 workers for every setup:
 
 * pp: a prompt of --pp tokens decoded in one batch, over the 2 workers with
-  pipelining (micro-batches, the default) and without (--micro-batch 0),
+  pipelining (micro-batches, the default: over step links, every piece's
+  requests at once), pipelined but relayed (--no-step-links: each piece's
+  hidden state through the coordinator) and without (--micro-batch 0),
   against the in-process path with both workers' threads (`local -t 2`);
 * serve: `ggml-coordinator serve` (--parallel --streams) with --streams
   concurrent streaming clients (greedy, --serve-tokens each), aggregate
@@ -156,6 +158,8 @@ def bench_model(name: str, path: str, args) -> list[str]:
               "2 workers, unpipelined": (eps, {"micro_batch": 0})}
     for mb in args.micro_batches:  # other piece sizes, pp only
         setups[f"2 workers, mb {mb}"] = (eps, {"micro_batch": mb})
+    relayed = "2 workers, relayed"  # pipelined, each piece's hidden state through the coordinator, pp only
+    setups[relayed] = (eps, {"step_links": False})
     only_pp = args.only_pp
     coords, servers = {}, {}
     try:
@@ -199,6 +203,8 @@ def bench_model(name: str, path: str, args) -> list[str]:
             f"  ratio pp{args.pp}: unpipelined / local -t 2    {spread(ratios('pp', off, local))}"]
     out += [f"  ratio pp{args.pp}: micro-batch {mb} / local -t 2  {spread(ratios('pp', f'2 workers, mb {mb}', local))}"
             for mb in args.micro_batches]
+    out += [f"  ratio pp{args.pp}: pipelined relayed / local -t 2  {spread(ratios('pp', relayed, local))}",
+            f"  ratio pp{args.pp}: pipelined (step links) / relayed  {spread(ratios('pp', on, relayed))}"]
     if only_pp:
         return out
     out += [

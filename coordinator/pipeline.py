@@ -257,31 +257,39 @@ class Pipeline:
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
         step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
         result = await self._linked(step)
-        if result is None:
+        if result is not None:
+            result = result[0]
+        else:
             out = await self._forward(step)
             result = await self.finish(step, out)
         self.record(step)
         return result
 
-    async def linked(self, step: PreparedStep) -> np.ndarray | None:
-        """`step` over step links, if every worker offers them (None: it must be
-        relayed; nothing was sent). Raises StepFailed."""
-        return await _failures_as_step_failed(self._linked(step))
+    async def linked(self, steps: list[PreparedStep]) -> list[np.ndarray] | None:
+        """`steps` (a decode's micro-batches, in order) over step links, if
+        every worker offers them (None: they must be relayed). Raises StepFailed."""
+        return await _failures_as_step_failed(self._linked(*steps))
 
-    async def _linked(self, step: PreparedStep) -> np.ndarray | None:
-        """The step over step links when every worker offers them; None: relay it."""
+    async def _linked(self, *steps: PreparedStep) -> list[np.ndarray] | None:
+        """The steps over step links when every worker offers them, each one's
+        result; None: relay them."""
         if not (self.links and step_links.usable(self)):
             return None
-        head_places = [p for p in self.places if len(p.stage.head_rows)] if step.head_split else []
-        linked = await step_links.run(self, step.tokens, step.shape, step.common, step.out_rows, head_places)
+        shards = [p for p in self.places if len(p.stage.head_rows)] if self.head_split else []
+        heads = [shards if step.head_split else [] for step in steps]
+        linked = await step_links.run(self, [(step.tokens, step.shape, step.common, step.out_rows, head_places)
+                                             for step, head_places in zip(steps, heads)])
         if linked is None:
             return None
-        self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + 1
-        out, head_results = linked
-        if head_places:
-            self._timed_head(head_places, step.shape)
-            return self._combine_head(head_places, head_results, step.shape)
-        return await self.finish(step, out)  # no head round: the last stage's output, or nothing wanted
+        self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + len(steps)
+        results = []
+        for step, head_places, (out, head_results) in zip(steps, heads, linked):
+            if head_places:
+                self._timed_head(head_places, step.shape)
+                results.append(self._combine_head(head_places, head_results, step.shape))
+            else:  # no head round: the last stage's output, or nothing wanted
+                results.append(await self.finish(step, out))
+        return results
 
     async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
         """Every endpoint's shard of the output head at once; then the logits
