@@ -65,6 +65,9 @@ class StepShape:
     n_kv: int
     n_outputs: int
     argmax: bool = False  # the last stage returns each output row's argmax token, not its logits
+    # the last stage computes the whole output head in its layer graph although the head is split
+    # (coordinator/head_placement.py chose it for this step); a stage without the whole head ignores it
+    head_whole: bool = False
 
 
 @dataclass
