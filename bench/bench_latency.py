@@ -16,7 +16,8 @@ GIL); "direct" is the workers without a proxy. For each setting it measures:
 * added per token: (step(d) - step(0)) / d, the extra time of one step in units
   of the one-way delay d (each request to a worker and its reply cost 2 d).
 
-Each --configs entry (step links on or off, the output head split or whole)
+Each --configs entry (step links on or off, the output head split or whole;
+"default": the library's defaults, step links and the head placed per step)
 is measured at every setting at once: one coordinator per setting, the
 coordinators taking turns step by step, so the machine's load from elsewhere
 hits every setting alike (--side-by-side configs: every config at once for
@@ -86,6 +87,7 @@ def parse_links(text: str) -> list[tuple[float | None, float]]:
 
 
 CONFIGS = {  # name: (step_links, head_split)
+    "default": (True, "auto"),  # step links, the head placed per step by measured latency (head_placement.py)
     "relayed": (False, True),
     "linked": (True, True),
     "relayed-whole-head": (False, False),
@@ -133,12 +135,15 @@ def main() -> int:
                 logits = side_by_side_steps(coordinators, args.tg, greedy=False, warmup=2)
                 greedy = side_by_side_steps(coordinators, args.tg, greedy=True, warmup=2)
                 linked = [c.stats["linked_steps"] for c in coordinators]
+                heads = [c.head_placement() for c in coordinators]
             finally:
                 for c in coordinators:
                     c.close()
             for cell, load, lg, gr in zip(group, loads, logits, greedy):
                 cells[cell] = (load, statistics.median(lg), statistics.median(gr))
-            print(f"  measured {group} ({linked} linked steps)", file=sys.stderr, flush=True)
+            print(f"  measured {group} ({linked} linked steps; head " + ", ".join(
+                f"{h['mode']}: {h['steps_split']} split/{h['steps_whole']} whole" for h in heads) + ")",
+                file=sys.stderr, flush=True)
     rows = {name: [(delay, jitter, *cells[name, i]) for i, (delay, jitter) in enumerate(links)] for name in configs}
     cap = f", cap {args.rate / 1e6:g} MB/s" if args.rate else ""
     print(f"{args.workers} workers behind bench/delay_proxy.py{cap}; tg: median of {args.tg} steps")

@@ -36,6 +36,7 @@ from coordinator.decode_gate import DecodeGate
 from coordinator.executors import ChunkDigests, buffer_bytes, make_executor
 from coordinator.generation import Generations
 from coordinator.gguf_file import GGUFFile
+from coordinator.head_placement import HeadPlacement, checked_mode
 from coordinator.kv_cache import KVCells
 from coordinator.loop import LoopThread
 from coordinator.microbatch import DEFAULT_MICRO_BATCH, MicroBatches
@@ -69,7 +70,7 @@ class Coordinator:
                  use_cache: bool = True, progress: bool = False, request_timeout: float | None = 900.0,
                  auto_reconnect: bool = False, reconnect_backoff: tuple[float, float] | None = None,
                  secret: str | bytes | None = None, secret_file: str | None = None, tls_ca: str | None = None,
-                 head_split: bool = True, on_upload: Callable[[int, int], None] | None = None,
+                 head_split: bool | str = "auto", on_upload: Callable[[int, int], None] | None = None,
                  resume_within: float | None = None, spares: Sequence[str] = (),
                  spare_after: float | None = None, micro_batch: int = DEFAULT_MICRO_BATCH,
                  step_links: bool = True):
@@ -90,11 +91,17 @@ class Coordinator:
         proven in both directions at HELLO; `tls_ca` (a PEM CA bundle) turns on
         TLS and verifies each worker's certificate against it.
 
-        `head_split` (with several endpoints): every endpoint computes a share
-        of the output head's vocabulary rows, in the split's proportions, all at
-        once after the last layer, instead of the last endpoint computing all of
-        it (coordinator/stage.py). Same logits; faster when the head is a large
-        part of a step.
+        `head_split` (with several endpoints): True ("split"): every endpoint
+        computes a share of the output head's vocabulary rows, in the split's
+        proportions, all at once after the last layer, instead of the last
+        endpoint computing all of it (coordinator/stage.py); faster when the
+        head is a large part of a step, but one more network hop. False
+        ("whole"): the last endpoint computes all of it. "auto" (the default):
+        the last endpoint holds the whole head and every endpoint its share,
+        and each step takes the one that is faster by the measured round trips
+        and head compute times (coordinator/head_placement.py; a last worker
+        without the memory for the whole head: "split"). Same logits
+        whichever runs.
 
         `micro_batch` (tokens; with several endpoints): a batch is cut into
         micro-batches that follow each other through the stages, so every
@@ -139,7 +146,9 @@ class Coordinator:
         self.model_path = model or default_model_path()
         self.n_batch = n_batch
         self.threads = threads
-        self.head_split = bool(head_split) and len(endpoints) > 1
+        head_mode = checked_mode(head_split) if len(endpoints) > 1 else "whole"
+        self.head_split = head_mode != "whole"  # the stages hold shards of the head
+        self._head = HeadPlacement(head_mode)
         self.step_links = bool(step_links)
         self._exec_opts = {"connect_timeout": connect_timeout, "liveness_timeout": liveness_timeout,
                            "use_cache": use_cache, "request_timeout": request_timeout,
@@ -168,7 +177,7 @@ class Coordinator:
                 raise ValueError("n_ctx must be at least 1")
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
             self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_split, self._resume.journal,
-                                      links=self.step_links, stats=self.stats)
+                                      links=self.step_links, stats=self.stats, placement=self._head)
             self._micro = MicroBatches(self._pipeline, micro_batch)
             self._run(self._open(split, progress, on_upload))
         except BaseException:
@@ -183,25 +192,42 @@ class Coordinator:
         weights = split_weights(split, infos, len(places))
         reserve = compute_reserve(self.hp, self.n_batch, self.n_ctx)
 
-        def need(index: int, layers: range, head_rows) -> int:
-            stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx, head_rows)
-            return -(-buffer_bytes(stage) // PAGE) * PAGE + reserve
+        def plan(whole_head: bool):
+            def need(index: int, layers: range, head_rows) -> int:
+                stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
+                                     head_rows, whole_head)
+                return -(-buffer_bytes(stage) // PAGE) * PAGE + reserve
 
-        # checked against each worker's free memory before anything is uploaded (DoesNotFit)
-        layer_plan, heads = fit_split([p.endpoint for p in places], [endpoint_free(i) for i in infos],
-                                      self.hp.n_layer, self.hp.n_vocab, weights, self.head_split, split is not None,
-                                      need)
+            # checked against each worker's free memory before anything is uploaded (DoesNotFit); the whole
+            # head besides is taken only where the layers stay as they would be without it
+            return fit_split([p.endpoint for p in places], [endpoint_free(i) for i in infos], self.hp.n_layer,
+                             self.hp.n_vocab, weights, self.head_split, split is not None or whole_head, need)
+
+        whole_head = self._head.mode == "auto"  # the last stage holds the whole head besides the shards
+        try:
+            layer_plan, heads = plan(whole_head)
+        except DoesNotFit as exc:
+            if not whole_head:
+                raise
+            log.info("the last worker has no room for the whole output head besides the layers: the head stays "
+                     "split", reason=str(exc))
+            self._head.mode, whole_head = "split", False
+            layer_plan, heads = plan(whole_head)
         for index, (p, layers, head_rows) in enumerate(zip(places, layer_plan, heads)):
             p.layers = layers
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
-                                   head_rows)
+                                   head_rows, whole_head)
         await self._endpoints.load_all(self.gguf, progress, on_upload)
+        if self._head.mode == "auto":
+            await self._pipeline.measure_rtts()  # the head placement's first round trips
+            self._head.measured_at = time.monotonic()
 
     def _new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self._exec_opts)
 
     async def _connect(self, p: Placement, endpoint: str):
         """A new connection to `endpoint` (`p`'s, or a spare's) with `p`'s stage's weights (reconnect)."""
+        self._head.forget(endpoint)  # measured again (head_placement.REFRESH_S) over the new connection
         ex = self._new_executor(endpoint)
         try:
             await ex.open()
@@ -259,7 +285,22 @@ class Coordinator:
         `compute_seconds` (worker compute time summed over the current
         connection), or `error` (a message) for what could not be had. It
         does not take the decode lock: decodes go on meanwhile."""
-        return await self._io.call(self._endpoints.probe(timeout))
+        return await self._io.call(self._probe(timeout))
+
+    async def _probe(self, timeout: float) -> list[dict]:
+        found = await self._endpoints.probe(timeout)
+        for p, probe in zip(self._places, found):  # on the loop thread, as every other sample
+            if probe.get("ping_rtt") is not None:
+                self._head.record_rtt(p.endpoint, probe["ping_rtt"])
+        return found
+
+    def head_placement(self) -> dict:
+        """Where the output head runs and why (coordinator/head_placement.py):
+        `mode` (auto, split or whole), `choice` (the last step's: split or
+        whole), `one_way_seconds` and `saved_seconds` it was chosen by,
+        `extra_hops` the split cost that step, `steps_split`/`steps_whole`,
+        `changes` and each worker's median `rtt_seconds`."""
+        return self._head.view()
 
     def needs_refeed(self) -> list[int]:
         """Sequences whose KV cache was lost with a failed endpoint and that have

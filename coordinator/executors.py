@@ -129,6 +129,7 @@ class LocalExecutor:
         self.allocated: set[int] = set()  # graphs placed once keep their addresses: no allocator pass per step
         self.buffers = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
+        self.head_seconds: dict[tuple, float] = {}  # (n_outputs, argmax) -> time of the last head shard here
 
     async def probe(self, timeout: float) -> dict:
         """Nothing to ask over a network: the stage runs in this process."""
@@ -179,7 +180,11 @@ class LocalExecutor:
         return b"".join(ffi.buffer(out.data, lib.ggml_nbytes(out)) for out in g.outputs)
 
     async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
+        started = time.perf_counter()
+        out = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
+        if head:
+            self.head_seconds[(shape.n_outputs, shape.argmax)] = time.perf_counter() - started
+        return out
 
     async def close(self) -> None:
         # on the compute thread: a step whose caller gave up (cancelled, Ctrl-C) may
@@ -224,6 +229,8 @@ class RemoteExecutor:
         self.step_peers: frozenset | None = None  # the peers last named to the worker on this connection
         self.compute_us = 0  # worker-side compute time, summed
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
+        # (n_outputs, argmax) -> the worker's compute time of its last head shard of that shape
+        self.head_seconds: dict[tuple, float] = {}
         # the last load: chunks sent, hash look-ups and hits, and the most requests in flight at once
         self.load_stats = {"sent": 0, "lookups": 0, "cache_hits": 0, "max_sends_in_flight": 0,
                            "max_lookups_in_flight": 0}
@@ -292,7 +299,8 @@ class RemoteExecutor:
         cmd = Command.GRAPH_RECOMPUTE if g.graph_id in self.sent_graphs else Command.GRAPH_COMPUTE
         if cmd == Command.GRAPH_COMPUTE:
             fields["tensors"] = tensors
-        return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id))
+        return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id,
+                                                                   (shape.n_outputs, shape.argmax) if head else None))
 
     async def _free_quietly(self, graph_id: int) -> None:
         try:
@@ -300,7 +308,7 @@ class RemoteExecutor:
         except StageFailed:
             pass  # a lost connection is the step's own requests' to report
 
-    async def _linked(self, cmd, fields: dict, blob, graph_id: int) -> tuple[dict, bytes]:
+    async def _linked(self, cmd, fields: dict, blob, graph_id: int, head_key: tuple | None) -> tuple[dict, bytes]:
         started = time.monotonic()
         try:
             reply, out = await self.client.request(cmd, fields, blob, self.request_timeout)
@@ -314,7 +322,7 @@ class RemoteExecutor:
                 raise InputMissing(FailureKind.COMPUTE, self.endpoint,
                                    f"compute failed on worker {self.endpoint}: {exc}") from None
             raise rpc_failed(self.endpoint, exc) from None
-        self._account(reply, time.monotonic() - started)
+        self._account(reply, time.monotonic() - started, head_key)
         self.sent_graphs.add(graph_id)
         return reply, out
 
@@ -410,7 +418,7 @@ class RemoteExecutor:
             try:
                 started = time.monotonic()
                 reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout)
-                self._account(reply, time.monotonic() - started)
+                self._account(reply, time.monotonic() - started, (shape.n_outputs, shape.argmax) if head else None)
                 return out
             except RpcError as exc:
                 if exc.status != Status.NOT_FOUND:
@@ -419,15 +427,33 @@ class RemoteExecutor:
                 raise peer_failed(self.endpoint, exc) from None
         started = time.monotonic()
         reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
-        self._account(reply, time.monotonic() - started)
+        self._account(reply, time.monotonic() - started, (shape.n_outputs, shape.argmax) if head else None)
         self.sent_graphs.add(g.graph_id)
         return out
 
-    def _account(self, reply: dict, elapsed: float) -> None:
-        """Worker compute time, and the step's round trip without it (network and hops)."""
+    def _account(self, reply: dict, elapsed: float, head_key: tuple | None = None) -> float:
+        """Worker compute time (returned, s), and the step's round trip without it
+        (network and hops); a head shard's (of shape `head_key`) kept for the head's placement."""
         compute = reply.get("compute_us", 0)
         self.compute_us += compute
         self.rtt = max(0.0, elapsed - compute / 1e6)
+        if head_key is not None:
+            self.head_seconds[head_key] = compute / 1e6
+        return compute / 1e6
+
+    async def ping(self) -> float | None:
+        """One PING's round trip (s), bounded by the connection's liveness bound;
+        None if there is no live connection or no answer in time (the
+        connection's own requests report what is wrong with it)."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return None
+        started = time.monotonic()
+        try:
+            await client.request(Command.PING, deadline=None)
+        except (PeerFailed, RpcError):
+            return None
+        return time.monotonic() - started
 
     async def probe(self, timeout: float) -> dict:
         """For the cluster view: a PING's round trip and the worker's memory

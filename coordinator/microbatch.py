@@ -41,6 +41,7 @@ from coordinator.pipeline import Pipeline, PreparedStep, step_failed
 from coordinator.stage_flow import FlowFailed, flow
 
 DEFAULT_MICRO_BATCH = 64  # tokens; prompt chunks of 64 keep ggml's matmuls efficient on the CPU
+MAX_LINKED = 16  # micro-batches of one step sent at once over step links (more: relayed, a stage at a time)
 
 
 def _runs(tok_seq: np.ndarray) -> list[tuple[int, int]]:
@@ -51,10 +52,15 @@ def _runs(tok_seq: np.ndarray) -> list[tuple[int, int]]:
 
 def _in_causal_order(cuts: list[tuple[int, int]], tok_pos: np.ndarray, tok_seq: np.ndarray) -> bool:
     """No token attends to (shares a sequence with, at a position not after
-    its own) a token of a later micro-batch."""
-    piece = np.repeat(np.arange(len(cuts)), [b - a for a, b in cuts])
-    sees = ((tok_seq[:, None] & tok_seq[None, :]) != 0) & (tok_pos[None, :] <= tok_pos[:, None])
-    return not (sees & (piece[None, :] > piece[:, None])).any()
+    its own) a token of a later micro-batch: in each sequence, every token's
+    position is above those of the micro-batches before its own."""
+    start = np.repeat([a for a, _ in cuts], [b - a for a, b in cuts])  # where each token's micro-batch starts
+    bits = np.arange(int(np.bitwise_or.reduce(tok_seq, initial=0)).bit_length(), dtype=tok_seq.dtype)
+    member = ((tok_seq[:, None] >> bits) & 1) != 0  # [token, sequence]
+    pos = tok_pos.astype(np.int64)
+    highest = np.maximum.accumulate(np.where(member, pos[:, None], np.iinfo(np.int64).min), axis=0)
+    later = start > 0
+    return not (member[later] & (pos[later, None] <= highest[start[later] - 1])).any()
 
 
 def plan_cuts(tok_pos: np.ndarray, tok_seq: np.ndarray, n_stages: int, micro_batch: int,
@@ -121,10 +127,13 @@ class MicroBatches:
         `group`: see plan_cuts."""
         kv, pipe = self.pipeline.kv, self.pipeline
         saved, steps = [], []
-        for a, b in plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group):
+        cuts = plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group)
+        for a, b in cuts:
             saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
             mine = (out_rows[(out_rows >= a) & (out_rows < b)] - a).astype(np.int32)
-            steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy))
+            # too many micro-batches are relayed (run): their head choice counts the relayed hops
+            steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy,
+                                      relayed=len(cuts) > MAX_LINKED))
         loop = asyncio.get_running_loop()
         done = [loop.create_future() for _ in pipe.places]
         after, self._tails = self._tails, done
@@ -135,17 +144,17 @@ class MicroBatches:
         Raises StepFailed for a failure of any micro-batch (after the requests
         in flight have ended); nothing is kept of the others."""
         pipe, steps = self.pipeline, step.steps
-        if len(steps) == 1 and all(f is None or f.done() for f in step.after):
-            # one micro-batch and nothing earlier in flight (a single stream): it may go worker to worker
-            # (step links), every request at once; later steps wait for it as for any step
+        if linkable(steps) and all(f is None or f.done() for f in step.after):
+            # nothing earlier in flight (a single stream, a prompt): the micro-batches may go worker to
+            # worker (step links), every request at once; later steps wait for them as for any step
             try:
-                result = await pipe.linked(steps[0])
+                results = await pipe.linked(steps)
             except BaseException:
                 _finished(step.done)
                 raise
-            if result is not None:
+            if results is not None:
                 _finished(step.done)
-                return result
+                return np.concatenate(results)
 
         def on(p):
             return lambda i, hidden: pipe.run_stage(p, steps[i], None if hidden is None else hidden.hidden)
@@ -165,6 +174,14 @@ class MicroBatches:
         """Into the KV journal, each micro-batch as a step of its own."""
         for s in step.steps:
             self.pipeline.record(s)
+
+
+def linkable(steps: list[PreparedStep]) -> bool:
+    """Whether a step's micro-batches may go over step links all at once: a
+    head round only for the last one (a worker takes its requests in order, so
+    an earlier one's shard would hold up the next micro-batch's layers, which
+    relayed it overlaps), and not too many requests queued per worker."""
+    return len(steps) <= MAX_LINKED and not any(s.head_split for s in steps[:-1])
 
 
 def _finished(done: list) -> None:

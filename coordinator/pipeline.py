@@ -13,11 +13,13 @@ latch. docs/architecture.md, "A decode step", has the data flow.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from coordinator import step_links
+from coordinator.head_placement import HeadPlacement
 from coordinator.kv_cache import KVCells
 from coordinator.stage_flow import FlowFailed, flow
 from coordinator.models.common import HParams, StepShape
@@ -36,6 +38,7 @@ class PreparedStep:
     seqs: np.ndarray  # uint64 sequence masks
     out_rows: np.ndarray  # int32: the rows the last stage returns (one dropped row if none is wanted)
     wanted: bool  # some row wants logits (else the KV rows are all it is for)
+    head_split: bool  # its head runs on every shard at once (else whole on the last stage, or not at all)
     shape: StepShape
     common: dict  # the inputs every stage takes: positions, kv_rows, masks
     mask: np.ndarray
@@ -120,12 +123,17 @@ async def _failures_as_step_failed(coro):
 
 class Pipeline:
     def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None,
-                 links: bool = True, stats: dict | None = None):
-        """`journal` (a StepJournal, or None): every step that succeeds is
+                 links: bool = True, stats: dict | None = None, placement: HeadPlacement | None = None):
+        """`head_split`: the stages hold shards of the output head; `placement`
+        chooses, step by step, whether a step uses them or the last stage's
+        whole head (coordinator/head_placement.py; None: always the shards).
+        `journal` (a StepJournal, or None): every step that succeeds is
         recorded there, for rebuilding a lost KV cache by replay. `links`: a
         step whose workers all offer step links sends its activations worker
         to worker (coordinator/step_links.py); else they come back here."""
         self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
+        self.placement = placement if placement is not None else HeadPlacement("split" if head_split else "whole")
+        self._pinging: set = set()  # round-trip measurements in flight (held until they end)
         self.links = links
         self.links_paused_until = 0.0  # step_links: relayed until then, after a failed push
         self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
@@ -178,17 +186,48 @@ class Pipeline:
             hidden = out.hidden
         return out
 
-    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool) -> PreparedStep:
+    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, relayed: bool = False) -> PreparedStep:
         """A step's inputs, fixed now: n_kv and the masks from the KV table as
-        it is (the step's own rows assigned, those of later steps not yet)."""
+        it is (the step's own rows assigned, those of later steps not yet);
+        and where its head runs (`relayed`: it will not go over step links)."""
         n = len(tokens)
         wanted = len(out_rows) > 0
         if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
             out_rows = np.array([n - 1], dtype=np.int32)
+        split = wanted and self._split_head(len(out_rows), greedy, relayed)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, StepShape(n, n_kv, len(out_rows), greedy),
+        shape = StepShape(n, n_kv, len(out_rows), greedy, head_whole=wanted and self.head_split and not split)
+        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, split, shape,
                             self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
+
+    def _split_head(self, n_outputs: int, greedy: bool, relayed: bool) -> bool:
+        """The placement's choice for a step (only a last stage that holds the whole head can take it whole)."""
+        if self.placement.stale():
+            self.placement.measured_at = time.monotonic()
+            task = asyncio.get_running_loop().create_task(self.measure_rtts(pings=1))
+            self._pinging.add(task)  # not awaited: the step does not wait for it
+            task.add_done_callback(self._pinging.discard)
+        linked = self.links and not relayed and step_links.usable(self)
+        split = self.placement.split((n_outputs, greedy), 1 if linked else 2)
+        if not self.head_split:
+            return False
+        return split or not self.places[-1].stage.whole_head
+
+    async def measure_rtts(self, pings: int = 3) -> None:
+        """PING every connected worker `pings` times (one after another), all
+        workers at once; each round trip into the placement's estimate. A
+        worker that does not answer is its requests' to report, not this."""
+        async def one(p):
+            ping = getattr(p.executor, "ping", None)
+            for _ in range(pings if ping is not None and p.failure is None else 0):
+                rtt = await ping()
+                if rtt is None:
+                    return
+                self.placement.record_rtt(p.endpoint, rtt)
+
+        await asyncio.gather(*(one(p) for p in self.places))
+        self.placement.keep_only({p.endpoint for p in self.places})
 
     async def run_stage(self, p, step: PreparedStep, hidden) -> StageOutput:
         """Stage `p` of `step`, given the hidden state from the stage before (None for the first)."""
@@ -200,7 +239,7 @@ class Pipeline:
         greedy = step.shape.argmax
         if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
             return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
-        if self.head_split:
+        if step.head_split:
             return await self._head(out.hidden, step.shape)
         last = self.places[-1].endpoint
         if greedy:
@@ -218,30 +257,39 @@ class Pipeline:
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
         step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
         result = await self._linked(step)
-        if result is None:
+        if result is not None:
+            result = result[0]
+        else:
             out = await self._forward(step)
             result = await self.finish(step, out)
         self.record(step)
         return result
 
-    async def linked(self, step: PreparedStep) -> np.ndarray | None:
-        """`step` over step links, if every worker offers them (None: it must be
-        relayed; nothing was sent). Raises StepFailed."""
-        return await _failures_as_step_failed(self._linked(step))
+    async def linked(self, steps: list[PreparedStep]) -> list[np.ndarray] | None:
+        """`steps` (a decode's micro-batches, in order) over step links, if
+        every worker offers them (None: they must be relayed). Raises StepFailed."""
+        return await _failures_as_step_failed(self._linked(*steps))
 
-    async def _linked(self, step: PreparedStep) -> np.ndarray | None:
-        """The step over step links when every worker offers them; None: relay it."""
+    async def _linked(self, *steps: PreparedStep) -> list[np.ndarray] | None:
+        """The steps over step links when every worker offers them, each one's
+        result; None: relay them."""
         if not (self.links and step_links.usable(self)):
             return None
-        head_places = [p for p in self.places if len(p.stage.head_rows)] if self.head_split and step.wanted else []
-        linked = await step_links.run(self, step.tokens, step.shape, step.common, step.out_rows, head_places)
+        shards = [p for p in self.places if len(p.stage.head_rows)] if self.head_split else []
+        heads = [shards if step.head_split else [] for step in steps]
+        linked = await step_links.run(self, [(step.tokens, step.shape, step.common, step.out_rows, head_places)
+                                             for step, head_places in zip(steps, heads)])
         if linked is None:
             return None
-        self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + 1
-        out, head_results = linked
-        if head_places:
-            return self._combine_head(head_places, head_results, step.shape)
-        return await self.finish(step, out)  # no head round: the last stage's output, or nothing wanted
+        self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + len(steps)
+        results = []
+        for step, head_places, (out, head_results) in zip(steps, heads, linked):
+            if head_places:
+                self._timed_head(head_places, step.shape)
+                results.append(self._combine_head(head_places, head_results, step.shape))
+            else:  # no head round: the last stage's output, or nothing wanted
+                results.append(await self.finish(step, out))
+        return results
 
     async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
         """Every endpoint's shard of the output head at once; then the logits
@@ -255,7 +303,13 @@ class Pipeline:
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise step_failed(failures)
+        self._timed_head(places, shape)
         return self._combine_head(places, results, shape)
+
+    def _timed_head(self, places: list, shape: StepShape) -> None:
+        """The shards' compute times of a head round, into the placement's estimate."""
+        key = (shape.n_outputs, shape.argmax)
+        self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places])
 
     def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
         """The head shards' replies (in `places` order) as one result."""

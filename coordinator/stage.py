@@ -76,6 +76,9 @@ class Stage:
     # vocabulary rows of the output head this stage computes in its head graph
     # (None: the head is not split; the last stage's layer graph computes it whole)
     head_rows: range | None = None
+    # the last stage holds the whole head besides (its rows are a view of it): a step may have it
+    # computed whole here instead of split (StepShape.head_whole; coordinator/head_placement.py)
+    whole_head: bool = False
     head_weight: str | None = None  # the weight the head graph multiplies by (all its rows, or a cut)
     # name -> (GGUF tensor, first byte, end byte): weights that are a row range of a GGUF tensor
     cuts: dict = field(default_factory=dict)
@@ -85,18 +88,21 @@ class Stage:
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
-               head_rows: range | None = None) -> "Stage":
+               head_rows: range | None = None, whole_head: bool = False) -> "Stage":
+        """`whole_head` (with `head_rows`): the last stage holds the whole head too (others ignore it)."""
         first, last = layers.start == 0, layers.stop == n_layer
+        whole_head = last and (head_rows is None or whole_head)
         names = [n for n in gguf.tensors if n.startswith("blk.") and int(n.split(".")[1]) in layers]
         if first:
             names.append("token_embd.weight")
         if last:
             names.append("output_norm.weight")
-            if head_rows is None:
+            if whole_head:
                 names.append(head_source(gguf.tensors))
         names += arch.extra_weights(gguf.tensors)  # on every stage, e.g. llama 3.x's RoPE frequency factors
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
-        stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows)
+        stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows,
+                    whole_head)
         if head_rows is not None and len(head_rows):
             src = head_source(gguf.tensors)
             # a stage that holds the whole tensor anyway (the first, with a tied embedding)
@@ -122,6 +128,11 @@ class Stage:
         src_name, start, stop = cut
         return gguf.tensor_data(src_name)[start:stop]
 
+    def head_here(self, shape: StepShape) -> bool:
+        """This stage's layer graph ends in the whole output head (else the
+        hidden state, or with the head split the normed rows for the shards)."""
+        return self.last and (self.head_rows is None or (shape.head_whole and self.whole_head))
+
     # ------------------------------------------------------------ the reply's layout
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
     # token (i32) and maximum, then the row sums (f32), one value per output row.
@@ -129,10 +140,10 @@ class Stage:
         if head:
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
             return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
-        if self.last and self.head_rows is not None:
-            return self.hp.n_embd * shape.n_outputs * 4
-        if self.last:
+        if self.head_here(shape):
             return (2 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4  # argmax: token and row sum
+        if self.last:
+            return self.hp.n_embd * shape.n_outputs * 4
         return self.hp.n_embd * shape.n_tokens * 4
 
     def read_output(self, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
@@ -144,10 +155,10 @@ class Stage:
                                sums=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4))
         if head:
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, len(self.head_rows)))
-        if self.last and self.head_rows is None and shape.argmax:  # the argmax token and the row's sum
+        if self.head_here(shape) and shape.argmax:  # the argmax token and the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                sums=np.frombuffer(data, np.float32, n_out, n_out * 4))
-        if self.last and self.head_rows is None:
+        if self.head_here(shape):
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, self.hp.n_vocab))
         return StageOutput(hidden=np.frombuffer(data, np.float32))
 
@@ -157,7 +168,8 @@ class Stage:
         if head:
             key = ("head", shape.n_outputs, shape.argmax)
         else:
-            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and self.head_rows is None)
+            whole = self.head_here(shape)
+            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and whole, whole)
         evicted = []
         g = self.graphs.get(key)
         if g is not None:
@@ -196,14 +208,14 @@ class Stage:
             x = self.arch.embed(b, tokens)
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
-        if self.last and self.head_rows is not None:
-            out = b.final_norm(x)  # the head shards, this stage's among them, take it from here
-        elif self.last:
+        if self.head_here(shape):
             out = b.output_head(x)
             if shape.argmax:
                 # greedy decoding needs one token id per row, not a megabyte of logits on the wire
                 first, _, total = argmax_first(ctx.ptr, out)
                 return self._finish(ctx, gf, inputs, [first, total])
+        elif self.last:
+            out = b.final_norm(x)  # the head shards, this stage's among them, take it from here
         else:
             out = x
         return self._finish(ctx, gf, inputs, [out])

@@ -47,37 +47,49 @@ def _destination(p, tag: int) -> dict:
     return {"to": p.endpoint, "token": p.executor.step_token, "tag": tag}
 
 
-async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
-    """One linked step through `pipe.places` (a Pipeline), the head shards in
-    `head_places` (empty: no head round). Returns (the last stage's output,
-    or None when it went to the head shards; the shards' reply blobs), or None
-    when the step must run on the relayed path instead. Raises StepFailed."""
+async def run(pipe, steps: list) -> list | None:
+    """Linked steps through `pipe.places` (a Pipeline), one after another on
+    every worker: `steps` lists (tokens, shape, common inputs, out_rows, head
+    shards (empty: no head round)), the micro-batches of one decode in order.
+    Every request of every step is sent at once, each connection's in step
+    order, so no worker waits for the coordinator between them. Returns per
+    step (the last stage's output, or None when it went to the head shards;
+    the shards' reply blobs), or None when the steps must run on the relayed
+    path instead. Raises StepFailed (the failures in step order)."""
     from coordinator.pipeline import StepFailed, _read, _stage_inputs, step_failed
 
     places = pipe.places
     last = len(places) - 1
-    stage_tags = [None] + [next(_tags) for _ in places[1:]]
-    head_tags = [next(_tags) for _ in head_places]
-    targets = [[(places[k + 1], stage_tags[k + 1])] if k < last else list(zip(head_places, head_tags))
-               for k in range(len(places))]
+    plans = []  # per step: (stage tags, head tags, per stage its destinations)
+    for _, _, _, _, head_places in steps:
+        stage_tags = [None] + [next(_tags) for _ in places[1:]]
+        head_tags = [next(_tags) for _ in head_places]
+        plans.append((stage_tags, head_tags,
+                      [[(places[k + 1], stage_tags[k + 1])] if k < last else list(zip(head_places, head_tags))
+                       for k in range(len(places))]))
+    # the last stage names every head shard whether a step's head is split or not, so a head
+    # placement that changes between steps (head_placement.py) costs no STEP_PEERS round trip
+    shards = frozenset(p.endpoint for p in places if pipe.head_split and len(p.stage.head_rows))
     try:
         # a round trip only when a connection's peers change (its first linked step)
-        await asyncio.gather(*(p.executor.name_peers(frozenset(q.endpoint for q, _ in targets[k]))
-                               for k, p in enumerate(places)))
+        await asyncio.gather(*(p.executor.name_peers(
+            frozenset(q.endpoint for _, _, targets in plans for q, _ in targets[k])
+            | (shards if k == last else frozenset())) for k, p in enumerate(places)))
     except StageFailed as exc:
         raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
 
-    jobs = []  # (place, task, destinations); per connection in send order: its stage, then its head shard
-    for k, p in enumerate(places):
-        inputs = _stage_inputs(p, common, tokens, None, out_rows)
-        inputs.pop("hidden", None)  # it comes from stage k-1's worker
-        timeout = p.executor.request_timeout or 900.0
-        step_input = ("hidden", stage_tags[k], timeout) if k else None
-        dests = [_destination(q, tag) for q, tag in targets[k]]
-        jobs.append((p, p.executor.send_linked(p.stage, shape, inputs, False, step_input, dests), targets[k]))
-    for p, tag in zip(head_places, head_tags):
-        step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
-        jobs.append((p, p.executor.send_linked(p.stage, shape, {}, True, step_input, []), []))
+    jobs = []  # (place, task, destinations); per connection in send order: step by step, its stage then its shard
+    for (tokens, shape, common, out_rows, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
+        for k, p in enumerate(places):
+            inputs = _stage_inputs(p, common, tokens, None, out_rows)
+            inputs.pop("hidden", None)  # it comes from stage k-1's worker
+            timeout = p.executor.request_timeout or 900.0
+            step_input = ("hidden", stage_tags[k], timeout) if k else None
+            dests = [_destination(q, tag) for q, tag in targets[k]]
+            jobs.append((p, p.executor.send_linked(p.stage, shape, inputs, False, step_input, dests), targets[k]))
+        for p, tag in zip(head_places, head_tags):
+            step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
+            jobs.append((p, p.executor.send_linked(p.stage, shape, {}, True, step_input, []), []))
 
     relays: list[asyncio.Task] = []
     cancelled = False
@@ -87,7 +99,9 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
         if cancelled:
             return
         cancelled = True
-        for p, tag in list(zip(places, stage_tags))[1:] + list(zip(head_places, head_tags)):
+        waits = [(p, tag) for (_, _, _, _, head_places), (stage_tags, head_tags, _) in zip(steps, plans)
+                 for p, tag in list(zip(places, stage_tags))[1:] + list(zip(head_places, head_tags))]
+        for p, tag in waits:
             task = asyncio.get_running_loop().create_task(p.executor.cancel_input(tag))
             _background.add(task)  # not awaited: a stopped worker's would take its liveness bound
             task.add_done_callback(_background.discard)
@@ -143,6 +157,9 @@ async def run(pipe, tokens, shape, common: dict, out_rows, head_places: list):
         raise step_failed([exc for exc in failures if not isinstance(exc, InputMissing)]
                           + [exc for exc in failures if isinstance(exc, InputMissing)])
     results = [task.result() for _, task, _ in jobs]
-    last_reply, last_out = results[last]
-    out = None if head_places else _read(places[last], last_out, shape)
-    return out, [blob for _, blob in results[len(places):]]
+    outputs = []
+    for tokens, shape, _, _, head_places in steps:  # each step's replies: its stages', then its shards'
+        mine, results = results[:len(places) + len(head_places)], results[len(places) + len(head_places):]
+        outputs.append((None if head_places else _read(places[last], mine[last][1], shape),
+                        [blob for _, blob in mine[len(places):]]))
+    return outputs

@@ -126,15 +126,14 @@ def build_dir(variant: str | None = None) -> pathlib.Path:
     return cache_root() / variant_dir_name(variant or requested_variant())
 
 
-def is_finished(d: pathlib.Path, variant: str) -> bool:
-    """A finished build made with today's flags (a build with other flags is made again)."""
+def is_finished(d: pathlib.Path) -> bool:
+    """A finished build: its build-info.json (written last) reads, and its libggml is there. The flags
+    and edits it was made with are today's: the directory's name carries their hash (recipe_tag)."""
     try:
-        info = json.loads((d / INFO_FILE).read_text())
+        json.loads((d / INFO_FILE).read_text())
     except (OSError, ValueError):
         return False
-    made = {"cmake_flags": info.get("cmake_flags"), "source_patches": [list(p) for p in info.get("source_patches", [])]}
-    want = {k: [list(p) for p in v] if k == "source_patches" else v for k, v in recipe(variant).items()}
-    return made == want and (d / "lib" / "libggml.so.0").exists()
+    return (d / "lib" / "libggml.so.0").exists()
 
 
 def find_build() -> pathlib.Path | None:
@@ -142,7 +141,7 @@ def find_build() -> pathlib.Path | None:
     The requested variant first, then any other finished one."""
     order = [requested_variant()] + [v for v in VARIANTS if v != requested_variant()]
     for variant in order:
-        if is_finished(build_dir(variant), variant):
+        if is_finished(build_dir(variant)):
             return build_dir(variant)
     return None
 
@@ -248,7 +247,7 @@ def build(variant: str | None = None, jobs: int | None = None) -> pathlib.Path:
     """Build the pinned ggml into its cache directory (a no-op when it is there)."""
     variant = variant or requested_variant()
     final = build_dir(variant)
-    if is_finished(final, variant):
+    if is_finished(final):
         return final
     cmake, generator = _tools()
     jobs = jobs or max(1, os.cpu_count() or 1)

@@ -1,8 +1,8 @@
 """Fault semantics end to end (docs/failure-semantics.md), with real processes.
 
 The fault matrix runs one coordinator over two workers, A (stage 0) and B
-(stage 1). With the output head split (the default) each answers two graph
-requests per decode: its layers, then its share of the logits, B's and A's at
+(stage 1). With the output head split (head_split=True: the default "auto"
+may take it whole) each answers two graph requests per decode: its layers, then its share of the logits, B's and A's at
 the same time; the `after=` counts below are of B's. Only B is ever faulted; it is
 restarted on the same port for every repetition with a `--test-fault` spec
 that starts disarmed. Each repetition first checks recovery (reconnect, re-feed
@@ -90,7 +90,7 @@ class Rig:
         self.a = DaemonProcess("-t", "1", "--cache", self.cache_dir)
         self.b = DaemonProcess("-t", "1", "--cache", self.cache_dir)
         self.port_b = self.b.port
-        self.c = Coordinator([self.a.endpoint, self.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX,
+        self.c = Coordinator([self.a.endpoint, self.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True,
                              liveness_timeout=LIVENESS)
         self.baseline_text = self.c.generate(PROMPT, max_tokens=N_GEN)
         self.baseline_ids = greedy(self.c, N_GEN)
@@ -352,7 +352,7 @@ def test_sigstop_detected_within_the_default_bound(rig, model):
     """The default bound (2 s) holds even while a long compute is in progress:
     the worker is stopped 0.5 s into a reply delayed by 5 s."""
     rig.restart_b(f"cmd={GRAPH_CMDS},after=2,point=reply,action=delay:5")  # the second decode's layers
-    c2 = Coordinator([rig.a.endpoint, rig.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX)
+    c2 = Coordinator([rig.a.endpoint, rig.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True)
     try:
         bound = c2._exec_opts["liveness_timeout"]
         assert bound <= 2.0
@@ -526,7 +526,7 @@ def test_head_round_failures_latch_every_endpoint(model, start_daemon):
     b = start_daemon("-t", "1", "--test-fault", spec)
     # the relayed head round, where both shards always compute; in a linked step a shard whose input
     # was cancelled (the other worker died first) does not compute at all (tests/test_step_links.py)
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, step_links=False) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True, step_links=False) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is OK
         assert c.decode(Batch.single([5], len(ids))) is OK
@@ -631,7 +631,7 @@ SUBPROCESS = textwrap.dedent("""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a crash by SIGPIPE would now be visible
     from coordinator.api import Batch, Coordinator, DecodeResult, EndpointUnavailable
     model, ea, eb, pid_b = sys.argv[1] or None, sys.argv[2], sys.argv[3], int(sys.argv[4])
-    c = Coordinator([ea, eb], model=model, split=[1, 1], n_ctx=64, liveness_timeout=1.0)
+    c = Coordinator([ea, eb], model=model, split=[1, 1], n_ctx=64, head_split=True, liveness_timeout=1.0)
     async def mask():
         return signal.pthread_sigmask(signal.SIG_BLOCK, [])
     blocked = c._run(mask())
@@ -769,7 +769,7 @@ def test_kv_calls_from_another_thread_wait_for_the_step_in_flight(model, start_d
     a second, so the step is certainly in flight when the calls are made."""
     b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after=4,point=reply,action=delay:1.0")
     a = start_daemon("-t", "1")
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is OK  # B's graph requests 1 and 2: layers, head
         assert c.decode(Batch.single(ids[:2], 0, seq=1)) is OK  # 3 and 4
@@ -795,7 +795,7 @@ def test_a_bug_in_one_head_shard_still_latches_the_endpoint_lost_in_another(mode
     b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after=1,point=compute,action=kill")
     a = start_daemon("-t", "1")
     # the relayed head round (a linked step does not call run(); its reports: tests/test_step_links.py)
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, step_links=False) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True, step_links=False) as c:
         ids = c.tokenize(PROMPT)
         executor = c._places[0].executor
         real_run = executor.run
@@ -848,7 +848,7 @@ def test_cancelled_adecode_leaves_every_endpoint_healthy(model, start_daemon):
     undisturbed run afterwards."""
     b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after={2 * (N_GEN + 2)},point=reply,action=delay:0.5")
     a = start_daemon("-t", "1")
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True) as c:
         expected = greedy(c, N_GEN)  # N_GEN + 1 decodes, two graph requests each on B
         c.kv_seq_rm(0)
         ids = c.tokenize(PROMPT)
@@ -887,7 +887,7 @@ def test_idle_connections_outlive_the_workers_idle_timeout(model, start_daemon, 
     last request's liveness timer (ping interval liveness / 4) would only fire
     after the idle timeout."""
     a, b = (start_daemon("-t", "1", "--idle-timeout", "1") for _ in range(2))
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX,
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True,
                      liveness_timeout=liveness) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is OK
@@ -905,7 +905,7 @@ def test_worker_lost_between_decodes_is_latched_without_a_decode(model, start_da
     before any decode tries it; the next decode fails fast."""
     a = start_daemon("-t", "1")
     b = start_daemon("-t", "1", "--idle-timeout", "1.5")
-    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX,
+    with Coordinator([a.endpoint, b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True,
                      liveness_timeout=LIVENESS) as c:
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is OK

@@ -103,6 +103,24 @@ def test_install_without_cmake_goes_on_and_says_why(tmp_path):
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("ggml-*"))
 
 
+def test_only_a_whole_build_is_taken_for_one(tmp_path, monkeypatch):
+    """A build directory counts once its build-info.json (written last) reads and its libggml is
+    there: a directory an interrupted build left is built again, not loaded."""
+    monkeypatch.setenv("GGML_DISTRIBUTED_CACHE", str(tmp_path))
+    monkeypatch.delenv("GGML_DISTRIBUTED_GGML_VARIANT", raising=False)
+    d = ggml_build.build_dir()
+    assert d.parent == tmp_path and not ggml_build.is_finished(d) and ggml_build.find_build() is None
+    (d / "lib").mkdir(parents=True)
+    (d / "lib" / "libggml.so.0").write_bytes(b"\x7fELF")
+    assert not ggml_build.is_finished(d) and ggml_build.find_build() is None  # no build-info.json
+    (d / ggml_build.INFO_FILE).write_text('{"ggml_version": "0.25')  # cut short
+    assert not ggml_build.is_finished(d) and ggml_build.find_build() is None
+    (d / ggml_build.INFO_FILE).write_text(json.dumps({"ggml_version": ggml_build.GGML_VERSION}))
+    assert ggml_build.is_finished(d) and ggml_build.find_build() == d
+    (d / "lib" / "libggml.so.0").unlink()
+    assert not ggml_build.is_finished(d) and ggml_build.find_build() is None
+
+
 def test_worker_reports_its_ggml_in_log_device_info_and_metrics(start_daemon):
     import socket
     import urllib.request

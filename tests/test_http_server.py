@@ -152,16 +152,23 @@ def test_completion_and_chat(cluster):
 
 def test_models_health_metrics(cluster):
     server, workers = cluster
+    status, body = asyncio.run(post(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3}))
+    assert status == 200, body
     status, body = asyncio.run(get(server.url + "/v1/models"))
     assert status == 200 and body["data"][0]["id"]
     status, body = asyncio.run(get(server.url + "/health"))
     assert status == 200 and body["status"] == "ok"
     assert {e["endpoint"] for e in body["endpoints"]} == {w.endpoint for w in workers}
+    # where the output head ran (docs/architecture.md, "Where the output head runs"), and from what
+    head = body["head"]
+    assert head["mode"] == "auto" and head["choice"] in ("split", "whole"), head
+    assert head["steps_split"] >= 1 and set(head["rtt_seconds"]) == {w.endpoint for w in workers}, head
     status, text = asyncio.run(get(server.url + "/metrics"))
     assert status == 200
     for name in ("ggml_tokens_generated_total", "ggml_prompt_tokens_total", "ggml_decode_seconds_bucket",
                  "ggml_endpoint_up", "ggml_endpoint_rtt_seconds", "ggml_slots_busy", "ggml_reconnects_total",
-                 "ggml_decode_failures_total", "ggml_tokens_per_second"):
+                 "ggml_decode_failures_total", "ggml_tokens_per_second", 'ggml_head_steps_total{placement="split"}',
+                 "ggml_head_split", "ggml_head_one_way_seconds"):
         assert name in text, name
 
 

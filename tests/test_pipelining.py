@@ -135,6 +135,26 @@ def test_long_prompt_equals_its_chunks_one_after_another(pair):
         tok, pos = on.token(-1), pos + 1
 
 
+def test_a_prompt_goes_worker_to_worker_in_micro_batches(pair):
+    """A prompt wanting only its last logits: every micro-batch's requests are
+    sent at once over step links (A pushes each piece's hidden state to B
+    itself), and the logits are those of the pieces decoded one after another."""
+    on, off = pair
+    ids = [int(x) for x in np.random.default_rng(5).integers(3, 290, 5 * MICRO + 3)]
+    batch = Batch.single(ids, 0)
+    cuts = cuts_of(on, batch)
+    assert len(cuts) == 6
+    for c in (on, off):
+        c.kv_clear()
+    before = on.stats["linked_steps"]
+    assert on.decode(batch) is OK, on.last_error
+    assert on.stats["linked_steps"] - before == len(cuts)
+    assert np.array_equal(on.logits(-1), one_after_another(off, batch, cuts)[-1])
+    for c in (on, off):
+        assert c.decode(Batch.single([7], len(ids)), greedy=True) is OK, c.last_error
+    assert on.token(-1) == off.token(-1)
+
+
 def test_streams_in_groups_equal_the_groups_one_after_another(pair):
     """Six sequences' prompts in one batch, in groups, then steps of one token
     each: the groups' logits are those of the groups decoded one after another."""
@@ -242,6 +262,32 @@ def test_compute_failure_in_one_micro_batch_fails_the_decode(model, workers):
             c.logits(-1)
         assert c.decode(Batch.single(ids, 0), greedy=True) is DecodeResult.COMPUTE_FAILED  # the sums are checked
         assert c.kv.used() == 0
+
+
+def test_a_failed_compute_mid_linked_prompt_fails_it_without_latching(model):
+    """B's compute process dies at its 3rd compute, mid-way through a prompt
+    whose micro-batches all went out over step links at once: COMPUTE_FAILED
+    naming B, nothing latched, the rows rolled back, B's later waits
+    cancelled, and the same prompt decodes afterwards as on healthy workers."""
+    fault = ("--test-fault", "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=2,point=compute,action=crash-compute")
+    ws = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1", *fault)]
+    try:
+        eps = [w.endpoint for w in ws]
+        ids = [int(x) for x in np.random.default_rng(6).integers(3, 290, 6 * MICRO)]
+        with Coordinator(eps, model=model, n_ctx=N_CTX, micro_batch=MICRO, head_split=False) as c:
+            assert c.decode(Batch.single(ids, 0)) is DecodeResult.COMPUTE_FAILED
+            assert c.last_failed_endpoint == eps[1] and "INPUT_MISSING" not in c.last_error, c.last_error
+            assert c.failed_endpoints() == [] and c.kv.used() == 0
+            assert c.decode(Batch.single(ids, 0)) is OK, c.last_error
+            assert c.stats["linked_steps"] == 6
+            got = c.logits(-1).copy()
+        with Coordinator(eps, model=model, n_ctx=N_CTX, micro_batch=MICRO, head_split=False,
+                         step_links=False) as c:
+            assert c.decode(Batch.single(ids, 0)) is OK, c.last_error
+            assert np.array_equal(got, c.logits(-1))
+    finally:
+        for w in ws:
+            w.stop()
 
 
 # ---------------------------------------------------------------- resuming

@@ -168,7 +168,8 @@ def test_a_failed_compute_cancels_the_waiting_stages_without_latching(tiny_model
     next decode succeeds on the same connections."""
     b = start_daemon("-t", "1", "--test-fault", f"cmd={GRAPH_CMDS},after=2,point=compute,action=crash-compute")
     a = start_daemon("-t", "1")
-    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, n_ctx=64, liveness_timeout=BOUND) as c:
+    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, n_ctx=64, liveness_timeout=BOUND,
+                     head_split=True) as c:  # the fault counts the head round's requests
         ids = c.tokenize(PROMPT)
         assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
         started = time.monotonic()

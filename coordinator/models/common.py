@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ggml_ffi import NULL, ffi, lib
+from ggml_ffi import NULL, lib, type_traits
 from rpc_daemon.validation.graph import WEIGHT_TYPES  # what the workers' matmul and get_rows accept
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
@@ -65,6 +65,9 @@ class StepShape:
     n_kv: int
     n_outputs: int
     argmax: bool = False  # the last stage returns each output row's argmax token, not its logits
+    # the last stage computes the whole output head in its layer graph although the head is split
+    # (coordinator/head_placement.py chose it for this step); a stage without the whole head ignores it
+    head_whole: bool = False
 
 
 @dataclass
@@ -308,10 +311,6 @@ def rope_hparams(g, arch: str, scaling_types=("none", "linear", "yarn")) -> dict
             "n_ctx_orig": g.get(f"{arch}.rope.scaling.original_context_length", 0) or 0}
 
 
-def type_name(t: int) -> str:
-    return ffi.string(lib.ggml_type_name(t)).decode()
-
-
 def check_tensors(g, arch: str, layer_tensors, global_tensors, optional=frozenset()) -> None:
     """Refuse, with a message naming it, a GGUF this architecture's graph cannot compute as
     it is: a tensor the graph would ignore (a variant it does not compute: a MoE FFN, an
@@ -333,8 +332,9 @@ def check_tensors(g, arch: str, layer_tensors, global_tensors, optional=frozense
     required += [f"blk.{il}.{n}" for il in range(n_layer) for n in sorted(layer_tensors) if n not in optional]
     odd = [n for n, t in g.tensors.items() if t.type not in WEIGHT_TYPES]
     if odd:
-        raise ValueError(f"{arch}: tensor {odd[0]!r} is {type_name(g.tensors[odd[0]].type)}, a type the workers do "
-                         f"not compute (supported: {', '.join(type_name(t) for t in WEIGHT_TYPES)})")
+        # (a GGUF's tensor types are live ggml types: gguf_init_from_file refuses others)
+        raise ValueError(f"{arch}: tensor {odd[0]!r} is {type_traits(g.tensors[odd[0]].type).name}, a type the "
+                         f"workers do not compute (supported: {', '.join(type_traits(t).name for t in WEIGHT_TYPES)})")
     missing = [n for n in required if n not in g.tensors]
     if missing:
         raise ValueError(f"{arch}: tensor {missing[0]!r} is missing" +

@@ -83,8 +83,13 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                    help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: --parallel x --ctx-per-slot)")
     p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
     if with_head_flag:
-        p.add_argument("--no-head-split", dest="head_split", action="store_false",
-                       help="the last worker computes the whole output head (default: every worker a share)")
+        p.add_argument("--head-split", dest="head_split", choices=("auto", "split", "whole"),
+                       default=LIBRARY["head_split"],
+                       help="where the output head runs: every worker a share (split), the last worker all of it "
+                            "(whole), or per step whichever the measured round trips and head compute times make "
+                            "faster (auto, the default; the last worker then holds the whole head too)")
+        p.add_argument("--no-head-split", dest="head_split", action="store_const", const="whole",
+                       help="--head-split whole")
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
                        help="hidden states come back through the coordinator between stages (default: worker "
                             "to worker when every worker offers it; docs/protocol.md, Step links)")
@@ -337,7 +342,7 @@ def cmd_bench(args) -> int:
                 continue
             name, opts = rpc + ("" if links[1] else " relayed"), {"split": args.split, "step_links": links[1]}
             if args.head_split in ("on", "both") or len(endpoints) == 1:
-                setups[name] = (endpoints, opts)
+                setups[name] = (endpoints, dict(opts, head_split=True))
             if args.head_split in ("off", "both") and len(endpoints) > 1:
                 setups[name + " head whole"] = (endpoints, dict(opts, head_split=False))
         coords = {}

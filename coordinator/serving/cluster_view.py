@@ -250,7 +250,7 @@ class ClusterView:
                 "slots_busy": self.scheduler.busy, "requests_waiting": self.scheduler.waiting,
                 "tokens_per_second": None if rate is None else round(rate, 2),
                 "tokens_generated": self.scheduler.generated, "reconnects": self.coord.stats["reconnects"],
-                "last_event_id": self._next_id - 1, "workers": workers}
+                "last_event_id": self._next_id - 1, "workers": workers, "head": self.coord.head_placement()}
 
     # ------------------------------------------------------------ HTTP
     async def handle_snapshot(self, request) -> web.Response:

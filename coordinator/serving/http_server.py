@@ -107,6 +107,12 @@ class Metrics:
         self.spare_takeovers = Counter("ggml_spare_takeovers", "Stages moved to a spare worker", registry=r)
         self.linked_steps = Counter("ggml_linked_steps", "Decode steps whose activations went worker to worker "
                                                          "(step links; the others were relayed)", registry=r)
+        self.head_steps = Counter("ggml_head_steps", "Decode steps by where their output head ran (split over "
+                                  "every worker, or whole on the last)", ["placement"], registry=r)
+        self.head_split = Gauge("ggml_head_split", "1 if the last step's output head was split over the workers, "
+                                "0 if whole on the last worker", registry=r)
+        self.head_one_way = Gauge("ggml_head_one_way_seconds", "The one-way delay the head placement was chosen by "
+                                  "(half the slowest worker's median ping)", registry=r)
         self.coord = coord
         self._seen = {}  # the coordinator's counters as last copied into the metrics
 
@@ -132,6 +138,16 @@ class Metrics:
             if value > self._seen.get(key, 0):
                 counter.inc(value - self._seen.get(key, 0))
                 self._seen[key] = value
+        head = self.coord.head_placement()
+        for placement in ("split", "whole"):
+            value, key = head[f"steps_{placement}"], f"head_{placement}"
+            if value > self._seen.get(key, 0):
+                self.head_steps.labels(placement=placement).inc(value - self._seen.get(key, 0))
+                self._seen[key] = value
+        if head["choice"] is not None:
+            self.head_split.set(1 if head["choice"] == "split" else 0)
+        if head["one_way_seconds"] is not None:
+            self.head_one_way.set(head["one_way_seconds"])
 
 
 class CompletionServer:
@@ -293,7 +309,8 @@ class CompletionServer:
         status = "unavailable" if reasons else "degraded" if degraded else "ok"
         body = {"status": status, "slots_busy": self.scheduler.busy, "slots": self.scheduler.n_slots,
                 "endpoints": [dict(e, **failures.get(e["endpoint"], {}), **spare_for.get(e["endpoint"], {}))
-                              for e in self.coord.endpoints()]}
+                              for e in self.coord.endpoints()],
+                "head": self.coord.head_placement()}
         if reasons or degraded:
             body["reasons"] = reasons + degraded
         return (200 if not reasons else 503), body

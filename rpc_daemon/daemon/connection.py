@@ -118,8 +118,7 @@ class Connection(asyncio.BufferedProtocol):
         # (wire/llamacpp.py); meanwhile they are kept here (at most one pre-auth receive, once)
         self._opening: bytearray | None = bytearray()
         self._opening_rx: memoryview | None = None  # the receive buffer handed out while looking
-        self._llamacpp_hello_left: int | None = None  # bytes of a llama.cpp HELLO still to read
-        self._llamacpp_input_size = 0
+        self._llamacpp_input_size: int | None = None  # set once the opening is a llama.cpp HELLO
         self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
         self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
@@ -155,7 +154,7 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ framing (moving bytes; protocol.FrameReader cuts frames)
     def get_buffer(self, sizehint: int):
-        if self._opening is not None or self._llamacpp_hello_left is not None:
+        if self._opening is not None:
             self._opening_rx = self.reader.buffer()  # read back by _opening_received, not by the reader
             return self._opening_rx
         return self.reader.buffer()
@@ -179,30 +178,24 @@ class Connection(asyncio.BufferedProtocol):
         (so closing sends FIN, not RST, before it reads the reply) and answered
         with a version llama.cpp refuses; anything else goes to the frame reader.
         At most 9 + 24 bytes are looked at; the hello timeout bounds the wait."""
-        if self._llamacpp_hello_left is not None:
-            self._llamacpp_hello_left -= len(data)
-            if self._llamacpp_hello_left <= 0:
-                self._answer_llamacpp()
-            return
         self._opening += data
-        kind = llamacpp.classify(self._opening)
-        if kind is llamacpp.UNDECIDED:
-            return
-        if kind is None:  # ours (or anything but llama.cpp): framing as usual, from the first byte
-            opening, self._opening = bytes(self._opening), None
-            self.reader.feed(opening)
-            return
-        self.log.warning("a llama.cpp RPC client connected; this worker speaks the ggml-distributed protocol",
-                         hint=LLAMACPP_HINT)
-        self._llamacpp_input_size = kind
-        self._llamacpp_hello_left = llamacpp.OPENING + kind - len(self._opening)
-        self._opening = None
-        if self._llamacpp_hello_left <= 0:
+        if self._llamacpp_input_size is None:
+            kind = llamacpp.classify(self._opening)
+            if kind is llamacpp.UNDECIDED:
+                return
+            if kind is None:  # ours (or anything but llama.cpp): framing as usual, from the first byte
+                opening, self._opening = bytes(self._opening), None
+                self.reader.feed(opening)
+                return
+            self.log.warning("a llama.cpp RPC client connected; this worker speaks the ggml-distributed protocol",
+                             hint=LLAMACPP_HINT)
+            self._llamacpp_input_size = kind
+        if len(self._opening) >= llamacpp.OPENING + self._llamacpp_input_size:
             self._answer_llamacpp()
 
     def _answer_llamacpp(self) -> None:
-        self._llamacpp_hello_left = 1 << 62  # anything it sends after the HELLO is read and dropped
-        if self.transport is not None and not self.transport.is_closing():
+        # closing stops reading (bytes already received may still come once more: then nothing is written)
+        if not self.transport.is_closing():
             self.transport.write(llamacpp.hello_reply(self._llamacpp_input_size))
         self.abort("llama.cpp RPC client (another protocol): answered its HELLO with version 0.0.0")
 

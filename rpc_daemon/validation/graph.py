@@ -52,6 +52,11 @@ class TensorSpec:
     def is_view(self) -> bool:
         return self.view_src >= 0
 
+    @property
+    def is_inline_input(self) -> bool:
+        """A leaf outside every buffer: its data comes inline with every compute."""
+        return self.op == lib.GGML_OP_NONE and not self.buffer and not self.is_view
+
     def nelements(self) -> int:
         return self.ne[0] * self.ne[1] * self.ne[2] * self.ne[3]
 
@@ -211,7 +216,7 @@ def parse_graph(h: dict, limits, buffer_size: Callable[[int], int | None]) -> Gr
     nodes = [t.index for t in tensors if t.op != lib.GGML_OP_NONE]
     if not nodes:
         raise ProtocolError(Status.INVALID_REQUEST, "graph has no op to compute")
-    inputs = [t.index for t in tensors if t.op == lib.GGML_OP_NONE and not t.buffer and not t.is_view]
+    inputs = [t.index for t in tensors if t.is_inline_input]
     # only what the nodes reach gets memory: an unreached input would be written through NULL
     used = {s for n in nodes for s in tensors[n].src if s >= 0} | \
            {tensors[n].view_src for n in nodes if tensors[n].is_view}
@@ -238,7 +243,7 @@ def parse_unchecked(h: dict, buffer_size) -> GraphSpec:
             raise _bad(i, f"buffer {spec.buffer} is not a buffer of this connection")
         tensors.append(spec)
     nodes = [t.index for t in tensors if t.op != lib.GGML_OP_NONE]
-    inputs = [t.index for t in tensors if t.op == lib.GGML_OP_NONE and not t.buffer and not t.is_view]
+    inputs = [t.index for t in tensors if t.is_inline_input]
     return GraphSpec(tensors, nodes, inputs, {t.buffer for t in tensors if t.buffer})
 
 
@@ -424,13 +429,18 @@ def rule_glu(t, tensors):
     _need(t.type == a.type, t, "result type must equal src type")
 
 
-def rule_mul_mat(t, tensors):
-    a, b = _srcs(t, tensors, 2)
-    _types(t, a, WEIGHT_TYPES, "src0"); _types(t, b, (F32,), "src1")
+def _mul_mat_operands(t, a, b, role: str) -> None:
+    """What MUL_MAT and MUL_MAT_ID ask alike of the weights `a` (as `role`) and src1 `b`."""
+    _types(t, a, WEIGHT_TYPES, role); _types(t, b, (F32,), "src1")
     _rows(t, a, "src0"); _rows(t, b, "src1")  # GGML_ASSERT(nb00 == type size), (nb10 == type size)
     _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
-    _need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, t, "src1 batch dims must be multiples of src0's")
     _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")
+
+
+def rule_mul_mat(t, tensors):
+    a, b = _srcs(t, tensors, 2)
+    _mul_mat_operands(t, a, b, "src0")
+    _need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, t, "src1 batch dims must be multiples of src0's")
     # op_params[1] == GGML_HINT_SRC0_IS_HADAMARD switches the CPU kernel to a Walsh-Hadamard transform
     _need(t.param_i32(1) == lib.GGML_HINT_NONE, t, f"hint {t.param_i32(1)} not supported")
     _need(t.param_i32(0) in (lib.GGML_PREC_DEFAULT, lib.GGML_PREC_F32), t, f"precision {t.param_i32(0)} unknown")
@@ -609,10 +619,7 @@ def rule_top_k(t, tensors):
 
 def rule_mul_mat_id(t, tensors):
     a, b, ids = _srcs(t, tensors, 3)  # ggml_mul_mat_id(as, b, ids): one matrix of `as` per expert (ne[2])
-    _types(t, a, WEIGHT_TYPES, "src0 (experts)"); _types(t, b, (F32,), "src1"); _types(t, ids, (I32,), "ids")
-    _rows(t, a, "src0"); _rows(t, b, "src1")  # GGML_ASSERT(nb00 == type size), (nb10 == type size)
-    _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")
-    _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
+    _mul_mat_operands(t, a, b, "src0 (experts)"); _types(t, ids, (I32,), "ids")
     # the kernel walks src1 and the result as 3-D and the ids as 2-D: a fourth dim would be read past
     _need(a.ne[3] == 1 and b.ne[3] == 1 and ids.ne[2] == 1 and ids.ne[3] == 1, t,
           "src0 and src1 must be 3-D, ids 2-D")
@@ -636,8 +643,8 @@ def _expert_ids_in_range(t, ids, tensors, n_as: int) -> None:
     the compute buffer (not a client buffer, which other tensors may alias), read whole
     elements at a time (a view of it with offsets and strides in whole int32s)."""
     root = tensors[ids.view_src] if ids.is_view else ids
-    if root.op == lib.GGML_OP_NONE and not root.buffer:
-        return  # an inline input: row_ids.plan checks its values on every compute
+    if root.is_inline_input:
+        return  # row_ids.plan checks its values on every compute
     _need(root.op == lib.GGML_OP_TOP_K, t, "ids must come inline or from a TOP_K of this graph (anything else "
                                           "cannot be proven to name existing experts)")
     _need(tensors[root.src[0]].ne[0] == n_as, t, f"the TOP_K giving the ids must rank rows of exactly {n_as} "

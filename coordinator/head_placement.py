@@ -1,0 +1,131 @@
+"""Where a step's output head runs: split over every worker (each computes
+its share of the vocabulary rows at once) or whole on the last stage.
+
+Splitting saves compute: the whole head on one worker takes about the sum of
+the shards' times, split it takes the slowest shard's. It costs hops: the
+last stage's normed rows must reach the other shards, one more one-way hop
+with step links (N + 2 instead of N + 1 a token) and two more relayed (the
+coordinator sends them out and gathers the shards' rows: 2N + 2 instead of
+2N). So `auto` splits a step when
+
+    saved compute  =  sum(shard times) - max(shard times)  >  extra hops x one-way delay
+
+measured, not assumed: the one-way delay is half the round trip of PINGs to
+each worker (the slowest worker's median of its last samples; measured at
+connect and again every REFRESH_S seconds while decoding, and by every probe
+of the cluster view), and the shard times are the workers' own compute times
+of the head requests (`compute_us` in their replies) of the last split steps
+with as many output rows, greedy or not, the least of the last few (a step
+shape not yet measured is split, which measures it; a first, cold, compute
+is slower, so the next step is likely split too and measures it again).
+Between workers on one machine, sharing its memory bandwidth, the whole head
+takes less than the sum of the shards: the rule then splits more often than
+it should, which costs at most the saving it overestimates. Each step is decided when it is prepared, between steps, and
+carries its choice in its shape (StepShape.head_whole): steps already in
+flight keep theirs. Both give the same logits bit for bit (each logit is the
+same dot product on the same data), so the choice never changes a result.
+`split` and `whole` fix the choice.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+import structlog
+
+log = structlog.get_logger("coordinator")
+
+MODES = ("auto", "split", "whole")
+RTT_SAMPLES = 8  # round trips kept per worker; the median of them is its estimate
+REFRESH_S = 10.0  # seconds between round-trip measurements while decoding
+HEAD_SAMPLES = 4  # head timings kept per step shape; the least of them is the estimate
+
+
+def checked_mode(head_split) -> str:
+    """The Coordinator's `head_split` as a mode: True is "split", False "whole"."""
+    if head_split is True or head_split is False:
+        return "split" if head_split else "whole"
+    if head_split not in MODES:
+        raise ValueError(f"head_split must be True, False or one of {', '.join(MODES)}, not {head_split!r}")
+    return head_split
+
+
+class HeadPlacement:
+    """The choice, step by step, and the measurements it is made from."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self._rtts: dict[str, collections.deque] = {}
+        self._head: dict[tuple, collections.deque] = {}  # step shape -> saved seconds of its last split steps
+        self.measured_at = 0.0  # monotonic time of the last round-trip measurement asked for
+        self.choice: str | None = None  # the last step's: "split" or "whole"
+        self.steps = {"split": 0, "whole": 0}
+        self.changes = 0
+        self._last_inputs: tuple = (None, None, 0)  # (one-way s, saved s, extra hops) of the last choice
+
+    # ------------------------------------------------------------ measurements
+    def record_rtt(self, endpoint: str, seconds: float) -> None:
+        self._rtts.setdefault(endpoint, collections.deque(maxlen=RTT_SAMPLES)).append(float(seconds))
+
+    def forget(self, endpoint: str) -> None:
+        """A worker's connection is new (reconnected, or a spare): its old round trips say nothing."""
+        self._rtts.pop(endpoint, None)
+
+    def keep_only(self, endpoints: set) -> None:
+        """Forget the round trips of workers that no longer hold a stage (a stage moved to a spare)."""
+        for endpoint in [e for e in self._rtts if e not in endpoints]:
+            self._rtts.pop(endpoint, None)
+
+    def one_way(self) -> float | None:
+        """The slowest worker's one-way delay (half its median round trip), or None if none is measured."""
+        medians = [statistics.median(d) for d in self._rtts.values() if d]
+        return max(medians) / 2 if medians else None
+
+    def record_head(self, shape: tuple, seconds: list) -> None:
+        """The head shards' compute times (s) of one split step of `shape` ((n_outputs, argmax))."""
+        if not seconds or any(s is None for s in seconds):
+            return
+        saved = float(sum(seconds) - max(seconds))
+        self._head.setdefault(shape, collections.deque(maxlen=HEAD_SAMPLES)).append(saved)
+
+    def saved(self, shape: tuple) -> float | None:
+        """Compute seconds the split saves a step of `shape` (None: not measured yet)."""
+        head = self._head.get(shape)
+        return min(head) if head else None  # a compute is only ever slowed (a cold first run, other jobs)
+
+    def stale(self, now: float | None = None) -> bool:
+        return self.mode == "auto" and (now or time.monotonic()) - self.measured_at >= REFRESH_S
+
+    # ------------------------------------------------------------ the choice
+    def split(self, shape: tuple, extra_hops: int) -> bool:
+        """Whether a step of `shape` ((n_outputs, argmax)) has its head split;
+        `extra_hops` is what the split costs on the path it will take (1
+        linked, 2 relayed)."""
+        hop, saved = self.one_way(), self.saved(shape)
+        if self.mode != "auto":
+            choice = self.mode
+        elif hop is None or saved is None:
+            choice = "split"  # nothing to compare yet: the split step measures the head
+        else:
+            choice = "split" if saved > extra_hops * hop else "whole"
+        self.steps[choice] += 1
+        self._last_inputs = (hop, saved, extra_hops)
+        if choice != self.choice:
+            if self.choice is not None:
+                self.changes += 1
+            log.info("output head placement", head=choice, mode=self.mode, n_outputs=shape[0], greedy=shape[1],
+                     one_way_ms=None if hop is None else round(hop * 1e3, 3),
+                     saved_ms=None if saved is None else round(saved * 1e3, 3), extra_hops=extra_hops)
+            self.choice = choice
+        return choice == "split"
+
+    def view(self) -> dict:
+        """What the choice is and what it was made from (the server's /health, /cluster, /metrics)."""
+        hop, saved, hops = self._last_inputs
+        return {"mode": self.mode, "choice": self.choice, "one_way_seconds": hop, "saved_seconds": saved,
+                "extra_hops": hops, "steps_split": self.steps["split"], "steps_whole": self.steps["whole"],
+                "changes": self.changes,
+                # copies taken at once: the server's threads read this while the loop thread records
+                "rtt_seconds": {e: statistics.median(d) for e, d in
+                                ((e, tuple(d)) for e, d in list(self._rtts.items())) if d}}

@@ -1,0 +1,116 @@
+"""Where the output head runs, chosen per step from measured latency
+(coordinator/head_placement.py): split over the workers on loopback, whole
+on the last worker behind a 20 ms link (bench/delay_proxy.py), and the same
+logits whichever runs. Real daemons, real sockets."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.delay_proxy import Link, ProxyThread  # noqa: E402
+from coordinator.api import Batch, Coordinator, DecodeResult, default_model_path  # noqa: E402
+from coordinator.head_placement import HeadPlacement, checked_mode  # noqa: E402
+
+PROMPT = "The capital of France is"
+STEPS = 6  # decode steps after the prompt
+# one-way delay that the head's saving must lose to: on a quiet machine a Gemma head shard takes ~5 ms
+# (bench/bench_latency.py shows the choice at 20 ms), but on this 2-core machine loaded by other jobs 20-30 ms
+FAR = 0.05
+
+
+def trace(c: Coordinator, greedy_steps: int = 2) -> tuple[np.ndarray, list[int]]:
+    """The logits of the prompt and of STEPS decode steps (each taking the argmax),
+    then greedy steps' tokens: what a placement must not change."""
+    ids = c.tokenize(PROMPT)
+    assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
+    logits = [c.logits(-1).copy()]
+    for i in range(STEPS):
+        assert c.decode(Batch.single([int(np.argmax(logits[-1]))], len(ids) + i)) is DecodeResult.OK, c.last_error
+        logits.append(c.logits(-1).copy())
+    tokens, pos = [int(np.argmax(logits[-1]))], len(ids) + STEPS
+    for i in range(greedy_steps):
+        assert c.decode(Batch.single([tokens[-1]], pos + i), greedy=True) is DecodeResult.OK, c.last_error
+        tokens.append(c.token(-1))
+    return np.stack(logits), tokens
+
+
+def test_the_rule_compares_the_saved_compute_with_the_extra_hops():
+    p = HeadPlacement("auto")
+    assert p.split((1, False), 1), "nothing measured yet: split, which measures the head"
+    p.record_rtt("a", 0.002)
+    p.record_rtt("b", 0.004)  # the slowest worker's median round trip: one way 2 ms
+    assert p.split((1, False), 1), "still no head timing"
+    p.record_head((1, False), [0.004, 0.003])  # whole ~7 ms, split 4 ms: saves 3 ms
+    assert p.one_way() == pytest.approx(0.002) and p.saved((1, False)) == pytest.approx(0.003)
+    assert p.split((1, False), 1), "3 ms saved > one 2 ms hop (step links)"
+    assert not p.split((1, False), 2), "3 ms saved < two 2 ms hops (relayed)"
+    assert p.split((8, False), 2), "8 output rows: not measured, so split"
+    assert p.view()["changes"] == 2 and p.view()["steps_whole"] == 1
+    for _ in range(8):
+        p.record_rtt("b", 0.02)
+    assert not p.split((1, False), 1), "behind 10 ms one way: whole"
+    assert checked_mode(True) == "split" and checked_mode(False) == "whole" and checked_mode("auto") == "auto"
+    with pytest.raises(ValueError):
+        checked_mode("sideways")
+    assert HeadPlacement("split").split((1, False), 2) and not HeadPlacement("whole").split((1, False), 1)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_auto_splits_on_loopback_and_takes_the_head_whole_behind_a_slow_link(gemma, start_daemon):
+    """Gemma 3's 262k-row head: split saves milliseconds, which a loopback hop
+    (well under one) does not outweigh; behind FAR one way the hop does. The
+    logits and tokens are the same bits either way, and as with the head always split."""
+    a, b = start_daemon("-t", "1"), start_daemon("-t", "1")
+    endpoints = [a.endpoint, b.endpoint]
+    with Coordinator(endpoints, model=gemma, n_ctx=128) as c:
+        assert c.head_placement()["mode"] == "auto"
+        near, near_tokens = trace(c)
+        head = c.head_placement()
+        assert head["choice"] == "split", head
+        assert head["saved_seconds"] > 2 * head["one_way_seconds"], head
+    link = Link(FAR, 0.002)
+    with ProxyThread(a.endpoint, link, seed=1) as pa, ProxyThread(b.endpoint, link, seed=2) as pb:
+        with Coordinator([pa.endpoint, pb.endpoint], model=gemma, n_ctx=128) as c:
+            far, far_tokens = trace(c)
+            head = c.head_placement()
+            assert head["choice"] == "whole", head
+            # the first steps of a shape measure it split (the very first compute is cold and slower)
+            assert head["one_way_seconds"] >= FAR and head["steps_whole"] >= STEPS - 2, head
+            assert c.stats["linked_steps"] >= STEPS
+    with Coordinator(endpoints, model=gemma, n_ctx=128, head_split=True) as c:
+        split, split_tokens = trace(c)
+        assert c.head_placement()["steps_whole"] == 0
+    assert np.array_equal(near, split) and np.array_equal(far, split)
+    assert near_tokens == far_tokens == split_tokens
+
+
+def test_a_placement_that_changes_mid_sequence_keeps_the_logits(tiny_model, start_daemon):
+    """The tiny model's head saves next to nothing, so auto measures it split on
+    the first step and takes it whole after (on loopback too, unless a loaded
+    machine makes the head slower than a hop): the steps of one sequence mix
+    both, and equal the head always split and always whole bit for bit."""
+    endpoints = [start_daemon("-t", "1").endpoint, start_daemon("-t", "1").endpoint]
+    results = {}
+    for mode in ("auto", True, False):
+        with Coordinator(endpoints, model=tiny_model, n_ctx=64, head_split=mode) as c:
+            results[mode] = trace(c, greedy_steps=4)
+            head = c.head_placement()
+            assert head["steps_split"] + head["steps_whole"] == 1 + STEPS + 4, head
+            if mode == "auto":
+                assert head["steps_split"] >= 2, "the first full-logits and greedy steps measure the head split"
+    for mode in (True, False):
+        assert np.array_equal(results["auto"][0], results[mode][0]), mode
+        assert results["auto"][1] == results[mode][1], mode
