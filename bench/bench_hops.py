@@ -13,10 +13,11 @@ numbers compare). Bounded: --tg steps (default 32) per setup.
 
 The hop table is of the layer chain alone (head_split=False: one request per
 stage, in order); then the default setup (step links, the output head split
-over the workers) is broken down along its critical path: coordinator to
-stage 0's compute, stage 0's layers, the push to stage 1, stage 1's layers,
-the push of the normed rows to each head shard, the shards' compute, and the
-last reply, with the step time; the last line compares the step times.
+over the workers, as head_split="auto" places it on loopback) is broken down
+along its critical path: coordinator to stage 0's compute, stage 0's layers,
+the push to stage 1, stage 1's layers, the push of the normed rows to each
+head shard, the shards' compute, and the last reply, with the step time; the
+last line compares the step times.
 """
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def main() -> int:
         endpoints = workers.endpoints
         local = Coordinator(["local"], model=args.model, n_ctx=256, threads=1)
         remote = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, head_split=False)
-        shared = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1)
+        # split every step (what head_split="auto" places on loopback): the critical path reads four computes a step
+        shared = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, head_split=True)
         try:
             local_steps = steps(local, args.tg, args.greedy)
             remote_steps = steps(remote, args.tg, args.greedy)
