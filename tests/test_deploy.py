@@ -239,6 +239,55 @@ def test_daemon_version():
     assert out.returncode == 0 and version("ggml-distributed") in out.stdout, out
 
 
+SLOW_START = """
+import sys, time
+class SlowDaemonCode:  # the daemon's code loads 2 s late: a wide window between binding and serving
+    def find_spec(self, name, path=None, target=None):
+        if name == "rpc_daemon.daemon.app":
+            time.sleep(2.0)
+        return None
+sys.meta_path.insert(0, SlowDaemonCode())
+"""
+
+
+def test_a_client_connecting_while_the_worker_starts_waits_and_is_served(tmp_path):
+    """Given an IP address, a worker binds its port before it loads its code:
+    a client that connects meanwhile (a coordinator resuming) is not refused;
+    it waits, and its HELLO is answered once the worker serves. The worker's
+    code is made to load 2 s late (a sitecustomize on its path), so the
+    connection is made, and waits, well before the worker serves."""
+    from rpc_helpers import RawConn
+
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    proc = subprocess.Popen([sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        conn = None
+        deadline = time.monotonic() + 30
+        while conn is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                conn = RawConn(port, timeout=30)
+            except OSError:  # not bound yet
+                time.sleep(0.01)
+        assert conn is not None, "the worker never accepted a connection"
+        connected = time.monotonic()
+        with conn:
+            os.set_blocking(proc.stderr.fileno(), False)
+            try:
+                logged = os.read(proc.stderr.fileno(), 1 << 20).decode()  # what it has logged by now
+            except BlockingIOError:
+                logged = ""
+            assert "listening" not in logged, "connected only once the worker served"
+            assert conn.hello()["status"] == 0  # answered once it serves...
+            # ...which was after its code loaded, 2 s late: the connection waited (bound first)
+            assert time.monotonic() - connected >= 1.0, "connected only once the worker served"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def test_coordinator_extends_start_timeout_while_uploading(tmp_path, secret_file):
     """While `serve` uploads the model it tells systemd EXTEND_TIMEOUT_USEC
     (with the progress as STATUS=), so a big model does not outlive
