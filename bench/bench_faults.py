@@ -263,8 +263,7 @@ def resume_bench(args, model, cache) -> int:
         print(f"    {str(same):>9} {pause:>7.3f} {back:>7.3f} {after:>7.3f} {upload:>7.3f} {replay:>7.3f} {tokens:>7}"
               f" {rest:>7.3f}")
     print("    pause: kill -> next piece; B back: kill -> B listening again; after: B listening -> next piece;")
-    print("    upload: connect and weights (tensor cache; B accepts the connection before it listens, so this")
-    print("    starts inside 'B back'); replay: rebuilding the KV cache; -replay: pause - replay")
+    print("    upload: connect and weights (tensor cache); replay: rebuilding the KV cache; -replay: pause - replay")
     print("    (the target: -replay <= 1 s)")
     print("\n(d) kill -9 of the second stage's worker, no restart: a spare takes over (seconds)")
     print(f"    {'same text':>9} {'pause':>7} {'upload':>7} {'replay':>7} {'tokens':>7} {'rest':>7}")

@@ -13,9 +13,8 @@ from rpc_daemon.service.lifecycle import serve_until_signalled
 log = structlog.get_logger("rpc")
 
 
-async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=None, sock=None) -> None:
-    """`spare`: a compute process started ahead (rpc_daemon/compute/pool.py, spawn_child); `sock`:
-    the socket already listening on config's address (cli.py, bind_early), else it is bound here."""
+async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=None) -> None:
+    """`spare`: a compute process started ahead (rpc_daemon/compute/pool.py, spawn_child)."""
     loop = asyncio.get_running_loop()
     ssl_context = None
     if config.tls_cert:
@@ -28,8 +27,8 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=
     if config.metrics_port is not None:
         from rpc_daemon.daemon.metrics import serve_metrics
         metrics_server = serve_metrics(daemon, config.host, config.metrics_port)
-    where = {"sock": sock} if sock is not None else {"host": config.host, "port": config.port, "reuse_address": True}
-    server = await loop.create_server(lambda: Connection(daemon), **where, ssl=ssl_context,
+    server = await loop.create_server(lambda: Connection(daemon), config.host, config.port, reuse_address=True,
+                                      ssl=ssl_context,
                                       ssl_handshake_timeout=config.hello_timeout if ssl_context else None)
     port = server.sockets[0].getsockname()[1]
     if not is_loopback(config.host):

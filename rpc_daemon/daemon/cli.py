@@ -5,10 +5,8 @@ Flags follow llama.cpp's rpc-server (-H, -p, -t, -m in MiB, -c) with long forms.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import pathlib
-import socket
 import sys
 
 from rpc_daemon.daemon import security_cli
@@ -79,10 +77,6 @@ def run_daemon(config: DaemonConfig, args: argparse.Namespace) -> int:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     from rpc_daemon.service import logs
     logs.configure(args.log_format, args.log_level)
-    try:
-        sock = bind_early(config.host, config.port)
-    except OSError as exc:
-        return cannot_listen(config, exc)
     # the first compute process starts up (~0.2 s of imports) alongside this process's own imports, on
     # another core: a restarted worker's first requests do not share the CPU with it after listening
     from rpc_daemon.compute.pool import spawn_child
@@ -90,38 +84,11 @@ def run_daemon(config: DaemonConfig, args: argparse.Namespace) -> int:
     from rpc_daemon.daemon.app import serve
     from rpc_daemon.service.loop import run
     try:
-        run(serve(config, spare=spare, sock=sock))
+        run(serve(config, spare=spare))
     except OSError as exc:
-        return cannot_listen(config, exc)
+        print(f"ggml-rpc-server: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
     return 0
-
-
-def cannot_listen(config: DaemonConfig, exc: OSError) -> int:
-    print(f"ggml-rpc-server: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
-    return 1
-
-
-def bind_early(host: str, port: int) -> socket.socket | None:
-    """The listening socket for an IP address, bound before the daemon's own
-    imports (~0.2 s): a client that connects meanwhile (a coordinator resuming
-    tries every 20-50 ms) waits in the backlog and is served as soon as the
-    daemon is, instead of being refused and trying again later. None for a
-    host name: the event loop binds it (it may resolve to several addresses)."""
-    try:
-        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    except ValueError:
-        return None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the event loop's reuse_address=True
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as the event loop binds it
-        sock.bind((host, port))
-        sock.listen(100)  # the event loop's default backlog
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 if __name__ == "__main__":
