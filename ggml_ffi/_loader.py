@@ -164,14 +164,21 @@ class CpuLibrary:
 
 
 def _address_file(addr) -> pathlib.Path | None:
-    """The shared object holding a code address (dladdr)."""
-    libc = cffi.FFI()
-    libc.cdef("typedef struct { const char *dli_fname; void *dli_fbase; const char *dli_sname; void *dli_saddr; } "
-              "Dl_info; int dladdr(const void *addr, Dl_info *info);")
-    info = libc.new("Dl_info *")
-    if libc.dlopen(None).dladdr(libc.cast("void *", int(ffi.cast("uintptr_t", addr))), info) == 0:
+    """The shared object holding a code address (dladdr). Through ctypes: a
+    cffi.FFI() of its own would parse its declaration with pycparser (~30 ms
+    at every process start, a restarted worker's and its compute process's)."""
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    dladdr = ctypes.CDLL(None).dladdr
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+    info = DlInfo()
+    if dladdr(int(ffi.cast("uintptr_t", addr)), ctypes.byref(info)) == 0 or not info.dli_fname:
         return None
-    return pathlib.Path(libc.string(info.dli_fname).decode())
+    return pathlib.Path(info.dli_fname.decode())
 
 
 def _features(reg) -> dict:

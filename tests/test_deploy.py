@@ -239,6 +239,45 @@ def test_daemon_version():
     assert out.returncode == 0 and version("ggml-distributed") in out.stdout, out
 
 
+SLOW_START = """
+import sys, time
+class SlowDaemonCode:  # the daemon's code loads 2 s late: a wide window before it serves
+    def find_spec(self, name, path=None, target=None):
+        if name == "rpc_daemon.daemon.app":
+            time.sleep(2.0)
+        return None
+sys.meta_path.insert(0, SlowDaemonCode())
+"""
+
+
+def test_the_first_compute_process_starts_before_the_daemon_code_loads(tmp_path):
+    """A worker starts its first compute process (~0.2 s of imports) before it
+    loads its own code and libggml, so the two start on two cores at once,
+    and a restarted worker's first requests do not share the CPU with it. The
+    worker's code is made to load 2 s late (a sitecustomize on its path): the
+    compute process is started well before `listening`."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    proc = subprocess.Popen([sys.executable, "-m", "rpc_daemon", "-H", "127.0.0.1", "-p", "0", "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    seen: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while "listening" not in seen and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break  # it exited
+            for event in ("compute process started", "listening"):
+                if event in line:
+                    seen.setdefault(event, time.monotonic())
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    assert set(seen) == {"compute process started", "listening"}, seen
+    assert seen["listening"] - seen["compute process started"] >= 1.0, seen
+
+
 def test_coordinator_extends_start_timeout_while_uploading(tmp_path, secret_file):
     """While `serve` uploads the model it tells systemd EXTEND_TIMEOUT_USEC
     (with the progress as STATUS=), so a big model does not outlive

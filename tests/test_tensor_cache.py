@@ -6,12 +6,15 @@ import asyncio
 import hashlib
 import os
 import pathlib
+import socket
+import time
 import urllib.request
 
 import numpy as np
 import pytest
 
 from conftest import DaemonProcess, free_port
+from rpc_helpers import raw_session
 from rpc_daemon.client import RpcClient, RpcError
 from rpc_daemon.wire.protocol import Command, Status
 
@@ -225,6 +228,31 @@ def test_partial_and_truncated_entries_are_cleaned_and_rewritten(tmp_path):
         d.stop()
 
 
+def fifo_entry(cache: pathlib.Path, data: bytes) -> pathlib.Path:
+    """Swap cached `data`'s entry file for a FIFO: a worker's read of it waits,
+    deterministically, until the test writes the content (write_fifo)."""
+    entry = cache / sha(data)[:2] / sha(data)
+    entry.unlink()
+    os.mkfifo(entry)
+    return entry
+
+
+def open_fifo_writer(entry: pathlib.Path) -> int:
+    """The FIFO's write end, once the worker has opened it for reading (bounded wait)."""
+    for _ in range(200):
+        try:
+            return os.open(entry, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader yet
+            time.sleep(0.05)
+    raise AssertionError("the worker never opened the entry")
+
+
+def write_fifo(fd: int, data: bytes) -> None:
+    os.set_blocking(fd, True)
+    os.write(fd, data)
+    os.close(fd)
+
+
 def test_an_entry_being_read_is_not_evicted(tmp_path):
     """A SET_TENSOR_HASH in progress holds its entry: stores from another client
     that need room evict the others, never it, and the load completes with the
@@ -237,27 +265,15 @@ def test_an_entry_being_read_is_not_evicted(tmp_path):
     d = DaemonProcess("-t", "1", "--cache", str(cache), "--cache-max", "5")
     try:
         run(store(d.endpoint, a))
-        entry = cache / sha(a)[:2] / sha(a)
-        entry.unlink()
-        os.mkfifo(entry)
+        entry = fifo_entry(cache, a)
         result = {}
         reader = threading.Thread(target=lambda: result.setdefault("a", run(load(d.endpoint, sha(a), SIZE))))
         reader.start()
-        # the worker opens the FIFO for reading: open for writing returns once it has (bounded wait)
-        fd = None
-        for _ in range(200):
-            try:
-                fd = os.open(entry, os.O_WRONLY | os.O_NONBLOCK)
-                break
-            except OSError:  # ENXIO: no reader yet
-                threading.Event().wait(0.05)
-        assert fd is not None, "the worker never opened the entry"
+        fd = open_fifo_writer(entry)
         run(store(d.endpoint, b))  # fits beside a
         run(store(d.endpoint, c))  # needs room: b goes, not a, which is being read
         assert set(cached(cache)) == {sha(a), sha(c)}
-        os.set_blocking(fd, True)
-        os.write(fd, a)
-        os.close(fd)
+        write_fifo(fd, a)
         reader.join(60)
         assert result.get("a") == a, "the load of the entry in use failed"
     finally:
@@ -314,3 +330,58 @@ def test_cache_max_flag_is_checked():
     for args, fragment in ((["--cache-max", "5"], "give --cache"), (["--cache", "x", "--cache-max", "-1"], ">= 0")):
         p = subprocess.run([sys.executable, "-m", "rpc_daemon", *args], capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and fragment in p.stderr, (args, p.returncode, p.stderr)
+
+
+def test_lookups_run_at_once_and_answer_in_request_order(tmp_path):
+    """SET_TENSOR_HASH requests sent back to back run several at once, yet
+    answer in request order and leave every range as if run one at a time.
+    The first one's entry is a FIFO, so it waits until the test writes it:
+    meanwhile the next one (a corrupt entry, another range) is verified,
+    refused and removed, while the one after it, which overlaps the first's
+    range, waits for it and has not touched its entry. Then every reply comes
+    in order, with its status, and the buffer holds the request-order result."""
+    cache = tmp_path / "cache"
+    first, corrupt, overlapping, other, last = (chunk(10 + i, MIB) for i in range(5))
+    d = DaemonProcess("-t", "1", "--cache", str(cache))
+    try:
+        for data in (first, corrupt, overlapping, other, last):
+            run(store(d.endpoint, data))
+        for f in cache.glob("??/*"):
+            os.utime(f, (0, 0))  # a load's touch shows which entries were read
+        bad = bytearray(corrupt)
+        bad[77] ^= 0xFF
+        (cache / sha(corrupt)[:2] / sha(corrupt)).write_bytes(bytes(bad))
+        entry = fifo_entry(cache, first)
+        half = MIB // 2
+        with raw_session(d) as conn:
+            header, _ = conn.call(Command.ALLOC_BUFFER, {"size": 4 * MIB})
+            buf = header["buffer"]
+            lookups = [(first, 0), (corrupt, 2 * MIB), (overlapping, half), (other, 3 * MIB), (last, 0)]
+            ids = [conn.request(Command.SET_TENSOR_HASH, {"buffer": buf, "offset": off, "size": MIB,
+                                                          "hash": sha(data)}) for data, off in lookups]
+            ids.append(conn.request(Command.GET_TENSOR, {"buffer": buf, "offset": 0, "size": 4 * MIB}))
+            fd = open_fifo_writer(entry)
+            corrupt_file = cache / sha(corrupt)[:2] / sha(corrupt)
+            for _ in range(200):  # verified beside the first one, which still waits
+                if not corrupt_file.exists():
+                    break
+                time.sleep(0.05)
+            assert not corrupt_file.exists(), "the lookup after the first did not run beside it"
+            assert (cache / sha(overlapping)[:2] / sha(overlapping)).stat().st_mtime == 0, \
+                "a lookup overlapping a running one's range ran beside it"
+            conn.sock.settimeout(0.3)
+            with pytest.raises(socket.timeout):  # no reply overtakes the first one's
+                conn.recv_frame()
+            conn.sock.settimeout(30)
+            write_fifo(fd, first)
+            replies = [conn.recv_frame() for _ in ids]
+        assert [h["id"] for h, _ in replies] == ids
+        assert [h["status"] for h, _ in replies] == [Status.SUCCESS, Status.NOT_FOUND, Status.SUCCESS,
+                                                    Status.SUCCESS, Status.SUCCESS, Status.SUCCESS]
+        out = replies[-1][1]
+        # in request order: first at 0, overlapping at half, last at 0 again (the corrupt range is unspecified)
+        assert out[:MIB] == last[:MIB]
+        assert out[MIB: MIB + half] == overlapping[half:]
+        assert out[3 * MIB:] == other
+    finally:
+        d.stop()

@@ -18,7 +18,7 @@ import time
 from coordinator.api import Coordinator
 from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
 from rpc_daemon.service.logs import say  # stderr lines: plain, or JSON under --log-format json
-from rpc_daemon.service.version import package_version
+from rpc_daemon.service.version import VersionAction
 
 EXIT_DECODE_FAILED = 2
 EXIT_CONNECT_FAILED = 3
@@ -127,7 +127,7 @@ def _resume_options(args) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
-    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     _common(g)
@@ -139,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=GENERATION["seed"])
     _resume_flags(g, 0.0, "the generation")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--version", action="version", version=f"ggml-coordinator {package_version()}")
+    s.add_argument("--version", action=VersionAction, prog="ggml-coordinator")
     _common(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_count(0, 65535), default=8080)

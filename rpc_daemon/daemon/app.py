@@ -2,25 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 
 import structlog
 
 from ggml_ffi import describe, extra_buffers
-from rpc_daemon.daemon.config import DaemonConfig
+from rpc_daemon.daemon.config import DaemonConfig, is_loopback
 from rpc_daemon.daemon.connection import Connection, Daemon
 from rpc_daemon.service.lifecycle import serve_until_signalled
 
 log = structlog.get_logger("rpc")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=None) -> None:

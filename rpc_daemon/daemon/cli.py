@@ -11,7 +11,7 @@ import sys
 
 from rpc_daemon.daemon import security_cli
 from rpc_daemon.daemon.config import DaemonConfig
-from rpc_daemon.service.version import package_version
+from rpc_daemon.service.version import VersionAction
 
 _C = DaemonConfig()  # every default below is DaemonConfig's (security_cli: Limits' too)
 DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "ggml-rpc"
@@ -20,7 +20,7 @@ DEFAULT_CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home(
 def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
     """The production flags; rpc_daemon/testing/daemon_cli.py adds the test-only ones to the same parser."""
     p = argparse.ArgumentParser(prog=prog, description="ggml RPC worker daemon")
-    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("-H", "--host", default=_C.host, help=f"address to bind (default {_C.host})")
     p.add_argument("-p", "--port", type=int, default=_C.port, help=f"port (default {_C.port}; 0 picks a free one)")
     # not DaemonConfig's 1: on the command line, half the cores (the other half for the event loop and peers)

@@ -2,6 +2,7 @@
 what it reads from the machine: memory, the open-files limit."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import resource
 from dataclasses import dataclass, field
@@ -11,6 +12,15 @@ import structlog
 from rpc_daemon.wire.protocol import Limits
 
 log = structlog.get_logger("rpc")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass

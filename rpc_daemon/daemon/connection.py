@@ -40,6 +40,9 @@ log = structlog.get_logger("rpc")
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
+# SET_TENSOR_HASH requests of one connection run at once (their cache entries read and hashed on
+# executor threads); 3 keeps two cores busy with a reading and a hashing one and the next one started
+LOOKUPS_AT_ONCE = 3
 LLAMACPP_HINT = ("llama.cpp's own rpc-server serves llama.cpp clients (it also uses port 50052); "
                  "this worker serves ggml-coordinator")
 
@@ -102,6 +105,7 @@ class Connection(asyncio.BufferedProtocol):
         self.log = log
         self.closed = False
         self.queue: asyncio.Queue = asyncio.Queue()
+        self._queued = asyncio.Event()  # set when a request is queued (_lookups waits for one)
         self.worker: asyncio.Task | None = None
         self.worker_busy = False
         self.last_activity = time.monotonic()
@@ -272,6 +276,7 @@ class Connection(asyncio.BufferedProtocol):
         if hoptrace.ON:
             hoptrace.mark("daemon queued")
         self.queue.put_nowait((header, blob, direct, held))
+        self._queued.set()
         self._inflight += held
         if self._over_bounds() and self.transport is not None:
             self.transport.pause_reading()
@@ -343,6 +348,7 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
         if self.worker is not None:
             self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends
+            self._queued.set()
         else:
             self._release()
         self.log.info("client disconnected", error=str(exc) if exc else None)
@@ -360,9 +366,11 @@ class Connection(asyncio.BufferedProtocol):
         self.daemon.connections.discard(self)
 
     async def _work(self) -> None:
+        item = None
         try:
-            while True:
-                item = await self.queue.get()
+            while not self.closed:
+                if item is None:
+                    item = await self.queue.get()
                 if item is None or self.closed:
                     return
                 if not self._can_write.is_set():
@@ -371,18 +379,74 @@ class Connection(asyncio.BufferedProtocol):
                         return
                 self._resume_reading()
                 header, blob, direct, held = item
+                item = None
                 self.worker_busy = True
                 try:
-                    await self._dispatch(header, blob, direct)
+                    if _lookup_range(header) is not None:
+                        item = await self._lookups((header, blob, direct, held))  # and the request after them
+                    else:
+                        try:
+                            await self._dispatch(header, blob, direct)
+                        finally:
+                            self._inflight -= held
                 finally:
                     self.worker_busy = False
                     self.last_activity = time.monotonic()
-                    item = header = blob = None  # its memory goes now, not at the next request
-                    self._inflight -= held
+                    header = blob = None  # its memory goes now, not at the next request
                 self._resume_reading()
         finally:
             item = header = blob = None  # a direct SET_TENSOR's blob is a view into its buffer
             self._release()
+
+    async def _lookups(self, first: tuple):
+        """SET_TENSOR_HASH requests queued back to back, up to LOOKUPS_AT_ONCE
+        at a time: one cache entry is read while another is hashed (both
+        release the GIL), so they keep two cores busy. Replies go out in
+        request order; a request whose range overlaps a running one's waits
+        until none runs, so every range ends as if they had run one at a time.
+        Returns the request taken from the queue after them that is not one of
+        them (to run next), or None."""
+        running: collections.deque = collections.deque()  # (its _handle task, bytes it holds, its range)
+        item, after, ended = first, None, False
+        try:
+            while True:
+                if item is not None:
+                    rng = _lookup_range(item[0])
+                    if rng is None or any(_overlap(rng, other) for _, _, other in running):
+                        after = item  # in its turn, once the running ones are answered
+                    else:
+                        header, blob, direct, held = item
+                        running.append((asyncio.ensure_future(self._handle(header, blob, direct)), held, rng))
+                    item = None
+                if not running:
+                    return after
+                task, held, _ = running[0]
+                if after is None and not ended and len(running) < LOOKUPS_AT_ONCE:
+                    if not self.queue.empty():
+                        item = self.queue.get_nowait()
+                        ended = item is None  # the connection's end (self.closed is set): answer what runs
+                        continue
+                    # the oldest one's end or the next request's arrival, whichever comes first
+                    self._queued.clear()
+                    arrival = asyncio.ensure_future(self._queued.wait())
+                    await asyncio.wait((task, arrival), return_when=asyncio.FIRST_COMPLETED)
+                    arrival.cancel()
+                    if not task.done():
+                        continue
+                outcome = await task
+                running.popleft()
+                self._inflight -= held
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+                await self._answer(outcome)
+                self._resume_reading()
+        finally:
+            # a handler still running writes into a buffer of this connection: it ends before the
+            # buffers can be released, even if this task was cancelled
+            for task, held, _ in running:
+                if not task.done():
+                    await asyncio.wait([task])
+                self._inflight -= held
 
     # ------------------------------------------------------------ replies
     def _reply(self, req_id, status: Status, message: str = "", blob=b"", quiet: bool = False, **fields) -> None:
@@ -403,28 +467,35 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.write(frame)
 
     async def _dispatch(self, header: dict, blob, direct: bool) -> None:
+        await self._answer(await self._handle(header, blob, direct))
+
+    async def _handle(self, header: dict, blob, direct: bool):
+        """Run one queued request's handler. Its outcome, to _answer: (id,
+        test fault or None, the handler's result), or None when already answered."""
         req_id = header.get("id")
         try:
             cmd = P.command(header)  # an int: a bool or a float is refused, not taken for a command
         except ProtocolError as exc:
-            self._reply(req_id, exc.status, exc.message)
-            return
+            return req_id, None, {"status": exc.status, "error": exc.message}
         row = COMMANDS.get(cmd)
         if row is None or row.answer_now is not None:  # AUTH without a pending challenge
-            self._reply(req_id, Status.UNKNOWN_COMMAND, f"unknown command {cmd!r}")
-            return
+            return req_id, None, {"status": Status.UNKNOWN_COMMAND, "error": f"unknown command {cmd!r}"}
         fault = self.daemon.faults.take(cmd) if self.daemon.faults is not None else None  # tests only
         if fault is not None and await fault.before(self):
-            return
+            return None
         try:
-            result = await row.handler(self.session, header, blob, direct)
+            return req_id, fault, await row.handler(self.session, header, blob, direct)
         except ProtocolError as exc:
-            self._reply(req_id, exc.status, exc.message, **exc.fields)
-            return
+            return req_id, None, {"status": exc.status, "error": exc.message, **exc.fields}
         except Exception as exc:  # a bug of ours must not take the daemon down
             self.log.exception("handler failed", cmd=cmd)
-            self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
+            return req_id, None, {"status": Status.FAILED, "error": f"internal error: {type(exc).__name__}: {exc}"}
+
+    async def _answer(self, outcome) -> None:
+        """Reply with a request's outcome (_handle's)."""
+        if outcome is None:
             return
+        req_id, fault, result = outcome
         if isinstance(result, Deferred):
             # its reply waits for its pushes to peer workers; the connection's next request need not
             await self._deferred.acquire()
@@ -467,3 +538,19 @@ class Connection(asyncio.BufferedProtocol):
         """The session authenticated (HELLO, and AUTH with a secret): full frame limits, full-size receive buffer."""
         self.reader.authenticated = True  # the next prefix, even in this receive, gets the full limits
         self.reader.resize(RX_SIZE)
+
+
+def _lookup_range(header) -> tuple[int, int, int] | None:
+    """A SET_TENSOR_HASH's (buffer, start, end), for running it beside others;
+    None for any other request, or one whose range is not plain integers (it
+    runs alone, in its turn, and its handler refuses it)."""
+    if not isinstance(header, dict) or type(header.get("cmd")) is not int or header["cmd"] != Command.SET_TENSOR_HASH:
+        return None
+    fields = header.get("buffer"), header.get("offset"), header.get("size")
+    if any(type(f) is not int for f in fields):
+        return None
+    return fields[0], fields[1], fields[1] + fields[2]
+
+
+def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]

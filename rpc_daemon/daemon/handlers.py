@@ -189,9 +189,9 @@ async def handle_set_tensor_hash(s: Session, h, blob, direct):
     buf, r, hex_digest = V.check_set_tensor_hash(h, s.buffer_of)
     if s.daemon.cache is None:
         return {"status": Status.NOT_FOUND, "error": "this daemon has no tensor cache"}
-    dest = buf.view[r.offset: r.offset + r.size]
     try:
-        ok = await asyncio.get_running_loop().run_in_executor(None, s.daemon.cache.load_into, hex_digest, dest)
+        ok = await asyncio.get_running_loop().run_in_executor(None, s.daemon.cache.load_into, hex_digest, buf.fd,
+                                                              buf.offset + r.offset, r.size)
     except ValueError as exc:
         raise ProtocolError(Status.INVALID_REQUEST, str(exc)) from None
     if not ok:

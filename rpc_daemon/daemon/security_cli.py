@@ -20,7 +20,7 @@ import sys
 
 from rpc_daemon.wire import auth
 from rpc_daemon.wire.protocol import Limits
-from rpc_daemon.daemon.config import DaemonConfig
+from rpc_daemon.daemon.config import DaemonConfig, is_loopback
 
 MiB = 1 << 20
 _L = Limits()
@@ -97,7 +97,6 @@ def apply(p: argparse.ArgumentParser, args: argparse.Namespace, config: DaemonCo
             client_context(args.peer_tls_ca)
         except TlsConfigError as exc:
             p.error(str(exc))
-    from rpc_daemon.daemon.app import is_loopback
     if not is_loopback(config.host) and secret is None and not args.insecure:
         p.error(f"refusing to listen on {config.host} without a shared secret: anyone who can reach the port "
                 f"could read and write this worker's memory and run graphs on it. Give --secret-file PATH (or "

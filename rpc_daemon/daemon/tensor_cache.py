@@ -27,6 +27,7 @@ import structlog
 log = structlog.get_logger("cache")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _OLD_TMP = re.compile(r"^[0-9a-f]{64}\.tmp\d+$")
+COPY_PIECE = 256 << 10  # a load's piece: read, hashed and written while it stays in the CPU's cache
 _TMP_PREFIX = ".tmp-"  # .tmp-<pid>-...: a store in progress; one of a dead process was cut short
 
 
@@ -178,24 +179,23 @@ class TensorCache:
             return False
         return True
 
-    def load_into(self, hex_digest: str, dest: memoryview) -> bool:
-        """Fill `dest` with the cached content; False if absent, the wrong size or corrupt."""
+    def load_into(self, hex_digest: str, fd: int, offset: int, size: int) -> bool:
+        """Write the cached content to file `fd` (a client's shared memory) at
+        `offset`; False if absent, not `size` bytes or corrupt (what was
+        written of it stays there)."""
         path = self._path(hex_digest)
         with self._lock:
-            if self._sizes.get(hex_digest) != len(dest):
+            if self._sizes.get(hex_digest) != size:
                 return False
             self._sizes.move_to_end(hex_digest)
             self._in_use[hex_digest] += 1  # not evicted while it is read
         try:
             try:
-                with open(path, "rb") as f:
-                    complete = f.readinto(dest) == len(dest)
+                copied = _copy_hashing(path, fd, offset, size)
             except FileNotFoundError:  # deleted behind the daemon's back
-                complete = None
-            if complete is None:
                 self._forget(hex_digest)
                 return False
-            if not complete or digest(dest) != hex_digest:
+            if copied != hex_digest:  # short, or not the content its name says
                 log.warning("corrupt cache entry removed", hash=hex_digest)
                 self._forget(hex_digest, delete=True)
                 return False
@@ -206,6 +206,28 @@ class TensorCache:
                 self._in_use[hex_digest] -= 1
                 if not self._in_use[hex_digest]:
                     del self._in_use[hex_digest]
+
+
+def _copy_hashing(path: pathlib.Path, fd: int, offset: int, size: int) -> str | None:
+    """Copy the first `size` bytes of file `path` to file `fd` at `offset`, a
+    piece at a time, hashing each piece as it passes (while it is in the CPU's
+    cache: a quarter less CPU than reading it all into place, page faults
+    included, and hashing it there); their SHA-256, or None if the file is
+    shorter. What is hashed is what is written."""
+    h = hashlib.sha256()
+    piece = memoryview(bytearray(min(size, COPY_PIECE)))
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        while done < size:
+            n = f.readinto(piece[:min(COPY_PIECE, size - done)])
+            if not n:
+                return None
+            h.update(piece[:n])
+            written = 0
+            while written < n:
+                written += os.pwrite(fd, piece[written:n], offset + done + written)
+            done += n
+    return h.hexdigest()
 
 
 def _writer_alive(tmp_name: str) -> bool:
