@@ -134,10 +134,7 @@ def _declared_ffi(cdef: pathlib.Path):
 
         source = io.StringIO()
         make_py_source(builder, "_ggml_cdef", source)
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
-        tmp.write_text(source.getvalue())
-        os.replace(tmp, saved)  # whole or not at all, for processes starting at the same time
+        ggml_build.write_in_cache(saved, source.getvalue().encode())
         return _load_abi(saved)
     except (OSError, SyntaxError, KeyError):
         return builder

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import os
+import pathlib
 import platform
 import signal
 import subprocess
@@ -141,10 +142,7 @@ def usable() -> dict:
     path = _memo_path()
     found = {name: probe(name) for name in buffer_types()}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + f".{os.getpid()}", "w") as f:
-            json.dump(found, f)
-        os.replace(path + f".{os.getpid()}", path)
+        ggml_build.write_in_cache(pathlib.Path(path), json.dumps(found).encode())
     except OSError:
         pass  # a read-only cache: probe again at the next start
     return found

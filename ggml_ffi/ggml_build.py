@@ -84,6 +84,20 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(root)
 
 
+def write_in_cache(path: pathlib.Path, data: bytes) -> None:
+    """Write a file of the cache whole or not at all: processes starting at the
+    same time read the old file or the new one, never a part. Raises OSError
+    (a read-only cache) and leaves no temporary file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def cpu_tag() -> str:
     """A short hash of what a native build depends on: the CPU model and its flags."""
     facts = [platform.machine()]
