@@ -34,6 +34,7 @@ import structlog
 
 from rpc_daemon.compute import link as compute_link
 from rpc_daemon.service import hoptrace
+from rpc_daemon.service.loop import within
 
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
@@ -389,7 +390,7 @@ class ComputeProcess:
                 self.pending_drops.clear()
                 if key is not None:
                     self.known_graphs.add(key)
-                reply, out = await asyncio.wait_for(compute_link.arecv(loop, self.sock), self.pool.timeout)
+                reply, out = await within(compute_link.arecv(loop, self.sock), self.pool.timeout)
             except asyncio.TimeoutError:
                 if self._closed:
                     raise ComputeFailed("the daemon is shutting down") from None

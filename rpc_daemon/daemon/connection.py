@@ -499,7 +499,9 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(result, Deferred):
             # its reply waits for its pushes to peer workers; the connection's next request need not
             await self._deferred.acquire()
+            result.start(self.daemon.peer_links)
             asyncio.get_running_loop().create_task(self._reply_deferred(req_id, result, fault))
+            await asyncio.sleep(0)  # the pushes write before the next request is handled (Deferred.start)
             return
         fields, out = result if isinstance(result, tuple) else (result or {}, b"")
         status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
@@ -509,7 +511,7 @@ class Connection(asyncio.BufferedProtocol):
 
     async def _reply_deferred(self, req_id, result: Deferred, fault) -> None:
         try:
-            fields, out = await result.finish(self.daemon.peer_links)
+            fields, out = await result.finish()
             if fault is not None and await fault.reply(self, req_id, Status.SUCCESS, "", out, fields):  # tests only
                 return
             self._reply(req_id, Status.SUCCESS, "", out, **fields)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
+from rpc_daemon.service.loop import within
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
 
@@ -93,7 +94,7 @@ class Mailbox:
             raise ProtocolError(Status.INVALID_REQUEST, f"a request already waits for step input {tag}")
         waiter = self.waiters[tag] = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(waiter, timeout)
+            return await within(waiter, timeout)
         except asyncio.TimeoutError:
             raise ProtocolError(Status.INPUT_MISSING, f"step input {tag} did not arrive within {timeout:g} s") from None
         finally:
@@ -192,9 +193,19 @@ class Deferred:
     fields: dict
     out: bytes
     forward: list  # V.Forward
+    pushes: list = field(default_factory=list)  # the pushes' tasks, in forward order, once started
 
-    async def finish(self, links: PeerLinks) -> tuple[dict, bytes]:
-        errors = await asyncio.gather(*(links.push(f.to, f.token, f.tag, self.out) for f in self.forward))
+    def start(self, links: PeerLinks) -> None:
+        """Start the pushes. The connection then yields one loop turn, so their
+        first steps (a local mailbox put, or the STEP_INPUT frame written to the
+        peer) run before its next request's handler: the next stage's compute
+        waits on this write, the next request (a head shard waiting for its
+        input) does not."""
+        loop = asyncio.get_running_loop()
+        self.pushes = [loop.create_task(links.push(f.to, f.token, f.tag, self.out)) for f in self.forward]
+
+    async def finish(self) -> tuple[dict, bytes]:
+        errors = await asyncio.gather(*self.pushes)
         failed = [[i, err] for i, err in enumerate(errors) if err is not None]
         if not failed:
             return dict(self.fields, forwarded=True), b""
