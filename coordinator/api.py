@@ -41,6 +41,7 @@ from coordinator.kv_cache import KVCells
 from coordinator.loop import LoopThread
 from coordinator.microbatch import DEFAULT_MICRO_BATCH, MicroBatches
 from coordinator.models import architecture
+from coordinator.models.common import head_source
 from coordinator.pipeline import Pipeline, StepFailed
 from coordinator.planning import (PAGE, DoesNotFit, checked_setup, compute_reserve, default_model_path, endpoint_free,
                                   fit_split, plan_rows, plan_split, split_weights)
@@ -203,7 +204,14 @@ class Coordinator:
             return fit_split([p.endpoint for p in places], [endpoint_free(i) for i in infos], self.hp.n_layer,
                              self.hp.n_vocab, weights, self.head_split, split is not None or whole_head, need)
 
-        whole_head = self._head.mode == "auto"  # the last stage holds the whole head besides the shards
+        whole_head = False  # the last stage holds the whole head besides the shards (auto, where it may win)
+        if self._head.mode == "auto":
+            await self._pipeline.measure_rtts()
+            head_bytes = len(self.gguf.tensor_data(head_source(self.gguf.tensors)))
+            whole_head = self._head.held_whole(head_bytes, len(places))
+            if not whole_head:
+                log.info("the last worker holds only its share of the output head: a hop costs less than the "
+                         "least the split saves", one_way_ms=round(self._head.one_way() * 1e3, 3))
         try:
             layer_plan, heads = plan(whole_head)
         except DoesNotFit as exc:
@@ -213,6 +221,7 @@ class Coordinator:
                      "split", reason=str(exc))
             self._head.mode, whole_head = "split", False
             layer_plan, heads = plan(whole_head)
+        self._head.whole_held = whole_head
         for index, (p, layers, head_rows) in enumerate(zip(places, layer_plan, heads)):
             p.layers = layers
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
