@@ -116,13 +116,15 @@ class HeadPlacement:
         return hop is None or hop > least_saved
 
     # ------------------------------------------------------------ the choice
-    def split(self, shape: tuple, extra_hops: int) -> bool:
+    def split(self, shape: tuple, extra_hops: int, whole_possible: bool = True) -> bool:
         """Whether a step of `shape` ((n_outputs, argmax)) has its head split;
         `extra_hops` is what the split costs on the path it will take (1
-        linked, 2 relayed)."""
+        linked, 2 relayed); `whole_possible`: the last worker holds the whole head."""
         hop, saved = self.one_way(), self.saved(shape)
         if self.mode != "auto":
             choice = self.mode
+        elif not whole_possible:
+            choice = "split"
         elif hop is None or saved is None:
             choice = "split"  # nothing to compare yet: the split step measures the head
         else:

@@ -209,10 +209,9 @@ class Pipeline:
             self._pinging.add(task)  # not awaited: the step does not wait for it
             task.add_done_callback(self._pinging.discard)
         linked = self.links and not relayed and step_links.usable(self)
-        split = self.placement.split((n_outputs, greedy), 1 if linked else 2)
-        if not self.head_split:
-            return False
-        return split or not self.places[-1].stage.whole_head
+        split = self.placement.split((n_outputs, greedy), 1 if linked else 2,
+                                     whole_possible=self.places[-1].stage.whole_head)
+        return split and self.head_split
 
     async def measure_rtts(self, pings: int = 3) -> None:
         """PING every connected worker `pings` times (one after another), all

@@ -55,6 +55,15 @@ def test_the_rule_compares_the_saved_compute_with_the_extra_hops():
     for _ in range(8):
         p.record_rtt("b", 0.02)
     assert not p.split((1, False), 1), "behind 10 ms one way: whole"
+    assert p.split((1, False), 1, whole_possible=False), "a last worker with only its share always splits"
+    assert p.view()["steps_whole"] == 2 and p.view()["choice"] == "split", "and it is counted as split"
+    least = 178e6 / 2 / 50e9  # Gemma 3's head over 2 workers saves at least 1.8 ms
+    assert p.held_whole(int(178e6), 2), "10 ms one way: held"
+    near = HeadPlacement("auto")
+    near.record_rtt("a", 0.0002)
+    assert not near.held_whole(int(178e6), 2) and near.held_whole(int(0.2e6), 2), (least, near.one_way())
+    assert not HeadPlacement("split").held_whole(100, 2) and HeadPlacement("auto").held_whole(int(178e6), 2), \
+        "only auto holds it; nothing measured yet: held"
     assert checked_mode(True) == "split" and checked_mode(False) == "whole" and checked_mode("auto") == "auto"
     with pytest.raises(ValueError):
         checked_mode("sideways")

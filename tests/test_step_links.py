@@ -295,3 +295,32 @@ def test_a_mailbox_is_bounded_and_dies_with_its_session(start_daemon):
             await peer.aclose()
 
     run(go())
+
+
+def test_cancelled_tags_do_not_fill_a_mailbox():
+    """A client cancels every tag of a failed step, also those already taken:
+    their markers must not use up the session's room for inputs (found by
+    review: after two failed linked prompts every push was refused and the
+    next step waited for its request timeout)."""
+    from rpc_daemon.daemon.peers import MAX_MAILBOX_ENTRIES, Mailbox
+
+    async def scenario():
+        box = Mailbox(1 << 20)
+        n = MAX_MAILBOX_ENTRIES + 8
+        for tag in range(n):
+            box.put(tag, b"x" * 8)
+            assert await box.take(tag, 1.0) == b"x" * 8
+        for tag in range(n):  # the failed step's cancellations, every tag
+            box.cancel(tag)
+        box.cancel(n)  # one not yet delivered nor taken: its late input is refused, its request told
+        nxt = range(n + 1, n + 1 + MAX_MAILBOX_ENTRIES)
+        for tag in nxt[:-1]:  # the next steps' inputs find room beside the one live marker
+            box.put(tag, b"y")
+        with pytest.raises(Exception) as late:
+            box.put(n, b"late")
+        assert "cancelled" in str(late.value)
+        box.put(nxt[-1], b"y")  # the late input took its marker along: room for one more
+        assert [await box.take(tag, 1.0) for tag in nxt] == [b"y"] * MAX_MAILBOX_ENTRIES
+        assert box.held == 0
+
+    asyncio.run(scenario())

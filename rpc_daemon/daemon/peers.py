@@ -55,13 +55,28 @@ class Mailbox:
             waiter.set_result(data)
             return
         if tag in self.entries:
+            if self.entries[tag] is CANCELLED:
+                del self.entries[tag]  # the late input of a cancelled step: the marker has done its job
             raise ProtocolError(Status.INVALID_REQUEST, f"step input {tag} was already delivered (or cancelled)")
+        if len(self.entries) >= MAX_MAILBOX_ENTRIES:
+            self._drop_cancelled()
         if len(self.entries) >= MAX_MAILBOX_ENTRIES or self.held + len(data) > self.max_bytes:
             raise ProtocolError(Status.LIMIT_EXCEEDED, f"the session holds {len(self.entries)} step inputs "
                                                        f"({self.held} bytes) that no request took; limit "
                                                        f"{MAX_MAILBOX_ENTRIES} and {self.max_bytes} bytes")
         self.entries[tag] = data
         self.held += len(data)
+
+    def _drop_cancelled(self) -> None:
+        """Forget the oldest cancellations until there is room for one entry:
+        a client cancels every tag of a failed step, also those its requests
+        already took, whose markers no request would ever take; room for
+        inputs is worth more (a late input of a forgotten tag is then kept
+        until the step's request or the connection ends)."""
+        for tag in [t for t, entry in self.entries.items() if entry is CANCELLED]:
+            if len(self.entries) < MAX_MAILBOX_ENTRIES:
+                return
+            del self.entries[tag]
 
     def cancel(self, tag: int) -> None:
         waiter = self.waiters.pop(tag, None)
@@ -72,6 +87,8 @@ class Mailbox:
         old = self.entries.pop(tag, None)
         if isinstance(old, bytes):
             self.held -= len(old)
+        if len(self.entries) >= MAX_MAILBOX_ENTRIES:
+            self._drop_cancelled()
         while len(self.entries) >= MAX_MAILBOX_ENTRIES:  # the oldest goes: a cancellation is worth less than room
             _, dropped = self.entries.popitem(last=False)
             if isinstance(dropped, bytes):
