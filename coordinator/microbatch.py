@@ -42,6 +42,10 @@ from coordinator.stage_flow import FlowFailed, flow
 
 DEFAULT_MICRO_BATCH = 64  # tokens; prompt chunks of 64 keep ggml's matmuls efficient on the CPU
 MAX_LINKED = 16  # micro-batches of one step sent at once over step links (more: relayed, a stage at a time)
+# hidden-state bytes of one step's micro-batches sent at once over step links: half the
+# mailbox a worker keeps per session by default (max_inflight, 64 MiB), so a next stage
+# that falls behind holds them all (more: relayed)
+MAX_LINKED_BYTES = 32 << 20
 
 
 def _runs(tok_seq: np.ndarray) -> list[tuple[int, int]]:
@@ -128,12 +132,13 @@ class MicroBatches:
         kv, pipe = self.pipeline.kv, self.pipeline
         saved, steps = [], []
         cuts = plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group)
+        relayed = len(cuts) > MAX_LINKED or len(rows) * pipe.hp.n_embd * 4 > MAX_LINKED_BYTES  # as linkable
         for a, b in cuts:
             saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
             mine = (out_rows[(out_rows >= a) & (out_rows < b)] - a).astype(np.int32)
-            # too many micro-batches are relayed (run): their head choice counts the relayed hops
+            # micro-batches that will be relayed (run): their head choice counts the relayed hops
             steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy,
-                                      relayed=len(cuts) > MAX_LINKED))
+                                      relayed=relayed))
         loop = asyncio.get_running_loop()
         done = [loop.create_future() for _ in pipe.places]
         after, self._tails = self._tails, done
@@ -144,7 +149,7 @@ class MicroBatches:
         Raises StepFailed for a failure of any micro-batch (after the requests
         in flight have ended); nothing is kept of the others."""
         pipe, steps = self.pipeline, step.steps
-        if linkable(steps) and all(f is None or f.done() for f in step.after):
+        if linkable(steps, pipe.hp.n_embd) and all(f is None or f.done() for f in step.after):
             # nothing earlier in flight (a single stream, a prompt): the micro-batches may go worker to
             # worker (step links), every request at once; later steps wait for them as for any step
             try:
@@ -176,12 +181,15 @@ class MicroBatches:
             self.pipeline.record(s)
 
 
-def linkable(steps: list[PreparedStep]) -> bool:
+def linkable(steps: list[PreparedStep], n_embd: int) -> bool:
     """Whether a step's micro-batches may go over step links all at once: a
     head round only for the last one (a worker takes its requests in order, so
     an earlier one's shard would hold up the next micro-batch's layers, which
-    relayed it overlaps), and not too many requests queued per worker."""
-    return len(steps) <= MAX_LINKED and not any(s.head_split for s in steps[:-1])
+    relayed it overlaps), not too many requests queued per worker, and room
+    for all their hidden states in a worker's mailbox."""
+    hidden = sum(s.shape.n_tokens for s in steps) * n_embd * 4
+    return (len(steps) <= MAX_LINKED and hidden <= MAX_LINKED_BYTES
+            and not any(s.head_split for s in steps[:-1]))
 
 
 def _finished(done: list) -> None:

@@ -336,3 +336,21 @@ def test_resume_replays_pipelined_steps_exactly(model, tmp_path):
             assert c.stats["micro_batches"] > c.stats["decodes"]  # the steps were cut
     finally:
         w.close()
+
+
+def test_a_prompt_goes_linked_only_if_a_mailbox_holds_all_its_pieces():
+    """Found by review: 16 pieces of 256 tokens of a 5120-wide model (80 MiB of
+    hidden states) could overflow a next stage's 64 MiB mailbox and wait out
+    the request timeout; such a step is relayed instead."""
+    from types import SimpleNamespace
+
+    from coordinator.microbatch import MAX_LINKED_BYTES, linkable
+
+    def pieces(n, tokens):
+        return [SimpleNamespace(shape=SimpleNamespace(n_tokens=tokens), head_split=False) for _ in range(n)]
+
+    assert linkable(pieces(8, 64), 640)  # Gemma 3 270M's 512-token prompt: 1.3 MiB
+    assert not linkable(pieces(16, 256), 5120)
+    assert linkable(pieces(1, MAX_LINKED_BYTES // (4 * 4096)), 4096)
+    assert not linkable(pieces(1, MAX_LINKED_BYTES // (4 * 4096) + 1), 4096)
+    assert not linkable(pieces(17, 1), 640)
