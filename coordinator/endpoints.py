@@ -345,7 +345,7 @@ class EndpointSet:
                     return
                 continue  # it failed again at once (rebuilding its KV cache): this task retries it
             except EndpointUnavailable as exc:
-                # attempts 1, 2, 4, 8, ... (resuming tries 20 times a second); failed_endpoints() has every one
+                # attempts 1, 2, 4, 8, ... (resuming tries 50 times a second); failed_endpoints() has every one
                 if attempt & (attempt - 1) == 0:
                     log.warning("automatic reconnect failed", endpoint=p.endpoint, attempts=attempt,
                                 cause=exc.message)

@@ -35,9 +35,9 @@ from coordinator.results import DecodeResult
 
 log = structlog.get_logger("coordinator.resume")
 
-# reconnect attempts while a stage resumes: a restarted worker is found within 50 ms of listening (a
+# reconnect attempts while a stage resumes: a restarted worker is found within 20 ms of listening (a
 # refused connect costs next to nothing; a host that does not answer holds each attempt for connect_timeout)
-RESUME_BACKOFF = (0.02, 0.05)
+RESUME_BACKOFF = (0.01, 0.02)
 LATE_BACKOFF_CAP = 2.0  # once a stage has been down resume_within, nobody paused waits on it: back off to this
 HOME_EVERY = 2.0  # while a spare holds a stage, how often its own endpoint is tried again (moving it back)
 
