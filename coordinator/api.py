@@ -98,11 +98,11 @@ class Coordinator:
         endpoint computing all of it (coordinator/stage.py); faster when the
         head is a large part of a step, but one more network hop. False
         ("whole"): the last endpoint computes all of it. "auto" (the default):
-        the last endpoint holds the whole head and every endpoint its share,
-        and each step takes the one that is faster by the measured round trips
-        and head compute times (coordinator/head_placement.py; a last worker
-        without the memory for the whole head: "split"). Same logits
-        whichever runs.
+        every endpoint holds its share, and the last one the whole head too
+        where the round trips measured before the upload say a step could take
+        it whole (and it has the memory); each step takes the faster by the
+        measured round trips and head compute times
+        (coordinator/head_placement.py). Same logits whichever runs.
 
         `micro_batch` (tokens; with several endpoints): a batch is cut into
         micro-batches that follow each other through the stages, so every
@@ -308,7 +308,8 @@ class Coordinator:
         `mode` (auto, split or whole), `choice` (the last step's: split or
         whole), `one_way_seconds` and `saved_seconds` it was chosen by,
         `extra_hops` the split cost that step, `steps_split`/`steps_whole`,
-        `changes` and each worker's median `rtt_seconds`."""
+        `changes`, `whole_held` (the last worker holds the whole head) and
+        each worker's median `rtt_seconds`."""
         return self._head.view()
 
     def needs_refeed(self) -> list[int]:

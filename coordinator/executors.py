@@ -183,7 +183,7 @@ class LocalExecutor:
         started = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
         if head:
-            self.head_seconds[(shape.n_outputs, shape.argmax)] = time.perf_counter() - started
+            self.head_seconds[shape.head_key] = time.perf_counter() - started
         return out
 
     async def close(self) -> None:
@@ -300,7 +300,7 @@ class RemoteExecutor:
         if cmd == Command.GRAPH_COMPUTE:
             fields["tensors"] = tensors
         return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id,
-                                                                   (shape.n_outputs, shape.argmax) if head else None))
+                                                                   shape.head_key if head else None))
 
     async def _free_quietly(self, graph_id: int) -> None:
         try:
@@ -418,7 +418,7 @@ class RemoteExecutor:
             try:
                 started = time.monotonic()
                 reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout)
-                self._account(reply, time.monotonic() - started, (shape.n_outputs, shape.argmax) if head else None)
+                self._account(reply, time.monotonic() - started, shape.head_key if head else None)
                 return out
             except RpcError as exc:
                 if exc.status != Status.NOT_FOUND:
@@ -427,19 +427,18 @@ class RemoteExecutor:
                 raise peer_failed(self.endpoint, exc) from None
         started = time.monotonic()
         reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
-        self._account(reply, time.monotonic() - started, (shape.n_outputs, shape.argmax) if head else None)
+        self._account(reply, time.monotonic() - started, shape.head_key if head else None)
         self.sent_graphs.add(g.graph_id)
         return out
 
-    def _account(self, reply: dict, elapsed: float, head_key: tuple | None = None) -> float:
-        """Worker compute time (returned, s), and the step's round trip without it
-        (network and hops); a head shard's (of shape `head_key`) kept for the head's placement."""
+    def _account(self, reply: dict, elapsed: float, head_key: tuple | None = None) -> None:
+        """Worker compute time, and the step's round trip without it (network and
+        hops); a head shard's (of StepShape.head_key `head_key`) kept for the head's placement."""
         compute = reply.get("compute_us", 0)
         self.compute_us += compute
         self.rtt = max(0.0, elapsed - compute / 1e6)
         if head_key is not None:
             self.head_seconds[head_key] = compute / 1e6
-        return compute / 1e6
 
     async def ping(self) -> float | None:
         """One PING's round trip (s), bounded by the connection's liveness bound;

@@ -307,7 +307,7 @@ class Pipeline:
 
     def _timed_head(self, places: list, shape: StepShape) -> None:
         """The shards' compute times of a head round, into the placement's estimate."""
-        key = (shape.n_outputs, shape.argmax)
+        key = shape.head_key
         self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places])
 
     def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:

@@ -69,6 +69,11 @@ class StepShape:
     # (coordinator/head_placement.py chose it for this step); a stage without the whole head ignores it
     head_whole: bool = False
 
+    @property
+    def head_key(self) -> tuple:
+        """What a head shard's compute time depends on: (n_outputs, argmax) (coordinator/head_placement.py)."""
+        return (self.n_outputs, self.argmax)
+
 
 @dataclass
 class StepInputs:

@@ -123,6 +123,12 @@ class Metrics:
         elif seconds > 0:
             self.tokens_per_second.set(n_tokens / seconds)
 
+    def _advance(self, counter, key: str, value) -> None:
+        """Bring `counter` up to the coordinator's count `value` (copied under `key` last time)."""
+        if value > self._seen.get(key, 0):
+            counter.inc(value - self._seen.get(key, 0))
+            self._seen[key] = value
+
     def refresh(self, scheduler: Scheduler) -> None:
         failed = {f.endpoint for f in self.coord.failed_endpoints()}
         for e in self.coord.endpoints():
@@ -134,16 +140,11 @@ class Metrics:
         for key, counter in (("reconnects", self.reconnects), ("resumes", self.resumes),
                              ("resume_seconds", self.resume_seconds), ("replayed_tokens", self.replayed_tokens),
                              ("spare_takeovers", self.spare_takeovers), ("linked_steps", self.linked_steps)):
-            value = self.coord.stats.get(key, 0)
-            if value > self._seen.get(key, 0):
-                counter.inc(value - self._seen.get(key, 0))
-                self._seen[key] = value
+            self._advance(counter, key, self.coord.stats.get(key, 0))
         head = self.coord.head_placement()
         for placement in ("split", "whole"):
-            value, key = head[f"steps_{placement}"], f"head_{placement}"
-            if value > self._seen.get(key, 0):
-                self.head_steps.labels(placement=placement).inc(value - self._seen.get(key, 0))
-                self._seen[key] = value
+            self._advance(self.head_steps.labels(placement=placement), f"head_{placement}",
+                          head[f"steps_{placement}"])
         if head["choice"] is not None:
             self.head_split.set(1 if head["choice"] == "split" else 0)
         if head["one_way_seconds"] is not None:
