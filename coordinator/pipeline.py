@@ -276,8 +276,7 @@ class Pipeline:
             return None
         shards = [p for p in self.places if len(p.stage.head_rows)] if self.head_split else []
         heads = [shards if step.head_split else [] for step in steps]
-        linked = await step_links.run(self, [(step.tokens, step.shape, step.common, step.out_rows, head_places)
-                                             for step, head_places in zip(steps, heads)])
+        linked = await step_links.run(self, list(zip(steps, heads)))
         if linked is None:
             return None
         self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + len(steps)

@@ -49,8 +49,8 @@ def _destination(p, tag: int) -> dict:
 
 async def run(pipe, steps: list) -> list | None:
     """Linked steps through `pipe.places` (a Pipeline), one after another on
-    every worker: `steps` lists (tokens, shape, common inputs, out_rows, head
-    shards (empty: no head round)), the micro-batches of one decode in order.
+    every worker: `steps` lists (PreparedStep, its head shards (empty: no head
+    round)), the micro-batches of one decode in order.
     Every request of every step is sent at once, each connection's in step
     order, so no worker waits for the coordinator between them. Returns per
     step (the last stage's output, or None when it went to the head shards;
@@ -61,7 +61,7 @@ async def run(pipe, steps: list) -> list | None:
     places = pipe.places
     last = len(places) - 1
     plans = []  # per step: (stage tags, head tags, per stage its destinations)
-    for _, _, _, _, head_places in steps:
+    for _, head_places in steps:
         stage_tags = [None] + [next(_tags) for _ in places[1:]]
         head_tags = [next(_tags) for _ in head_places]
         plans.append((stage_tags, head_tags,
@@ -79,17 +79,22 @@ async def run(pipe, steps: list) -> list | None:
         raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
 
     jobs = []  # (place, task, destinations); per connection in send order: step by step, its stage then its shard
-    for (tokens, shape, common, out_rows, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
+    waits = []  # (place, tag, task): every request that waits for an input
+    for (step, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
         for k, p in enumerate(places):
-            inputs = _stage_inputs(p, common, tokens, None, out_rows)
+            inputs = _stage_inputs(p, step.common, step.tokens, None, step.out_rows)
             inputs.pop("hidden", None)  # it comes from stage k-1's worker
             timeout = p.executor.request_timeout or 900.0
             step_input = ("hidden", stage_tags[k], timeout) if k else None
             dests = [_destination(q, tag) for q, tag in targets[k]]
-            jobs.append((p, p.executor.send_linked(p.stage, shape, inputs, False, step_input, dests), targets[k]))
+            jobs.append((p, p.executor.send_linked(p.stage, step.shape, inputs, False, step_input, dests),
+                         targets[k]))
+            if k:
+                waits.append((p, stage_tags[k], jobs[-1][1]))
         for p, tag in zip(head_places, head_tags):
             step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
-            jobs.append((p, p.executor.send_linked(p.stage, shape, {}, True, step_input, []), []))
+            jobs.append((p, p.executor.send_linked(p.stage, step.shape, {}, True, step_input, []), []))
+            waits.append((p, tag, jobs[-1][1]))
 
     relays: list[asyncio.Task] = []
     cancelled = False
@@ -99,9 +104,9 @@ async def run(pipe, steps: list) -> list | None:
         if cancelled:
             return
         cancelled = True
-        waits = [(p, tag) for (_, _, _, _, head_places), (stage_tags, head_tags, _) in zip(steps, plans)
-                 for p, tag in list(zip(places, stage_tags))[1:] + list(zip(head_places, head_tags))]
-        for p, tag in waits:
+        for p, tag, request in waits:
+            if request.done() and not request.cancelled() and request.exception() is None:
+                continue  # it took its input: a cancellation would only leave a mark nothing removes
             task = asyncio.get_running_loop().create_task(p.executor.cancel_input(tag))
             _background.add(task)  # not awaited: a stopped worker's would take its liveness bound
             task.add_done_callback(_background.discard)
@@ -158,8 +163,8 @@ async def run(pipe, steps: list) -> list | None:
                           + [exc for exc in failures if isinstance(exc, InputMissing)])
     results = [task.result() for _, task, _ in jobs]
     outputs = []
-    for tokens, shape, _, _, head_places in steps:  # each step's replies: its stages', then its shards'
+    for step, head_places in steps:  # each step's replies: its stages', then its shards'
         mine, results = results[:len(places) + len(head_places)], results[len(places) + len(head_places):]
-        outputs.append((None if head_places else _read(places[last], mine[last][1], shape),
+        outputs.append((None if head_places else _read(places[last], mine[last][1], step.shape),
                         [blob for _, blob in mine[len(places):]]))
     return outputs

@@ -69,8 +69,8 @@ class Mailbox:
 
     def _drop_cancelled(self) -> None:
         """Forget the oldest cancellations until there is room for one entry:
-        a client cancels every tag of a failed step, also those its requests
-        already took, whose markers no request would ever take; room for
+        a client may cancel a tag whose input a running request already took,
+        whose marker no request would ever take; room for
         inputs is worth more (a late input of a forgotten tag is then kept
         until the step's request or the connection ends)."""
         for tag in [t for t, entry in self.entries.items() if entry is CANCELLED]:
