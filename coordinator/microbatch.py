@@ -132,7 +132,7 @@ class MicroBatches:
         kv, pipe = self.pipeline.kv, self.pipeline
         saved, steps = [], []
         cuts = plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group)
-        relayed = len(cuts) > MAX_LINKED or len(rows) * pipe.hp.n_embd * 4 > MAX_LINKED_BYTES  # as linkable
+        relayed = not _fit_links(len(cuts), len(rows), pipe.hp.n_embd)
         for a, b in cuts:
             saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
             mine = (out_rows[(out_rows >= a) & (out_rows < b)] - a).astype(np.int32)
@@ -187,9 +187,13 @@ def linkable(steps: list[PreparedStep], n_embd: int) -> bool:
     an earlier one's shard would hold up the next micro-batch's layers, which
     relayed it overlaps), not too many requests queued per worker, and room
     for all their hidden states in a worker's mailbox."""
-    hidden = sum(s.shape.n_tokens for s in steps) * n_embd * 4
-    return (len(steps) <= MAX_LINKED and hidden <= MAX_LINKED_BYTES
+    return (_fit_links(len(steps), sum(s.shape.n_tokens for s in steps), n_embd)
             and not any(s.head_split for s in steps[:-1]))
+
+
+def _fit_links(n_pieces: int, n_tokens: int, n_embd: int) -> bool:
+    """Few enough micro-batches, and hidden states small enough, to send at once over step links."""
+    return n_pieces <= MAX_LINKED and n_tokens * n_embd * 4 <= MAX_LINKED_BYTES
 
 
 def _finished(done: list) -> None:
