@@ -11,9 +11,9 @@ release in the ggml cache, so a worker's start does not pay for it again.
 
 Neither our workers nor the in-process path place weights in these buffers
 (docs/architecture.md, "Extra buffer types": on x86 only q4_0/q4_K/... are
-repacked, and for the bundled model's q4_K tensors it measured no faster): the probe says what the machine allows, for
-the logs, DEVICE_INFO and the decision; `python -m ggml_ffi.extra_buffers`
-prints it.
+repacked, and for the bundled model's q4_K tensors it measured no faster):
+the probe says what the machine allows, for the logs, DEVICE_INFO and the
+decision; `python -m ggml_ffi.extra_buffers` prints it.
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 
 PIN_SDIST = "llama_cpp_python"
@@ -89,7 +90,7 @@ def write_in_cache(path: pathlib.Path, data: bytes) -> None:
     same time read the old file or the new one, never a part. Raises OSError
     (a read-only cache) and leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")  # per writer
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
