@@ -189,10 +189,11 @@ class EndpointSet:
         first = p.failure is None
         if not first:  # still failed: since when stays the first failure's (alerts count from it)
             failure.attempts, failure.since = p.failure.attempts, p.failure.since
-        p.failure = failure
         if self.resumer is not None:  # the table stays: the rows are rebuilt once the stage is back
             self.resumer.kv_lost(self.places.index(p), failure if first else None)
         self.needs_refeed |= self.lose_kv()
+        # published last: another thread that sees the latch (failed_endpoints, health) sees its consequences
+        p.failure = failure
         if first:
             log.error("endpoint latched failed", endpoint=p.endpoint, kind=failure.kind, cause=failure.cause)
         if self.auto_reconnect and not self.io.closed:
