@@ -748,9 +748,12 @@ def test_cli_generate_stopped_by_a_signal_exits_cleanly(model_paths, sig, code, 
     """SIGTERM or Ctrl-C in the middle of `generate`: no traceback, the exit
     status a shell expects, and the local workers it started are stopped (the
     SIGTERM case once left one behind: its log writes to the dead pipe raised)."""
+    # SIGINT as in a terminal's foreground job: a test run started in the background of a
+    # non-interactive shell (`.ci/run &`) ignores SIGINT, which the CLI would inherit and keep
     proc = subprocess.Popen(_cli() + ["generate", "-p", "Once upon a time", "-n", "100000", "-c", "100100",
                                       "-m", str(model_paths["tiny"])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(20), "no text came out"  # bounded: the -n 100000 run outlasts the read
         children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
