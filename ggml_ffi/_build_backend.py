@@ -37,8 +37,25 @@ def _build_ggml() -> pathlib.Path | None:
         return None
 
 
+PACKAGES = ("ggml_ffi", "rpc_daemon", "coordinator")
+
+
+def _compile_sources() -> None:
+    """An editable install runs the source tree, and pip compiles no bytecode
+    for it: a service user who cannot write there, or PYTHONDONTWRITEBYTECODE,
+    would make every start compile ~40 modules again (~80 ms of a restarted
+    worker's start, docs/failure-semantics.md "Resuming"). Compile them now, as
+    pip does for a regular install."""
+    import compileall
+
+    for package in PACKAGES:
+        if pathlib.Path(package).is_dir():
+            compileall.compile_dir(package, quiet=1)
+
+
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     _build_ggml()
+    _compile_sources()
     return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
 
 

@@ -278,6 +278,22 @@ def test_the_first_compute_process_starts_before_the_daemon_code_loads(tmp_path)
     assert seen["listening"] - seen["compute process started"] >= 1.0, seen
 
 
+def test_the_daemon_process_serves_without_numpy(start_daemon, tiny_model):
+    """numpy costs a worker's start ~50-100 ms of imports: the daemon's own
+    process (not its compute processes) never loads it, neither to start nor
+    to serve a generation (uploads, cached graphs, inline row ids checked)."""
+    from coordinator.api import Coordinator
+
+    a, b = start_daemon("-t", "1"), start_daemon("-t", "1")
+    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, n_ctx=64) as c:
+        assert c.generate("water", max_tokens=4, temperature=0.7, seed=1)
+        c.kv_clear()
+    for d in (a, b):
+        maps = pathlib.Path(f"/proc/{d.proc.pid}/maps").read_text()
+        assert "_multiarray_umath" not in maps, "the daemon process loaded numpy"
+        assert "libggml" in maps  # what it does load, so the look is at the right process
+
+
 def test_coordinator_extends_start_timeout_while_uploading(tmp_path, secret_file):
     """While `serve` uploads the model it tells systemd EXTEND_TIMEOUT_USEC
     (with the progress as STATUS=), so a big model does not outlive

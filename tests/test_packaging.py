@@ -100,3 +100,25 @@ def test_without_the_model_the_coordinator_says_what_to_do(tmp_path):
     r = subprocess.run([*python, "-m", "coordinator", "generate", "-p", "Hi", "-m", str(tmp_path / "none.gguf"),
                         "--endpoints", "local"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "ggml-distributed[model]" not in r.stderr and "none.gguf" in r.stderr, r.stderr
+
+
+def test_an_editable_install_compiles_the_sources_it_runs(tmp_path):
+    """pip compiles no bytecode for an editable install's source tree: the
+    build backend does (else a service user who cannot write there, or
+    PYTHONDONTWRITEBYTECODE, recompiles every module at every worker start).
+    Every module of the three packages gets a current .pyc."""
+    import importlib.util
+
+    src = project_copy(str(tmp_path / "src"))
+    code = ("import sys; sys.path.insert(0, 'ggml_ffi'); import _build_backend; _build_backend._compile_sources()")
+    r = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    modules = [os.path.join(d, f) for pkg in ("ggml_ffi", "rpc_daemon", "coordinator")
+               for d, _, files in os.walk(os.path.join(src, pkg)) if "__pycache__" not in d
+               for f in files if f.endswith(".py")]
+    assert len(modules) > 40
+    stale = [m for m in modules
+             if not os.path.exists(importlib.util.cache_from_source(m))
+             or os.path.getmtime(importlib.util.cache_from_source(m)) < os.path.getmtime(m)]
+    assert not stale, stale[:5]

@@ -393,9 +393,9 @@ def test_row_checks_plan_and_check_pure():
     row_ids.check_inputs(row_checks, spec.tensors, fields["inputs"], np.array([99, 99, 99, 0, 1, 9], "<i4"))
     with pytest.raises(P.ProtocolError, match=r"row id 10 at \[2, 0, 0, 0\]"):
         row_ids.check_inputs(row_checks, spec.tensors, fields["inputs"], np.array([0, 0, 0, 0, 1, 10], "<i4"))
-    wide = row_ids.RowCheck(0, "GET_ROWS", 1, 1, 0, np.dtype("<i4"), (1 << 40, 1, 1, 1), (0, 4, 4, 4), ROWS, 0)
+    wide = row_ids.RowCheck(0, "GET_ROWS", 1, 1, 0, "<i4", (1 << 40, 1, 1, 1), (0, 4, 4, 4), ROWS, 0)
     assert row_ids.ids_array(wide, memoryview(bytes(4))).shape == (1, 1, 1, 1)  # stride 0: one value
-    overlap = row_ids.RowCheck(0, "GET_ROWS", 1, 1, 0, np.dtype("<i4"), (1 << 20, 1 << 20, 1, 1), (4, 4, 4, 4),
+    overlap = row_ids.RowCheck(0, "GET_ROWS", 1, 1, 0, "<i4", (1 << 20, 1 << 20, 1, 1), (4, 4, 4, 4),
                                ROWS, 0)
     assert row_ids.ids_array(overlap, memoryview(bytes(1 << 24))) is None
     with pytest.raises(P.ProtocolError, match="cannot be checked"):
@@ -970,7 +970,7 @@ def test_row_checks_grouped_by_ids_use_the_fewest_rows():
     the smallest row count of the group, and a refusal still names the check the ids break."""
     from types import SimpleNamespace
     tensors = [SimpleNamespace(name=f"t{i}") for i in range(6)]
-    i32 = np.dtype("<i4")
+    i32 = "<i4"
     wide = row_ids.RowCheck(2, "SET_ROWS", 1, 1, 0, i32, (2, 1, 1, 1), (4, 8, 8, 8), 10, 4)
     narrow = row_ids.RowCheck(3, "SET_ROWS", 1, 1, 0, i32, (2, 1, 1, 1), (4, 8, 8, 8), 5, 5)
     (grp,) = row_ids.group([wide, narrow])

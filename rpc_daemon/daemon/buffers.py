@@ -37,6 +37,21 @@ def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
+FILL_PIECE = 1 << 20
+
+
+def fill_bytes(view: memoryview, value: int) -> None:
+    """Set every byte of `view` to `value` (BUFFER_CLEAR): a memset a piece at a
+    time, with no temporary of the buffer's size."""
+    n = len(view)
+    piece = bytes([value]) * min(n, FILL_PIECE)
+    for off in range(0, n - len(piece) + 1, len(piece)) if piece else ():
+        view[off: off + len(piece)] = piece
+    tail = n % len(piece) if piece else 0
+    if tail:
+        view[n - tail:] = piece[:tail]
+
+
 def arena_size_for(client_cap: int) -> int:
     """Address space of one client's arena: room for 4x its byte cap (first fit
     with coalescing never fragments that badly), a power of two in 1 GiB..1 TiB."""

@@ -15,13 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import structlog
 
 from ggml_ffi import extra_buffers
 from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
-from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, round_up
+from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, fill_bytes, round_up
 from rpc_daemon.daemon import peers
 from rpc_daemon.daemon.config import available_memory
 from rpc_daemon.service import hoptrace
@@ -169,9 +168,7 @@ async def handle_free_buffer(s: Session, h, blob, direct):
 
 async def handle_buffer_clear(s: Session, h, blob, direct):
     buf, value = V.check_buffer_clear(h, s.buffer_of)
-    fill = np.frombuffer(buf.view, dtype=np.uint8)  # memset, no temporary of the buffer's size
-    fill.fill(value)
-    del fill
+    fill_bytes(buf.view, value)
     return {}
 
 

@@ -24,13 +24,18 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ggml_ffi import lib
 from rpc_daemon.wire.protocol import ProtocolError, Status
 
-_DTYPES = {lib.GGML_TYPE_I32: np.dtype("<i4"), lib.GGML_TYPE_I64: np.dtype("<i8")}
+if TYPE_CHECKING:
+    import numpy as np
+
+# id element types, as numpy dtype strings: numpy itself is imported only on the slow paths
+# (strided or many ids, a refusal), so the daemon's parent process starts without it
+_DTYPES = {lib.GGML_TYPE_I32: "<i4", lib.GGML_TYPE_I64: "<i8"}
+_ITEMSIZE = {"<i4": 4, "<i8": 8}
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class RowCheck:
     ids: int  # the id tensor the op reads
     root: int  # the inline input leaf holding the ids' data (ids itself or its view_src)
     offs: int  # byte offset of the ids' data in root's data
-    dtype: np.dtype
+    dtype: str  # "<i4" or "<i8"
     ne: tuple
     nb: tuple
     rows: int  # valid ids are 0..rows-1
@@ -83,7 +88,7 @@ def plan(tensors, inputs) -> list[RowCheck]:
 
 
 def _contiguous(c: RowCheck) -> bool:
-    stride = c.dtype.itemsize
+    stride = _ITEMSIZE[c.dtype]
     for n, s in zip(c.ne, c.nb):
         if n != 1 and s != stride:
             return False
@@ -97,15 +102,18 @@ def ids_array(c: RowCheck, data) -> np.ndarray | None:
     (the validator refuses that already; a second line) or overlapping strides
     that would make one id be read many times over. Dimensions of stride 0
     repeat the same ids and are dropped."""
+    import numpy as np
+
+    itemsize = _ITEMSIZE[c.dtype]
     count = math.prod(c.ne)
-    if _contiguous(c) and c.offs + count * c.dtype.itemsize <= len(data):
+    if _contiguous(c) and c.offs + count * itemsize <= len(data):
         # the usual case (token ids, KV rows): no strides to honour
         return np.frombuffer(data, c.dtype, count=count, offset=c.offs).reshape(c.ne[::-1])
     ne = tuple(1 if s == 0 else n for n, s in zip(c.ne, c.nb))
-    extent = c.dtype.itemsize + sum((n - 1) * s for n, s in zip(ne, c.nb))
+    extent = itemsize + sum((n - 1) * s for n, s in zip(ne, c.nb))
     if c.offs + extent > len(data):
         return None
-    if math.prod(ne) > 4 * max(1, extent // c.dtype.itemsize):
+    if math.prod(ne) > 4 * max(1, extent // itemsize):
         return None
     first = np.frombuffer(data, c.dtype, count=1, offset=c.offs)
     return np.lib.stride_tricks.as_strided(first, shape=ne[::-1], strides=c.nb[::-1], writeable=False)
@@ -124,11 +132,11 @@ class RowGroup:
 def group(checks: list[RowCheck]) -> list[RowGroup]:
     by_key: dict = {}
     for c in checks:
-        by_key.setdefault((c.root, c.offs, c.dtype.str, c.ne, c.nb), []).append(c)
+        by_key.setdefault((c.root, c.offs, c.dtype, c.ne, c.nb), []).append(c)
     return [RowGroup(cs[0], min(c.rows for c in cs), tuple(cs)) for cs in by_key.values()]
 
 
-_NATIVE = {np.dtype("<i4"): "i", np.dtype("<i8"): "q"} if sys.byteorder == "little" else {}
+_NATIVE = {"<i4": "i", "<i8": "q"} if sys.byteorder == "little" else {}
 
 
 def _min_max(c: RowCheck, data) -> tuple[int, int] | None:
@@ -138,10 +146,11 @@ def _min_max(c: RowCheck, data) -> tuple[int, int] | None:
     numpy call costs tens of microseconds."""
     count = math.prod(c.ne)
     fmt = _NATIVE.get(c.dtype)
-    if fmt is not None and count <= 4096 and _contiguous(c) and c.offs + count * c.dtype.itemsize <= len(data):
+    itemsize = _ITEMSIZE[c.dtype]
+    if fmt is not None and count <= 4096 and _contiguous(c) and c.offs + count * itemsize <= len(data):
         if count == 0:
             return None
-        ids = data[c.offs: c.offs + count * c.dtype.itemsize].cast(fmt)
+        ids = data[c.offs: c.offs + count * itemsize].cast(fmt)
         return min(ids), max(ids)
     arr = ids_array(c, data)
     if arr is None:
@@ -170,6 +179,8 @@ def check(checks: list, tensors, inline_data) -> None:
 
 
 def _refuse(c: RowCheck, bounds: tuple[int, int], ids, tensors) -> None:
+    import numpy as np
+
     bad = bounds[0] if bounds[0] < 0 else bounds[1]
     where = np.argwhere(ids == bad)[0][::-1].tolist() if ids is not None else "?"  # ggml order: i0, i1, ...
     ids_t, node_t = tensors[c.ids], tensors[c.node]
