@@ -322,3 +322,34 @@ def test_daemon_whose_log_reader_is_gone_serves_and_stops(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_a_compute_process_maps_the_written_pages_of_a_buffer_and_no_others():
+    """When a compute process first maps a buffer it maps the pages the daemon
+    wrote (weights), at once: not one fault each at the first compute. The
+    pages never written (a KV cache's unused cells) stay unallocated."""
+    from rpc_daemon.compute.worker import map_shared, populate_resident
+
+    def rss_shmem_kib() -> int:
+        for line in open(f"/proc/{os.getpid()}/status"):
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+        raise AssertionError("no RssShmem in /proc/self/status")
+
+    size = 64 << 20
+    fd, addr = os.memfd_create("buffer"), None
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, b"w" * (8 << 20), 0)
+        os.pwrite(fd, b"w" * (4 << 20), 32 << 20)
+        before = rss_shmem_kib()
+        addr = map_shared(fd, size)
+        populate_resident(addr + 4096, size - 8192)  # a buffer need not start or end on a page
+        mapped = rss_shmem_kib() - before
+        assert 12 << 10 <= mapped <= (12 << 10) + 64, mapped  # the 12 MiB written: mapped
+        assert os.fstat(fd).st_blocks * 512 == 12 << 20  # the rest: still no memory
+    finally:
+        if addr is not None:
+            import ctypes
+            ctypes.CDLL(None).munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+        os.close(fd)
