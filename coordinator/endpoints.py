@@ -260,8 +260,22 @@ class EndpointSet:
                 self.stats["reconnect_seconds"] = self.stats.get("reconnect_seconds", 0.0) + took
                 log.info("endpoint reconnected", endpoint=p.endpoint, seconds=round(took, 3),
                          needs_refeed=sorted(self.needs_refeed))
+                await self._renew_peer_links(p)
                 if self.resumer is not None:
                     await self.resumer.reconnected(self.places, self.latch)
+
+    async def _renew_peer_links(self, p: Placement) -> None:
+        """`p`'s endpoint is back on a new connection: the workers that push to
+        it are told their peers again, so they reopen their links to it now
+        (while a replay runs), not in the next linked step's push."""
+        pushing = [q.executor for q in self.places if q is not p and q.failure is None
+                   and p.endpoint in (getattr(q.executor, "step_peers", None) or ())]
+        for ex in pushing:
+            peers, ex.step_peers = ex.step_peers, None
+            try:
+                await ex.name_peers(peers)
+            except StageFailed:
+                pass  # that connection is failing: its next request reports it
 
     # ------------------------------------------------------------ moving a stage back from a spare
     async def _bring_home(self, p: Placement) -> None:

@@ -148,6 +148,7 @@ class PeerLinks:
         self.tokens: dict[bytes, weakref.ref] = {}  # token -> the StepSession that registered it
         self._links: dict[str, RpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._relinks: set[asyncio.Task] = set()
 
     def register(self, steps: StepSession) -> None:
         owner = self.tokens.get(steps.token)
@@ -172,6 +173,24 @@ class PeerLinks:
                     to, self.timeout, self.timeout, secret=self.secret, ssl_context=self.ssl_context)
                 log.info("peer link opened", peer=to)
             return client
+
+    def relink(self, peers) -> None:
+        """Reopen now, in the background, the links to `peers` that failed (a
+        peer worker restarted): the next step's push finds them open instead
+        of connecting first. A peer never linked is left to its first push (it
+        may be this daemon itself, whose pushes need no link)."""
+        for to in peers:
+            client = self._links.get(to)
+            if client is not None and client.failed is not None and not self._locks[to].locked():
+                task = asyncio.get_running_loop().create_task(self._relink(to))
+                self._relinks.add(task)
+                task.add_done_callback(self._relinks.discard)
+
+    async def _relink(self, to: str) -> None:
+        try:
+            await self._link(to)
+        except (PeerFailed, RpcError, OSError) as exc:
+            log.debug("peer link not reopened yet", peer=to, error=str(exc))  # the push will say
 
     async def push(self, to: str, token: bytes, tag: int, data: bytes) -> str | None:
         """Deliver `data` to the session registered under `token` (here, or on
@@ -198,6 +217,8 @@ class PeerLinks:
         return None
 
     def close(self) -> None:
+        for task in self._relinks:
+            task.cancel()
         for client in self._links.values():
             client.close()
         self._links.clear()
@@ -240,6 +261,8 @@ async def handle_step_peers(s, h, blob, direct):
     token, peers = V.check_step_peers(h)
     links: PeerLinks = s.daemon.peer_links
     old = s.steps
+    if links.usable:
+        links.relink(peers)
     if old is not None and old.token == token:
         old.peers = peers
         return {"step_links": links.usable}
