@@ -270,12 +270,15 @@ class EndpointSet:
         (while a replay runs), not in the next linked step's push."""
         pushing = [q.executor for q in self.places if q is not p and q.failure is None
                    and p.endpoint in (getattr(q.executor, "step_peers", None) or ())]
+        renewals = []
         for ex in pushing:
-            peers, ex.step_peers = ex.step_peers, None
-            try:
-                await ex.name_peers(peers)
-            except StageFailed:
-                pass  # that connection is failing: its next request reports it
+            peers, ex.step_peers = ex.step_peers, None  # sent again, and again at the next step if this fails
+            renewals.append(ex.name_peers(peers))
+        for ex, outcome in zip(pushing, await asyncio.gather(*renewals, return_exceptions=True)):
+            # a failing connection: its next request reports it. Anything else is a bug of ours, logged:
+            # the reconnect goes on (the caller rebuilds the KV rows next)
+            if isinstance(outcome, Exception) and not isinstance(outcome, StageFailed):
+                log.error("renewing a worker's peers failed", endpoint=ex.endpoint, error=repr(outcome))
 
     # ------------------------------------------------------------ moving a stage back from a spare
     async def _bring_home(self, p: Placement) -> None:

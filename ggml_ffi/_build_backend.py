@@ -48,9 +48,10 @@ def _compile_sources() -> None:
     pip does for a regular install."""
     import compileall
 
+    root = pathlib.Path(__file__).resolve().parent.parent
     for package in PACKAGES:
-        if pathlib.Path(package).is_dir():
-            compileall.compile_dir(package, quiet=1)
+        if (root / package).is_dir():
+            compileall.compile_dir(str(root / package), quiet=1)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):

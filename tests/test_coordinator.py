@@ -749,11 +749,12 @@ def test_cli_generate_stopped_by_a_signal_exits_cleanly(model_paths, sig, code, 
     status a shell expects, and the local workers it started are stopped (the
     SIGTERM case once left one behind: its log writes to the dead pipe raised)."""
     # SIGINT as in a terminal's foreground job: a test run started in the background of a
-    # non-interactive shell (`.ci/run &`) ignores SIGINT, which the CLI would inherit and keep
-    proc = subprocess.Popen(_cli() + ["generate", "-p", "Once upon a time", "-n", "100000", "-c", "100100",
-                                      "-m", str(model_paths["tiny"])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # non-interactive shell (`.ci/run &`) ignores SIGINT, which the CLI would inherit and keep;
+    # a shim resets it and execs the CLI (its pid stays the one signalled)
+    shim = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", shim, *_cli(), "generate", "-p", "Once upon a time",
+                             "-n", "100000", "-c", "100100", "-m", str(model_paths["tiny"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         assert proc.stdout.read(20), "no text came out"  # bounded: the -n 100000 run outlasts the read
         children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]

@@ -148,7 +148,7 @@ class PeerLinks:
         self.tokens: dict[bytes, weakref.ref] = {}  # token -> the StepSession that registered it
         self._links: dict[str, RpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        self._relinks: set[asyncio.Task] = set()
+        self._relinks: dict[str, asyncio.Task] = {}  # peer -> the task reopening its link (one at most)
 
     def register(self, steps: StepSession) -> None:
         owner = self.tokens.get(steps.token)
@@ -181,10 +181,9 @@ class PeerLinks:
         may be this daemon itself, whose pushes need no link)."""
         for to in peers:
             client = self._links.get(to)
-            if client is not None and client.failed is not None and not self._locks[to].locked():
-                task = asyncio.get_running_loop().create_task(self._relink(to))
-                self._relinks.add(task)
-                task.add_done_callback(self._relinks.discard)
+            if client is not None and client.failed is not None and to not in self._relinks:
+                task = self._relinks[to] = asyncio.get_running_loop().create_task(self._relink(to))
+                task.add_done_callback(lambda _, to=to: self._relinks.pop(to, None))
 
     async def _relink(self, to: str) -> None:
         try:
@@ -217,7 +216,7 @@ class PeerLinks:
         return None
 
     def close(self) -> None:
-        for task in self._relinks:
+        for task in list(self._relinks.values()):
             task.cancel()
         for client in self._links.values():
             client.close()
@@ -261,17 +260,17 @@ async def handle_step_peers(s, h, blob, direct):
     token, peers = V.check_step_peers(h)
     links: PeerLinks = s.daemon.peer_links
     old = s.steps
-    if links.usable:
-        links.relink(peers)
     if old is not None and old.token == token:
         old.peers = peers
-        return {"step_links": links.usable}
-    steps = StepSession(token, peers, s.limits.max_inflight)
-    links.register(steps)  # refused (nothing changed) if another session holds the token
-    if old is not None:
-        links.unregister(old)
-        steps.mailbox = old.mailbox  # inputs already delivered stay the session's
-    s.steps = steps
+    else:
+        steps = StepSession(token, peers, s.limits.max_inflight)
+        links.register(steps)  # refused (nothing changed) if another session holds the token
+        if old is not None:
+            links.unregister(old)
+            steps.mailbox = old.mailbox  # inputs already delivered stay the session's
+        s.steps = steps
+    if links.usable:
+        links.relink(peers)
     return {"step_links": links.usable}
 
 

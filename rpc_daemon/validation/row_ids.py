@@ -175,14 +175,31 @@ def check(checks: list, tensors, inline_data) -> None:
             continue
         for c in g.checks:  # the slow path, once, to name the first check the ids break
             if bounds[0] < 0 or bounds[1] >= c.rows:
-                _refuse(c, bounds, ids_array(c, data), tensors)
+                _refuse(c, bounds, data, tensors)
 
 
-def _refuse(c: RowCheck, bounds: tuple[int, int], ids, tensors) -> None:
+def _where(c: RowCheck, data, bad: int) -> list | str:
+    """The ggml coordinates (i0, i1, ...) of the first id equal to `bad`. Contiguous
+    ids are searched without numpy (a refused request should not be what makes a
+    worker import it, ~50-100 ms of its event loop)."""
+    fmt = _NATIVE.get(c.dtype)
+    count = math.prod(c.ne)
+    if fmt is not None and _contiguous(c) and c.offs + count * _ITEMSIZE[c.dtype] <= len(data):
+        flat = data[c.offs: c.offs + count * _ITEMSIZE[c.dtype]].cast(fmt).tolist().index(bad)
+        where = []
+        for n in c.ne:
+            where.append(flat % n)
+            flat //= n
+        return where
     import numpy as np
 
+    ids = ids_array(c, data)
+    return np.argwhere(ids == bad)[0][::-1].tolist() if ids is not None else "?"  # ggml order: i0, i1, ...
+
+
+def _refuse(c: RowCheck, bounds: tuple[int, int], data, tensors) -> None:
     bad = bounds[0] if bounds[0] < 0 else bounds[1]
-    where = np.argwhere(ids == bad)[0][::-1].tolist() if ids is not None else "?"  # ggml order: i0, i1, ...
+    where = _where(c, data, bad)
     ids_t, node_t = tensors[c.ids], tensors[c.node]
     raise ProtocolError(Status.INVALID_REQUEST,
                         f"tensors[{c.ids}] ({ids_t.name!r}): row id {bad} at {where} is outside 0..{c.rows - 1}, "
