@@ -260,25 +260,8 @@ class EndpointSet:
                 self.stats["reconnect_seconds"] = self.stats.get("reconnect_seconds", 0.0) + took
                 log.info("endpoint reconnected", endpoint=p.endpoint, seconds=round(took, 3),
                          needs_refeed=sorted(self.needs_refeed))
-                await self._renew_peer_links(p)
                 if self.resumer is not None:
                     await self.resumer.reconnected(self.places, self.latch)
-
-    async def _renew_peer_links(self, p: Placement) -> None:
-        """`p`'s endpoint is back on a new connection: the workers that push to
-        it are told their peers again, so they reopen their links to it now
-        (while a replay runs), not in the next linked step's push."""
-        pushing = [q.executor for q in self.places if q is not p and q.failure is None
-                   and p.endpoint in (getattr(q.executor, "step_peers", None) or ())]
-        renewals = []
-        for ex in pushing:
-            peers, ex.step_peers = ex.step_peers, None  # sent again, and again at the next step if this fails
-            renewals.append(ex.name_peers(peers))
-        for ex, outcome in zip(pushing, await asyncio.gather(*renewals, return_exceptions=True)):
-            # a failing connection: its next request reports it. Anything else is a bug of ours, logged:
-            # the reconnect goes on (the caller rebuilds the KV rows next)
-            if isinstance(outcome, Exception) and not isinstance(outcome, StageFailed):
-                log.error("renewing a worker's peers failed", endpoint=ex.endpoint, error=repr(outcome))
 
     # ------------------------------------------------------------ moving a stage back from a spare
     async def _bring_home(self, p: Placement) -> None:

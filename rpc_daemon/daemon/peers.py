@@ -148,7 +148,6 @@ class PeerLinks:
         self.tokens: dict[bytes, weakref.ref] = {}  # token -> the StepSession that registered it
         self._links: dict[str, RpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        self._relinks: dict[str, asyncio.Task] = {}  # peer -> the task reopening its link (one at most)
 
     def register(self, steps: StepSession) -> None:
         owner = self.tokens.get(steps.token)
@@ -173,23 +172,6 @@ class PeerLinks:
                     to, self.timeout, self.timeout, secret=self.secret, ssl_context=self.ssl_context)
                 log.info("peer link opened", peer=to)
             return client
-
-    def relink(self, peers) -> None:
-        """Reopen now, in the background, the links to `peers` that failed (a
-        peer worker restarted): the next step's push finds them open instead
-        of connecting first. A peer never linked is left to its first push (it
-        may be this daemon itself, whose pushes need no link)."""
-        for to in peers:
-            client = self._links.get(to)
-            if client is not None and client.failed is not None and to not in self._relinks:
-                task = self._relinks[to] = asyncio.get_running_loop().create_task(self._relink(to))
-                task.add_done_callback(lambda _, to=to: self._relinks.pop(to, None))
-
-    async def _relink(self, to: str) -> None:
-        try:
-            await self._link(to)
-        except (PeerFailed, RpcError, OSError) as exc:
-            log.debug("peer link not reopened yet", peer=to, error=str(exc))  # the push will say
 
     async def push(self, to: str, token: bytes, tag: int, data: bytes) -> str | None:
         """Deliver `data` to the session registered under `token` (here, or on
@@ -216,8 +198,6 @@ class PeerLinks:
         return None
 
     def close(self) -> None:
-        for task in list(self._relinks.values()):
-            task.cancel()
         for client in self._links.values():
             client.close()
         self._links.clear()
@@ -262,15 +242,13 @@ async def handle_step_peers(s, h, blob, direct):
     old = s.steps
     if old is not None and old.token == token:
         old.peers = peers
-    else:
-        steps = StepSession(token, peers, s.limits.max_inflight)
-        links.register(steps)  # refused (nothing changed) if another session holds the token
-        if old is not None:
-            links.unregister(old)
-            steps.mailbox = old.mailbox  # inputs already delivered stay the session's
-        s.steps = steps
-    if links.usable:
-        links.relink(peers)
+        return {"step_links": links.usable}
+    steps = StepSession(token, peers, s.limits.max_inflight)
+    links.register(steps)  # refused (nothing changed) if another session holds the token
+    if old is not None:
+        links.unregister(old)
+        steps.mailbox = old.mailbox  # inputs already delivered stay the session's
+    s.steps = steps
     return {"step_links": links.usable}
 
 
