@@ -54,9 +54,10 @@ def populate_resident(addr: int, size: int) -> None:
     """Map into this process the pages of [addr, addr+size) that exist in the
     shared memory (the weights the daemon wrote), one madvise per run of them,
     not one fault per page at the first compute that reads them (a restarted
-    worker's first resumed step took 65-75 ms instead of ~35, mostly for that). Pages never written (the KV cache
-    beyond what is used) are left alone, so they take no memory before they
-    are. Best effort: a refusal leaves the pages to fault in as before."""
+    worker's first resumed step took 65-75 ms instead of ~35, mostly for
+    that). Pages never written (the KV cache beyond what is used) are left
+    alone, so they take no memory before they are. Best effort: a refusal
+    leaves the pages to fault in as before."""
     first = addr - addr % mmap.PAGESIZE
     n = -(-(addr + size - first) // mmap.PAGESIZE)
     vec = ctypes.create_string_buffer(n)

@@ -43,13 +43,10 @@ FILL_PIECE = 1 << 20
 def fill_bytes(view: memoryview, value: int) -> None:
     """Set every byte of `view` to `value` (BUFFER_CLEAR): a memset a piece at a
     time, with no temporary of the buffer's size."""
-    n = len(view)
-    piece = bytes([value]) * min(n, FILL_PIECE)
-    for off in range(0, n - len(piece) + 1, len(piece)) if piece else ():
-        view[off: off + len(piece)] = piece
-    tail = n % len(piece) if piece else 0
-    if tail:
-        view[n - tail:] = piece[:tail]
+    piece = bytes([value]) * min(len(view), FILL_PIECE)
+    for off in range(0, len(view), FILL_PIECE):
+        n = min(FILL_PIECE, len(view) - off)
+        view[off: off + n] = piece[:n]
 
 
 def arena_size_for(client_cap: int) -> int:

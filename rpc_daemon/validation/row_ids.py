@@ -139,19 +139,24 @@ def group(checks: list[RowCheck]) -> list[RowGroup]:
 _NATIVE = {"<i4": "i", "<i8": "q"} if sys.byteorder == "little" else {}
 
 
+def _native_ids(c: RowCheck, data) -> memoryview | None:
+    """The ids as a flat memoryview of ints (ggml order), where they are
+    contiguous, inside `data` and of this machine's byte order; else None."""
+    fmt = _NATIVE.get(c.dtype)
+    end = c.offs + math.prod(c.ne) * _ITEMSIZE[c.dtype]
+    if fmt is None or not _contiguous(c) or end > len(data):
+        return None
+    return data[c.offs: end].cast(fmt)
+
+
 def _min_max(c: RowCheck, data) -> tuple[int, int] | None:
     """(min, max) of the ids, None if there are none. The common case (a few
     contiguous ids: tokens, KV rows, output rows) avoids numpy: this runs on
     every step, right after a compute has flushed the caches, where each
     numpy call costs tens of microseconds."""
-    count = math.prod(c.ne)
-    fmt = _NATIVE.get(c.dtype)
-    itemsize = _ITEMSIZE[c.dtype]
-    if fmt is not None and count <= 4096 and _contiguous(c) and c.offs + count * itemsize <= len(data):
-        if count == 0:
-            return None
-        ids = data[c.offs: c.offs + count * itemsize].cast(fmt)
-        return min(ids), max(ids)
+    ids = _native_ids(c, data)
+    if ids is not None and len(ids) <= 4096:
+        return (min(ids), max(ids)) if len(ids) else None
     arr = ids_array(c, data)
     if arr is None:
         raise ProtocolError(Status.INVALID_REQUEST,
@@ -182,10 +187,9 @@ def _where(c: RowCheck, data, bad: int) -> list | str:
     """The ggml coordinates (i0, i1, ...) of the first id equal to `bad`. Contiguous
     ids are searched without numpy (a refused request should not be what makes a
     worker import it, ~50-100 ms of its event loop)."""
-    fmt = _NATIVE.get(c.dtype)
-    count = math.prod(c.ne)
-    if fmt is not None and _contiguous(c) and c.offs + count * _ITEMSIZE[c.dtype] <= len(data):
-        flat = data[c.offs: c.offs + count * _ITEMSIZE[c.dtype]].cast(fmt).tolist().index(bad)
+    ids = _native_ids(c, data)
+    if ids is not None:
+        flat = ids.tolist().index(bad)
         where = []
         for n in c.ne:
             where.append(flat % n)
