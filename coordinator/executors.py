@@ -328,7 +328,15 @@ class RemoteExecutor:
 
     async def deliver(self, token: bytes, tag: int, data: bytes) -> None:
         """STEP_INPUT over this connection: the relay when a worker could not push."""
-        await self._request(Command.STEP_INPUT, {"token": token, "tag": tag}, data)
+        try:
+            await self.client.request(Command.STEP_INPUT, {"token": token, "tag": tag}, data, self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            if exc.status == Status.INVALID_REQUEST:
+                return  # the input is there already (the push arrived after all), or the step was cancelled
+            raise StageFailed(FailureKind.COMPUTE, self.endpoint, f"worker {self.endpoint} refused the step input "
+                                                                  f"the coordinator relayed to it: {exc}") from None
 
     async def cancel_input(self, tag: int) -> None:
         """End this connection's wait for step input `tag` (the step failed elsewhere); errors are moot."""

@@ -97,6 +97,7 @@ async def run(pipe, steps: list) -> list | None:
             waits.append((p, tag, jobs[-1][1]))
 
     relays: list[asyncio.Task] = []
+    refused: list[BaseException] = []  # relays refused (a lost destination fails its own requests instead)
     cancelled = False
 
     def cancel_waits() -> None:
@@ -126,8 +127,18 @@ async def run(pipe, steps: list) -> list | None:
             log.warning("a worker could not push to the next; relaying its steps for a while", worker=p.endpoint,
                         to=q.endpoint, error=why, relay_s=RELAY_AFTER_FAILED_PUSH)
             pipe.links_paused_until = time.monotonic() + RELAY_AFTER_FAILED_PUSH
-            relays.append(asyncio.get_running_loop().create_task(q.executor.deliver(q.executor.step_token, tag,
-                                                                                    bytes(out))))
+            relay = asyncio.get_running_loop().create_task(q.executor.deliver(q.executor.step_token, tag, bytes(out)))
+            relay.add_done_callback(relay_settled)
+            relays.append(relay)
+
+    def relay_settled(relay) -> None:
+        # a refused relay leaves its destination's request waiting for an input nobody will send
+        if relay.cancelled() or relay.exception() is None:
+            return
+        exc = relay.exception()
+        if not (isinstance(exc, StageFailed) and exc.lost_connection):
+            refused.append(exc)
+        cancel_waits()
 
     for job in jobs:
         job[1].add_done_callback(lambda _t, job=job: settled(job))
@@ -152,9 +163,10 @@ async def run(pipe, steps: list) -> list | None:
         for _, task, _ in jobs:
             task.cancel()
         raise
-    await asyncio.gather(*relays, return_exceptions=True)  # a failed relay shows as its destination's failure
+    await asyncio.gather(*relays, return_exceptions=True)  # a lost destination shows as its own requests' failure
 
     failures = [task.exception() for _, task, _ in jobs if not task.cancelled() and task.exception() is not None]
+    failures += refused
     if any(isinstance(exc, NotLinked) for exc in failures):
         cancel_waits()
         return None

@@ -100,6 +100,29 @@ def test_a_push_that_fails_is_relayed_and_the_step_succeeds(tiny_model, start_da
     assert np.array_equal(relayed, linked) and relayed_text == text
 
 
+def test_a_refused_relay_fails_the_step_at_once(tiny_model, start_daemon, secret_file, tls_files):
+    """A cannot push to B (its --peer-tls-ca signed nothing) and B refuses the
+    coordinator's relay of those bytes (a test fault; in use, e.g., a full
+    mailbox): nobody will deliver the input B's request waits for, so the step
+    fails at once with COMPUTE_FAILED naming B, nothing latched, instead of
+    waiting out the input's timeout; the next decode succeeds, relayed."""
+    tls = ("--secret-file", secret_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key)
+    a = start_daemon("-t", "1", *tls, "--peer-tls-ca", tls_files.other_ca)
+    b = start_daemon("-t", "1", *tls, "--peer-tls-ca", tls_files.ca, "--test-fault", "cmd=STEP_INPUT,action=fail")
+    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, n_ctx=64, secret=SECRET, tls_ca=tls_files.ca,
+                     request_timeout=60.0) as c:
+        ids = c.tokenize(PROMPT)
+        started = time.monotonic()
+        assert c.decode(Batch.single(ids, 0)) is DecodeResult.COMPUTE_FAILED
+        assert time.monotonic() - started <= 10.0  # not the input's 60 s
+        assert c.last_failed_endpoint == b.endpoint, c.last_error
+        assert "refused the step input" in c.last_error and "INPUT_MISSING" not in c.last_error, c.last_error
+        assert c.failed_endpoints() == []
+        assert "STEP_INPUT" in b.wait_log("test fault fired")
+        assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
+        assert c.stats["linked_steps"] == 0
+
+
 def test_linked_generation_behind_a_slow_link_equals_the_direct_one(tiny_model, start_daemon):
     """Both workers behind 20 +- 5 ms links with stalls (worker to worker
     pushes go through the destination's proxy too): the same text, no latch."""

@@ -10,7 +10,9 @@ SPEC is comma-separated key=value pairs, e.g.
     cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=3,point=half,action=kill
 
   cmd=NAME[|NAME...]  commands that count (protocol Command names; * = any;
-                      default *). PING and HELLO never reach this module.
+                      default *). PING and HELLO never reach this module;
+                      STEP_INPUT (answered as soon as it is read) counts only
+                      where a spec names it, and takes only action=fail.
   after=N             let N matching requests pass, fire on the next (default 0)
   times=N             fire on this many matching requests in a row (default 1;
                       0 = every one from then on)
@@ -143,9 +145,17 @@ class Faults:
 
     def take(self, cmd) -> "Fault | None":
         for s in self.specs:
-            if s.take(cmd):
+            if cmd != Command.STEP_INPUT and s.take(cmd):
                 return Fault(s, cmd, self.daemon)
         return None
+
+    def refuse_now(self, cmd, conn) -> bool:
+        """A STEP_INPUT (answered as soon as it is read) that a spec naming it refuses (action=fail)."""
+        for s in self.specs:
+            if cmd == Command.STEP_INPUT and s.cmds is not None and s.action == "fail" and s.take(cmd):
+                Fault(s, cmd, self.daemon)._log(conn)
+                return True
+        return False
 
 
 class Fault:
