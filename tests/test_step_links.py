@@ -250,6 +250,20 @@ def test_a_step_input_waits_is_validated_and_lands_only_in_its_session(start_dae
                 "graph_id": 1, "inputs": [[idx["y"], 0, len(yb)]], "outputs": [idx["z"]],
                 "forward": [{"to": "127.0.0.1:9", "token": token, "tag": 10}]}, yb), Status.NOT_AUTHORIZED,
                 "not a peer")
+            # forwarding into a mailbox of this daemon (its own session's): with reply_output the reply
+            # carries the outputs too (what the coordinator computes its share of the head from)
+            await c.request(Command.STEP_PEERS, {"token": token, "peers": [d.endpoint]})
+            fwd = {"graph_id": 1, "inputs": [[idx["y"], 0, len(yb)]], "outputs": [idx["z"]],
+                   "forward": [{"to": d.endpoint, "token": token, "tag": 12}]}
+            await expect_error(c.request(Command.GRAPH_RECOMPUTE, dict(fwd, reply_output=1), yb),
+                               Status.INVALID_REQUEST, "reply_output")
+            h, out = await c.request(Command.GRAPH_RECOMPUTE, dict(fwd, reply_output=True), yb)
+            assert h["forwarded"] is True and np.array_equal(np.frombuffer(out, np.float32), expect)
+            h, out = await c.request(Command.GRAPH_RECOMPUTE, dict(fwd, forward=[dict(fwd["forward"][0], tag=13)]), yb)
+            assert h["forwarded"] is True and out == b""
+            for tag in (12, 13):  # both pushes landed
+                await c.request(Command.GRAPH_RECOMPUTE, {"graph_id": 1, "inputs": [], "outputs": [idx["z"]],
+                                "step_input": {"tensor": idx["y"], "tag": tag, "timeout": 2}})
             # the session names other peers under its token; no other session may take that token
             await c.request(Command.STEP_PEERS, {"token": token, "peers": ["127.0.0.1:9"]})
             await expect_error(peer.request(Command.STEP_PEERS, {"token": token, "peers": []}),

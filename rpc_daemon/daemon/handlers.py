@@ -64,7 +64,7 @@ class Session:
 
     def features(self) -> list[str]:
         return [f for f in P.FEATURES if (f != "tensor_cache" or self.daemon.cache is not None)
-                and (f != "step_links" or self.daemon.peer_links.usable)]
+                and (f not in ("step_links", "step_reply_output") or self.daemon.peer_links.usable)]
 
     def buffer_of(self, key: int) -> SharedBuffer | None:
         """This client's buffer `key`, or None (validation.requests refuses it)."""

@@ -210,6 +210,7 @@ class Deferred:
     fields: dict
     out: bytes
     forward: list  # V.Forward
+    reply_output: bool = False  # the reply carries `out` even when every push succeeded
     pushes: list = field(default_factory=list)  # the pushes' tasks, in forward order, once started
 
     def start(self, links: PeerLinks) -> None:
@@ -225,7 +226,7 @@ class Deferred:
         errors = await asyncio.gather(*self.pushes)
         failed = [[i, err] for i, err in enumerate(errors) if err is not None]
         if not failed:
-            return dict(self.fields, forwarded=True), b""
+            return dict(self.fields, forwarded=True), self.out if self.reply_output else b""
         log.warning("step forward failed; the client relays", errors=[err for _, err in failed])
         return dict(self.fields, forwarded=False, forward_failed=failed), self.out
 
@@ -289,7 +290,7 @@ def deferred(s, result, link: V.StepLink):
     if not link.forward or not isinstance(result, tuple):
         return result
     fields, out = result
-    return Deferred(fields, bytes(out), link.forward)
+    return Deferred(fields, bytes(out), link.forward, link.reply_output)
 
 
 def check_link(s, h: dict) -> V.StepLink:

@@ -224,6 +224,7 @@ class Forward:
 class StepLink:
     input: StepInput | None
     forward: tuple
+    reply_output: bool = False  # the reply carries the outputs even when every push succeeded
 
 
 def _token(h: dict, key: str = "token") -> bytes:
@@ -274,4 +275,7 @@ def check_step_link(h: dict) -> StepLink:
         if not isinstance(f, dict):
             raise ProtocolError(Status.INVALID_REQUEST, "each 'forward' entry must be a map")
         forward.append(Forward(_endpoint(f.get("to")), _token(f), P.field_int(f, "tag")))
-    return StepLink(step_input, tuple(forward))
+    reply_output = h.get("reply_output", False)
+    if type(reply_output) is not bool:
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'reply_output' must be a bool")
+    return StepLink(step_input, tuple(forward), reply_output)
