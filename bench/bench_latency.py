@@ -142,7 +142,8 @@ def main() -> int:
             for cell, load, lg, gr in zip(group, loads, logits, greedy):
                 cells[cell] = (load, statistics.median(lg), statistics.median(gr))
             print(f"  measured {group} ({linked} linked steps; head " + ", ".join(
-                f"{h['mode']}: {h['steps_split']} split/{h['steps_whole']} whole" for h in heads) + ")",
+                f"{h['mode']}: {h['steps_split']} split/{h['steps_whole']} whole/{h['steps_here']} here"
+                for h in heads) + ")",
                 file=sys.stderr, flush=True)
     rows = {name: [(delay, jitter, *cells[name, i]) for i, (delay, jitter) in enumerate(links)] for name in configs}
     cap = f", cap {args.rate / 1e6:g} MB/s" if args.rate else ""

@@ -227,9 +227,36 @@ class Coordinator:
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
                                    head_rows, whole_head)
         await self._endpoints.load_all(self.gguf, progress, on_upload)
+        if whole_head:  # a far last worker: a step may also take the head as its share plus one here
+            await self._hold_head_here()
         if self._head.mode == "auto":
             await self._pipeline.measure_rtts()  # the head placement's first round trips
             self._head.measured_at = time.monotonic()
+
+    async def _hold_head_here(self) -> None:
+        """Hold in this process the output head's rows besides the last
+        worker's share (head_placement.py, "here"): a step can then have the
+        last worker compute its share while this process computes the rest
+        from the normed rows the last stage replies with, which costs the
+        split's compute without the split's extra hop."""
+        rows = self._places[-1].stage.head_rows
+        if not rows.start or rows.stop != self.hp.n_vocab:
+            return
+        here = Placement("local", range(0), executor=make_executor("local", self.threads),
+                         stage=Stage.head_share(self.arch, self.hp, self.gguf, range(0, rows.start)))
+        try:
+            await here.executor.open()
+            await here.executor.load(here.stage, self.gguf)
+        except BaseException:
+            await here.executor.close()
+            raise
+        self._pipeline.here, self._head.here_held = here, True
+
+    async def _close_all(self) -> None:
+        await self._endpoints.close_all()
+        here = getattr(self, "_pipeline", None) and self._pipeline.here
+        if here is not None:
+            await here.executor.close()
 
     def _new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self._exec_opts)
@@ -619,7 +646,7 @@ class Coordinator:
     def close(self) -> None:
         if self._io.closed:
             return
-        self._io.close(self._endpoints.close_all)
+        self._io.close(self._close_all)
         if hasattr(self, "gguf"):
             self.gguf.close()
 

@@ -259,12 +259,20 @@ class RemoteExecutor:
         self.step_token, self.step_peers = os.urandom(16), None
         return self.info
 
+    def _offers(self, feature: str) -> bool:
+        client = self.client
+        return (client is not None and client.failed is None
+                and feature in (getattr(client, "server_hello", None) or {}).get("features", ()))
+
     @property
     def step_links(self) -> bool:
         """The worker takes step inputs from, and forwards outputs to, other workers."""
-        client = self.client
-        return (client is not None and client.failed is None
-                and "step_links" in (getattr(client, "server_hello", None) or {}).get("features", ()))
+        return self._offers("step_links")
+
+    @property
+    def step_reply_output(self) -> bool:
+        """A forwarding compute on this worker may reply with its outputs too (reply_output)."""
+        return self._offers("step_reply_output")
 
     async def name_peers(self, peers: frozenset) -> None:
         """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
@@ -280,12 +288,13 @@ class RemoteExecutor:
         return ids
 
     def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None,
-                    forward: list[dict]) -> asyncio.Task:
+                    forward: list[dict], reply_output: bool = False) -> asyncio.Task:
         """Start one linked compute: `step_input` (input name, tag, timeout)
         is taken from the worker's mailbox, the outputs go to each `forward`
         destination. Requests of one connection leave in the order of these
         calls (the task and those of evicted graphs' GRAPH_FREE start in order).
-        The task gives (reply, blob): the blob is empty when every push succeeded."""
+        The task gives (reply, blob): the blob is empty when every push
+        succeeded, unless `reply_output` (then it always holds the outputs)."""
         g, evicted = stage.graph(shape, head)
         for graph_id in self._forget_sent(evicted):
             asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
@@ -296,6 +305,8 @@ class RemoteExecutor:
             fields["step_input"] = {"tensor": index_of[g.inputs[name]], "tag": tag, "timeout": timeout}
         if forward:
             fields["forward"] = forward
+        if reply_output:
+            fields["reply_output"] = True
         cmd = Command.GRAPH_RECOMPUTE if g.graph_id in self.sent_graphs else Command.GRAPH_COMPUTE
         if cmd == Command.GRAPH_COMPUTE:
             fields["tensors"] = tensors

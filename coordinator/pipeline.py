@@ -38,11 +38,12 @@ class PreparedStep:
     seqs: np.ndarray  # uint64 sequence masks
     out_rows: np.ndarray  # int32: the rows the last stage returns (one dropped row if none is wanted)
     wanted: bool  # some row wants logits (else the KV rows are all it is for)
-    head_split: bool  # its head runs on every shard at once (else whole on the last stage, or not at all)
+    head_split: bool  # its head runs in shares at once, on `head_places` (else whole on the last stage, or not at all)
     shape: StepShape
     common: dict  # the inputs every stage takes: positions, kv_rows, masks
     mask: np.ndarray
     mask_swa: np.ndarray
+    head_places: tuple = ()  # the places whose shares compute its head (HeadPlacement's "split" or "here")
 
 
 class StepFailed(Exception):
@@ -132,6 +133,7 @@ class Pipeline:
         step whose workers all offer step links sends its activations worker
         to worker (coordinator/step_links.py); else they come back here."""
         self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
+        self.here = None  # a Placement in this process holding the rows besides the last stage's share, if any
         self.placement = placement if placement is not None else HeadPlacement("split" if head_split else "whole")
         self._pinging: set = set()  # round-trip measurements in flight (held until they end)
         self.links = links
@@ -194,24 +196,37 @@ class Pipeline:
         wanted = len(out_rows) > 0
         if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
             out_rows = np.array([n - 1], dtype=np.int32)
-        split = wanted and self._split_head(len(out_rows), greedy, relayed)
+        head = self._place_head(len(out_rows), greedy, relayed) if wanted else "whole"
+        if not self.head_split:
+            head = "whole"  # the stages hold no shares (the placement's mode is "whole" then)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), greedy, head_whole=wanted and self.head_split and not split)
-        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, split, shape,
-                            self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
+        shape = StepShape(n, n_kv, len(out_rows), greedy, head_whole=wanted and self.head_split and head == "whole")
+        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
+                            self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
 
-    def _split_head(self, n_outputs: int, greedy: bool, relayed: bool) -> bool:
-        """The placement's choice for a step (only a last stage that holds the whole head can take it whole)."""
+    def _head_places(self, head: str) -> tuple:
+        """The places whose shares compute a step's head placed `head`."""
+        if head == "split":
+            return tuple(p for p in self.places if len(p.stage.head_rows))
+        if head == "here":
+            return self.here, self.places[-1]
+        return ()
+
+    def _place_head(self, n_outputs: int, greedy: bool, relayed: bool) -> str:
+        """The placement's choice for a step (only a last stage that holds the whole head can take it whole;
+        only a coordinator that holds the other rows, with a last worker that can reply with its normed
+        rows while it pushes them to its own share, can take a share itself)."""
         if self.placement.stale():
             self.placement.measured_at = time.monotonic()
             task = asyncio.get_running_loop().create_task(self.measure_rtts(pings=1))
             self._pinging.add(task)  # not awaited: the step does not wait for it
             task.add_done_callback(self._pinging.discard)
         linked = self.links and not relayed and step_links.usable(self)
-        split = self.placement.split((n_outputs, greedy), 1 if linked else 2,
-                                     whole_possible=self.places[-1].stage.whole_head)
-        return split and self.head_split
+        last = self.places[-1]
+        here = self.here is not None and (not linked or getattr(last.executor, "step_reply_output", False))
+        return self.placement.choose((n_outputs, greedy), 1 if linked else 2,
+                                     whole_possible=last.stage.whole_head, here_possible=here)
 
     async def measure_rtts(self, pings: int = 3) -> None:
         """PING every connected worker `pings` times (one after another), all
@@ -239,7 +254,7 @@ class Pipeline:
         if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
             return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
         if step.head_split:
-            return await self._head(out.hidden, step.shape)
+            return await self._head(out.hidden, step.shape, step.head_places)
         last = self.places[-1].endpoint
         if greedy:
             _checked_logits(out.sums, last)
@@ -274,8 +289,7 @@ class Pipeline:
         result; None: relay them."""
         if not (self.links and step_links.usable(self)):
             return None
-        shards = [p for p in self.places if len(p.stage.head_rows)] if self.head_split else []
-        heads = [shards if step.head_split else [] for step in steps]
+        heads = [list(step.head_places) for step in steps]
         linked = await step_links.run(self, list(zip(steps, heads)))
         if linked is None:
             return None
@@ -283,17 +297,16 @@ class Pipeline:
         results = []
         for step, head_places, (out, head_results) in zip(steps, heads, linked):
             if head_places:
-                self._timed_head(head_places, step.shape)
+                self._timed_head(head_places, step.shape, any(p is self.here for p in head_places))
                 results.append(self._combine_head(head_places, head_results, step.shape))
             else:  # no head round: the last stage's output, or nothing wanted
                 results.append(await self.finish(step, out))
         return results
 
-    async def _head(self, normed: np.ndarray, shape: StepShape) -> np.ndarray:
-        """Every endpoint's shard of the output head at once; then the logits
+    async def _head(self, normed: np.ndarray, shape: StepShape, places: tuple) -> np.ndarray:
+        """The shares of the output head (`places`') at once; then the logits
         side by side, or (greedy) each row's token from the shard whose best
         logit is highest (the first such shard: the lowest id, as argmax)."""
-        places = [p for p in self.places if len(p.stage.head_rows)]
         inputs = {"head_in": normed}
         # every shard's request runs to its end (or failure): none is left in flight past this decode
         results = await asyncio.gather(*(p.executor.run(p.stage, shape, inputs, head=True) for p in places),
@@ -301,13 +314,14 @@ class Pipeline:
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise step_failed(failures)
-        self._timed_head(places, shape)
+        self._timed_head(places, shape, any(p is self.here for p in places))
         return self._combine_head(places, results, shape)
 
-    def _timed_head(self, places: list, shape: StepShape) -> None:
+    def _timed_head(self, places, shape: StepShape, here: bool) -> None:
         """The shards' compute times of a head round, into the placement's estimate."""
         key = shape.head_key
-        self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places])
+        self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places],
+                                   "here" if here else "split")
 
     def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
         """The head shards' replies (in `places` order) as one result."""

@@ -110,6 +110,14 @@ class Stage:
             stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
         return stage
 
+    @classmethod
+    def head_share(cls, arch, hp, gguf, head_rows: range) -> "Stage":
+        """No layers, only rows of the output head, as a tensor of their own:
+        the share the coordinator computes itself (head_placement.py, "here")."""
+        stage = cls(-1, arch, hp, range(0), False, False, {}, StageKV(hp, range(0), 1), head_rows)
+        stage.head_weight = stage._cut_head(gguf, head_source(gguf.tensors))
+        return stage
+
     def _cut_head(self, gguf, src_name: str) -> str:
         """Hold only this stage's rows of the head weight, as a tensor of their own."""
         src = gguf.tensor(src_name)

@@ -5,7 +5,10 @@ Every request of the step leaves at once: stage 0 gets the tokens, stage k > 0
 waits on its worker for the hidden state stage k-1 pushes there, and with the
 head split every head shard waits for the normed state the last stage pushes
 to all of them. Only the last stage's (or the shards') results come back here:
-N + 1 one-way hops for N workers (N + 2 with the head split), not 2N + 2.
+N + 1 one-way hops for N workers (N + 2 with the head split), not 2N + 2. With
+the head placed "here" (head_placement.py) the last stage pushes its normed
+state to its own share only and replies with it too, and this process
+computes the other rows from that reply: N + 1 hops for the split's compute.
 
 Failures keep the relayed path's meaning. Each request stays on its own
 worker's connection, with that connection's liveness and deadline, so a dead
@@ -25,7 +28,7 @@ import time
 import structlog
 
 from coordinator.executors import InputMissing, NotLinked
-from coordinator.results import StageFailed
+from coordinator.results import FailureKind, StageFailed
 
 log = structlog.get_logger("coordinator")
 
@@ -41,6 +44,19 @@ def usable(pipe) -> bool:
     failed push before the relay)."""
     return (len(pipe.places) > 1 and time.monotonic() >= pipe.links_paused_until
             and all(getattr(p.executor, "step_links", False) for p in pipe.places))
+
+
+async def _share_here(p, last_place, last_stage: asyncio.Task, shape) -> tuple[dict, bytes]:
+    """This process's share of a step's head (`p`, pipe.here), from the normed
+    rows the last stage replies with (reply_output); (reply, blob) as a worker's."""
+    from coordinator.pipeline import _read
+
+    await asyncio.wait([last_stage])  # not `await`: cancelling this must not cancel the last stage's request
+    if last_stage.cancelled() or last_stage.exception() is not None:
+        raise InputMissing(FailureKind.COMPUTE, p.endpoint, "no normed rows for this process's share of the "
+                                                            "output head: the last stage failed")
+    normed = _read(last_place, last_stage.result()[1], shape).hidden
+    return {}, await p.executor.run(p.stage, shape, {"head_in": normed}, head=True)
 
 
 def _destination(p, tag: int) -> dict:
@@ -60,12 +76,13 @@ async def run(pipe, steps: list) -> list | None:
 
     places = pipe.places
     last = len(places) - 1
-    plans = []  # per step: (stage tags, head tags, per stage its destinations)
+    plans = []  # per step: (stage tags, head tags (None: this process's share), per stage its destinations)
     for _, head_places in steps:
         stage_tags = [None] + [next(_tags) for _ in places[1:]]
-        head_tags = [next(_tags) for _ in head_places]
+        head_tags = [None if q is pipe.here else next(_tags) for q in head_places]
         plans.append((stage_tags, head_tags,
-                      [[(places[k + 1], stage_tags[k + 1])] if k < last else list(zip(head_places, head_tags))
+                      [[(places[k + 1], stage_tags[k + 1])] if k < last else
+                       [(q, tag) for q, tag in zip(head_places, head_tags) if tag is not None]
                        for k in range(len(places))]))
     # the last stage names every head shard whether a step's head is split or not, so a head
     # placement that changes between steps (head_placement.py) costs no STEP_PEERS round trip
@@ -87,11 +104,18 @@ async def run(pipe, steps: list) -> list | None:
             timeout = p.executor.request_timeout or 900.0
             step_input = ("hidden", stage_tags[k], timeout) if k else None
             dests = [_destination(q, tag) for q, tag in targets[k]]
-            jobs.append((p, p.executor.send_linked(p.stage, step.shape, inputs, False, step_input, dests),
-                         targets[k]))
+            # this process's share of the head takes the normed rows from the last stage's reply
+            reply_output = k == last and None in head_tags
+            jobs.append((p, p.executor.send_linked(p.stage, step.shape, inputs, False, step_input, dests,
+                                                   reply_output), targets[k]))
             if k:
                 waits.append((p, stage_tags[k], jobs[-1][1]))
+        last_stage = jobs[-1][1]
         for p, tag in zip(head_places, head_tags):
+            if tag is None:
+                jobs.append((p, asyncio.get_running_loop().create_task(
+                    _share_here(p, places[last], last_stage, step.shape)), []))
+                continue
             step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
             jobs.append((p, p.executor.send_linked(p.stage, step.shape, {}, True, step_input, []), []))
             waits.append((p, tag, jobs[-1][1]))

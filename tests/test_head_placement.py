@@ -1,7 +1,7 @@
 """Where the output head runs, chosen per step from measured latency
-(coordinator/head_placement.py): split over the workers on loopback, whole
-on the last worker behind a 20 ms link (bench/delay_proxy.py), and the same
-logits whichever runs. Real daemons, real sockets."""
+(coordinator/head_placement.py): split over the workers on loopback, the
+last worker's share and the rest in the coordinator behind a slow link
+(bench/delay_proxy.py), and the same logits whichever runs. Real daemons, real sockets."""
 from __future__ import annotations
 
 import pathlib
@@ -42,21 +42,34 @@ def trace(c: Coordinator, greedy_steps: int = 2) -> tuple[np.ndarray, list[int]]
 
 def test_the_rule_compares_the_saved_compute_with_the_extra_hops():
     p = HeadPlacement("auto")
-    assert p.split((1, False), 1), "nothing measured yet: split, which measures the head"
+    assert p.choose((1, False), 1) == "split", "nothing measured yet: split, which measures the head"
     p.record_rtt("a", 0.002)
     p.record_rtt("b", 0.004)  # the slowest worker's median round trip: one way 2 ms
-    assert p.split((1, False), 1), "still no head timing"
+    assert p.choose((1, False), 1) == "split", "still no head timing"
     p.record_head((1, False), [0.004, 0.003])  # whole ~7 ms, split 4 ms: saves 3 ms
     assert p.one_way() == pytest.approx(0.002) and p.saved((1, False)) == pytest.approx(0.003)
-    assert p.split((1, False), 1), "3 ms saved > one 2 ms hop (step links)"
-    assert not p.split((1, False), 2), "3 ms saved < two 2 ms hops (relayed)"
-    assert p.split((8, False), 2), "8 output rows: not measured, so split"
+    assert p.choose((1, False), 1) == "split", "4 ms + one 2 ms hop (step links) < 7 ms whole"
+    assert p.choose((1, False), 2) == "whole", "4 ms + two 2 ms hops (relayed) > 7 ms whole"
+    assert p.choose((8, False), 2) == "split", "8 output rows: not measured, so split"
     assert p.view()["changes"] == 2 and p.view()["steps_whole"] == 1
     for _ in range(8):
         p.record_rtt("b", 0.02)
-    assert not p.split((1, False), 1), "behind 10 ms one way: whole"
-    assert p.split((1, False), 1, whole_possible=False), "a last worker with only its share always splits"
+    assert p.choose((1, False), 1) == "whole", "behind 10 ms one way: whole"
+    assert p.choose((1, False), 1, whole_possible=False) == "split", "a last worker with only its share splits"
     assert p.view()["steps_whole"] == 2 and p.view()["choice"] == "split", "and it is counted as split"
+    # a share here: measured once, then taken where it beats both (no extra hop over step links)
+    assert p.choose((1, False), 1, here_possible=True) == "here", "not measured yet: here, which measures it"
+    p.record_head((1, False), [0.0045, 0.003], "here")  # this process's rows 4.5 ms, the last worker's 3 ms
+    assert p.choose((1, False), 1, here_possible=True) == "here", "4.5 ms < 7 ms whole < 4 ms + a 10 ms hop"
+    assert p.choose((1, False), 2, here_possible=True) == "whole", "relayed: 3 ms + two 10 ms hops > 7 ms"
+    p.record_head((1, False), [0.008, 0.003], "here")
+    assert p.choose((1, False), 1, here_possible=True) == "here", "the least of the last steps counts"
+    slow = HeadPlacement("auto")
+    slow.record_rtt("a", 0.02)
+    slow.record_head((1, False), [0.004, 0.003])
+    slow.record_head((1, False), [0.009, 0.003], "here")  # a slow coordinator: here loses to whole
+    assert slow.choose((1, False), 1, here_possible=True) == "whole"
+    assert slow.view()["steps_here"] == 0 and p.view()["steps_here"] == 3
     least = 178e6 / 2 / 50e9  # Gemma 3's head over 2 workers saves at least 1.8 ms
     assert p.held_whole(int(178e6), 2), "10 ms one way: held"
     near = HeadPlacement("auto")
@@ -67,7 +80,8 @@ def test_the_rule_compares_the_saved_compute_with_the_extra_hops():
     assert checked_mode(True) == "split" and checked_mode(False) == "whole" and checked_mode("auto") == "auto"
     with pytest.raises(ValueError):
         checked_mode("sideways")
-    assert HeadPlacement("split").split((1, False), 2) and not HeadPlacement("whole").split((1, False), 1)
+    assert HeadPlacement("split").choose((1, False), 2, here_possible=True) == "split"
+    assert HeadPlacement("whole").choose((1, False), 1, here_possible=True) == "whole"
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +92,13 @@ def gemma():
         pytest.skip(str(exc))
 
 
-def test_auto_splits_on_loopback_and_takes_the_head_whole_behind_a_slow_link(gemma, start_daemon):
+def test_auto_splits_on_loopback_and_shares_the_head_with_the_coordinator_behind_a_slow_link(gemma, start_daemon):
     """Gemma 3's 262k-row head: split saves milliseconds, which a loopback hop
-    (well under one) does not outweigh; behind FAR one way the hop does. The
-    logits and tokens are the same bits either way, and as with the head always split."""
+    (well under one) does not outweigh; behind FAR one way the split's extra hop
+    does, so the last worker holds the whole head and this process the rows
+    besides its share: a step computes the two shares at once, at no extra hop
+    (taking the head whole would cost the other share's compute). The logits
+    and tokens are the same bits every way, and as with the head always split."""
     a, b = start_daemon("-t", "1"), start_daemon("-t", "1")
     endpoints = [a.endpoint, b.endpoint]
     with Coordinator(endpoints, model=gemma, n_ctx=128) as c:
@@ -97,31 +114,34 @@ def test_auto_splits_on_loopback_and_takes_the_head_whole_behind_a_slow_link(gem
         with Coordinator([pa.endpoint, pb.endpoint], model=gemma, n_ctx=128) as c:
             far, far_tokens = trace(c)
             head = c.head_placement()
-            assert head["choice"] == "whole" and head["whole_held"], head
-            # the first steps of a shape measure it split (the very first compute is cold and slower)
-            assert head["one_way_seconds"] >= FAR and head["steps_whole"] >= STEPS - 2, head
+            assert head["choice"] == "here" and head["whole_held"] and head["here_held"], head
+            # the first steps of a shape measure it split, then here (a first compute is cold and slower)
+            assert head["one_way_seconds"] >= FAR and head["steps_here"] >= STEPS - 3, head
             assert c.stats["linked_steps"] >= STEPS
     with Coordinator(endpoints, model=gemma, n_ctx=128, head_split=True) as c:
         split, split_tokens = trace(c)
-        assert c.head_placement()["steps_whole"] == 0
+        assert c.head_placement()["steps_whole"] == c.head_placement()["steps_here"] == 0
     assert np.array_equal(near, split) and np.array_equal(far, split)
     assert near_tokens == far_tokens == split_tokens
 
 
 def test_a_placement_that_changes_mid_sequence_keeps_the_logits(tiny_model, start_daemon):
     """The tiny model's head saves next to nothing, so auto measures it split on
-    the first step and takes it whole after (on loopback too, unless a loaded
-    machine makes the head slower than a hop): the steps of one sequence mix
-    both, and equal the head always split and always whole bit for bit."""
+    the first step, then shared with this process, and takes it whole after
+    (on loopback too, unless a loaded machine makes the head slower than a
+    hop): the steps of one sequence mix all three, and equal the head always
+    split and always whole bit for bit."""
     endpoints = [start_daemon("-t", "1").endpoint, start_daemon("-t", "1").endpoint]
     results = {}
     for mode in ("auto", True, False):
         with Coordinator(endpoints, model=tiny_model, n_ctx=64, head_split=mode) as c:
             results[mode] = trace(c, greedy_steps=4)
             head = c.head_placement()
-            assert head["steps_split"] + head["steps_whole"] == 1 + STEPS + 4, head
+            assert head["steps_split"] + head["steps_whole"] + head["steps_here"] == 1 + STEPS + 4, head
             if mode == "auto":
                 assert head["steps_split"] >= 2, "the first full-logits and greedy steps measure the head split"
+                # a small head is held whole by the last worker, so the rest is held here too, and measured
+                assert head["here_held"] and head["steps_here"] >= 2, head
     for mode in (True, False):
         assert np.array_equal(results["auto"][0], results[mode][0]), mode
         assert results["auto"][1] == results[mode][1], mode

@@ -108,9 +108,10 @@ class Metrics:
         self.linked_steps = Counter("ggml_linked_steps", "Decode steps whose activations went worker to worker "
                                                          "(step links; the others were relayed)", registry=r)
         self.head_steps = Counter("ggml_head_steps", "Decode steps by where their output head ran (split over "
-                                  "every worker, or whole on the last)", ["placement"], registry=r)
-        self.head_split = Gauge("ggml_head_split", "1 if the last step's output head was split over the workers, "
-                                "0 if whole on the last worker", registry=r)
+                                  "every worker, whole on the last, or here: the last worker's share and the rest "
+                                  "in the coordinator)", ["placement"], registry=r)
+        self.head_split = Gauge("ggml_head_split", "1 if the last step's output head was split (over the workers, "
+                                "or here), 0 if whole on the last worker", registry=r)
         self.head_one_way = Gauge("ggml_head_one_way_seconds", "The one-way delay the head placement was chosen by "
                                   "(half the slowest worker's median ping)", registry=r)
         self.coord = coord
@@ -142,11 +143,11 @@ class Metrics:
                              ("spare_takeovers", self.spare_takeovers), ("linked_steps", self.linked_steps)):
             self._advance(counter, key, self.coord.stats.get(key, 0))
         head = self.coord.head_placement()
-        for placement in ("split", "whole"):
+        for placement in ("split", "whole", "here"):
             self._advance(self.head_steps.labels(placement=placement), f"head_{placement}",
                           head[f"steps_{placement}"])
         if head["choice"] is not None:
-            self.head_split.set(1 if head["choice"] == "split" else 0)
+            self.head_split.set(0 if head["choice"] == "whole" else 1)
         if head["one_way_seconds"] is not None:
             self.head_one_way.set(head["one_way_seconds"])
 
