@@ -33,8 +33,8 @@ from coordinator.results import FailureKind, StageFailed
 log = structlog.get_logger("coordinator")
 
 RELAY_AFTER_FAILED_PUSH = 30.0  # seconds of relayed steps after a worker could not push to its next hop
-_tags = itertools.count(1)
-_background: set = set()  # cancellations in flight (held so they are not collected before they end)  # step input tags: unique per coordinator process, so per session too
+_tags = itertools.count(1)  # step input tags: unique per coordinator process, so per session too
+_background: set = set()  # cancellations in flight (held so they are not collected before they end)
 
 
 def usable(pipe) -> bool:
