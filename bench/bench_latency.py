@@ -92,6 +92,7 @@ CONFIGS = {  # name: (step_links, head_split)
     "linked": (True, True),
     "relayed-whole-head": (False, False),
     "linked-whole-head": (True, False),
+    "linked-here": (True, "here"),  # the last worker's share, and the rest of the head in this process
 }
 
 

@@ -97,10 +97,15 @@ class Coordinator:
         proportions, all at once after the last layer, instead of the last
         endpoint computing all of it (coordinator/stage.py); faster when the
         head is a large part of a step, but one more network hop. False
-        ("whole"): the last endpoint computes all of it. "auto" (the default):
+        ("whole"): the last endpoint computes all of it. "here": the last
+        endpoint computes its share and this process the rest of the rows (from
+        the normed rows the last stage replies with: the split's compute at the
+        whole head's hops; this process holds those rows and takes a core for
+        them). "auto" (the default):
         every endpoint holds its share, and the last one the whole head too
         where the round trips measured before the upload say a step could take
-        it whole (and it has the memory); each step takes the faster by the
+        it whole (and it has the memory), and then this process the rows
+        besides the last one's share; each step takes the fastest by the
         measured round trips and head compute times
         (coordinator/head_placement.py). Same logits whichever runs.
 
@@ -227,7 +232,7 @@ class Coordinator:
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
                                    head_rows, whole_head)
         await self._endpoints.load_all(self.gguf, progress, on_upload)
-        if whole_head:  # a far last worker: a step may also take the head as its share plus one here
+        if whole_head or self._head.mode == "here":  # a far last worker: a step may take its share plus one here
             await self._hold_head_here()
         if self._head.mode == "auto":
             await self._pipeline.measure_rtts()  # the head placement's first round trips

@@ -37,7 +37,9 @@ overestimates. Each step is decided when it is prepared, between steps, and
 carries its choice in its shape (StepShape.head_whole) and its head places:
 steps already in flight keep theirs. All give the same logits bit for bit
 (each logit is the same dot product on the same data), so the choice never
-changes a result. `split` and `whole` fix the choice.
+changes a result. `split`, `whole` and `here` fix the choice (`here` takes
+"split" for a step that cannot be placed here: over step links to a last
+worker without `reply_output`).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import structlog
 
 log = structlog.get_logger("coordinator")
 
-MODES = ("auto", "split", "whole")
+MODES = ("auto", "split", "whole", "here")
 # where a step's head runs: every worker's share at once; the last worker's whole head; the last
 # worker's share and, in this process, the rows of the others (HeadPlacement.here_held)
 CHOICES = ("whole", "split", "here")  # in this order of preference between equal costs
@@ -151,7 +153,7 @@ class HeadPlacement:
         two more)."""
         hop, saved = self.one_way(), self.saved(shape)
         if self.mode != "auto":
-            choice = self.mode
+            choice = "split" if self.mode == "here" and not here_possible else self.mode
         elif hop is None or saved is None:
             choice = "split"  # nothing to compare yet: the split step measures the head
         elif here_possible and self._least("here", shape, max) is None:

@@ -130,18 +130,20 @@ def test_a_placement_that_changes_mid_sequence_keeps_the_logits(tiny_model, star
     the first step, then shared with this process, and takes it whole after
     (on loopback too, unless a loaded machine makes the head slower than a
     hop): the steps of one sequence mix all three, and equal the head always
-    split and always whole bit for bit."""
+    split, always whole and always here bit for bit."""
     endpoints = [start_daemon("-t", "1").endpoint, start_daemon("-t", "1").endpoint]
     results = {}
-    for mode in ("auto", True, False):
+    for mode in ("auto", True, False, "here"):
         with Coordinator(endpoints, model=tiny_model, n_ctx=64, head_split=mode) as c:
             results[mode] = trace(c, greedy_steps=4)
             head = c.head_placement()
             assert head["steps_split"] + head["steps_whole"] + head["steps_here"] == 1 + STEPS + 4, head
+            if mode == "here":
+                assert head["steps_here"] == 1 + STEPS + 4 and head["here_held"] and not head["whole_held"], head
             if mode == "auto":
                 assert head["steps_split"] >= 2, "the first full-logits and greedy steps measure the head split"
                 # a small head is held whole by the last worker, so the rest is held here too, and measured
                 assert head["here_held"] and head["steps_here"] >= 2, head
-    for mode in (True, False):
+    for mode in (True, False, "here"):
         assert np.array_equal(results["auto"][0], results[mode][0]), mode
         assert results["auto"][1] == results[mode][1], mode

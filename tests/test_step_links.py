@@ -185,6 +185,37 @@ def test_a_fault_mid_step_is_reported_as_that_worker(tiny_model, start_daemon, f
         assert c.generate(PROMPT, max_tokens=2)
 
 
+@pytest.mark.parametrize("after", [2, 3], ids=["B's layers", "B's share"])
+@pytest.mark.parametrize("action", ["kill", "stop"])
+def test_a_fault_mid_step_with_the_head_here_is_reported_as_the_last_worker(tiny_model, start_daemon, after, action):
+    """head_split="here": the last worker B computes its share of the head and
+    the coordinator the rest, from the normed rows B replies with. B killed or
+    stopped while computing its layers or its share: ENDPOINT_FAILED naming B
+    (never `local`, whose rows wait for B's and are not computed) within the
+    bound, A not latched; the step before gave the head always split's logits."""
+    spec = f"cmd={GRAPH_CMDS},after={after},point=compute,action={action}"
+    a, b = start_daemon("-t", "1"), start_daemon("-t", "1", "--test-fault", spec)
+    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, n_ctx=64, liveness_timeout=BOUND,
+                     head_split="here") as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
+        here = c.logits(-1).copy()
+        head = c.head_placement()
+        assert head["here_held"] and head["steps_here"] == 1 and c.stats["linked_steps"] == 1, head
+        started = time.monotonic()
+        assert c.decode(Batch.single([5], len(ids))) is DecodeResult.ENDPOINT_FAILED
+        took = time.monotonic() - started
+        assert (c.last_failed_endpoint, c.last_cause) == (b.endpoint, "closed" if action == "kill" else "timeout")
+        assert [f.endpoint for f in c.failed_endpoints()] == [b.endpoint], c.failed_endpoints()
+        assert took <= (SLACK if action == "kill" else BOUND + SLACK), took
+        if action == "stop":
+            b.signal(signal.SIGCONT)
+    with Coordinator([a.endpoint, start_daemon("-t", "1").endpoint], model=tiny_model, n_ctx=64,
+                     head_split=True) as c:
+        assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
+        assert np.array_equal(c.logits(-1), here)
+
+
 def test_a_failed_compute_cancels_the_waiting_stages_without_latching(tiny_model, start_daemon):
     """B's stage compute process dies (a healthy worker's FAILED): COMPUTE_FAILED on B,
     nothing latched, A's head shard stops waiting at once (cancelled), and the

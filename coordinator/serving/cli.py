@@ -83,11 +83,13 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                    help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: --parallel x --ctx-per-slot)")
     p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
     if with_head_flag:
-        p.add_argument("--head-split", dest="head_split", choices=("auto", "split", "whole"),
+        p.add_argument("--head-split", dest="head_split", choices=("auto", "split", "whole", "here"),
                        default=LIBRARY["head_split"],
                        help="where the output head runs: every worker a share (split), the last worker all of it "
-                            "(whole), or per step whichever the measured round trips and head compute times make "
-                            "faster (auto, the default; the last worker then holds the whole head too)")
+                            "(whole), the last worker its share and this process the rest (here), or per step "
+                            "whichever the measured round trips and head compute times make faster (auto, the "
+                            "default; behind a slow link the last worker then holds the whole head, and this "
+                            "process the rest besides its share)")
         p.add_argument("--no-head-split", dest="head_split", action="store_const", const="whole",
                        help="--head-split whole")
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
