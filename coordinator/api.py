@@ -231,11 +231,16 @@ class Coordinator:
             p.layers = layers
             p.stage = Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx,
                                    head_rows, whole_head)
-        await self._endpoints.load_all(self.gguf, progress, on_upload)
+        uploads = self._endpoints.load_all(self.gguf, progress, on_upload)
         if whole_head or self._head.mode == "here":  # a far last worker: a step may take its share plus one here
-            await self._hold_head_here()
+            # copied here while the workers upload; both end before a failure of either is raised
+            for outcome in await asyncio.gather(uploads, self._hold_head_here(), return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        else:
+            await uploads
         if self._head.mode == "auto":
-            await self._pipeline.measure_rtts()  # the head placement's first round trips
+            await self._pipeline.measure_rtts(pings=1)  # one more round trip each, now the uploads are done
             self._head.measured_at = time.monotonic()
 
     async def _hold_head_here(self) -> None:

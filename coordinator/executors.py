@@ -11,6 +11,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from coordinator.results import FailureKind, StageFailed
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError
@@ -140,6 +142,12 @@ class LocalExecutor:
         return {"name": "local", "free_memory": 0, "threads": self.threads}
 
     async def load(self, stage, gguf, progress=None) -> None:
+        # on the compute thread, copies without the GIL: the event loop goes on (uploads to workers beside it)
+        loop = asyncio.get_running_loop()
+        done = (lambda n: loop.call_soon_threadsafe(progress, n)) if progress else None
+        await loop.run_in_executor(self._pool, self._load, stage, gguf, done)
+
+    def _load(self, stage, gguf, progress) -> None:
         weights, kv = stage_tensors(stage)
         todo = [(n, t) for n, t in weights if t.data == NULL]
         offsets, total = layout([t for _, t in todo] + kv)
@@ -151,7 +159,7 @@ class LocalExecutor:
             lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
         for name, t in todo:
             data = stage.weight_data(gguf, name)
-            ffi.memmove(t.data, ffi.from_buffer(data), len(data))
+            np.copyto(np.frombuffer(ffi.buffer(t.data, len(data)), np.uint8), np.frombuffer(data, np.uint8))
             if progress:
                 progress(len(data))
 
