@@ -250,8 +250,8 @@ class Coordinator:
         from the normed rows the last stage replies with, which costs the
         split's compute without the split's extra hop."""
         rows = self._places[-1].stage.head_rows
-        if not rows.start or rows.stop != self.hp.n_vocab:
-            return
+        if not rows or not rows.start or rows.stop != self.hp.n_vocab:
+            return  # no share on the last worker, or nothing besides it
         here = Placement("local", range(0), executor=make_executor("local", self.threads),
                          stage=Stage.head_share(self.arch, self.hp, self.gguf, range(0, rows.start)))
         try:
