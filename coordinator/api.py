@@ -100,8 +100,8 @@ class Coordinator:
         ("whole"): the last endpoint computes all of it. "here": the last
         endpoint computes its share and this process the rest of the rows (from
         the normed rows the last stage replies with: the split's compute at the
-        whole head's hops; this process holds those rows and takes a core for
-        them). "auto" (the default):
+        whole head's hops; this process holds those rows and computes them
+        with `threads` threads). "auto" (the default):
         every endpoint holds its share, and the last one the whole head too
         where the round trips measured before the upload say a step could take
         it whole (and it has the memory), and then this process the rows

@@ -182,17 +182,16 @@ class LocalExecutor:
             if x.data == NULL:  # not used by this stage's layers (e.g. mask of a stage without global layers)
                 continue
             ffi.memmove(x.data, ffi.from_buffer(arr), arr.nbytes)
+        started = time.perf_counter()
         status = self.backend.compute(g.gf)
+        if head:  # the compute alone, as a worker's compute_us: not the wait for this thread
+            self.head_seconds[shape.head_key] = time.perf_counter() - started
         if status != lib.GGML_STATUS_SUCCESS:
             raise StageFailed(FailureKind.COMPUTE, self.endpoint, f"local compute returned ggml status {status}")
         return b"".join(ffi.buffer(out.data, lib.ggml_nbytes(out)) for out in g.outputs)
 
     async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
-        started = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
-        if head:
-            self.head_seconds[shape.head_key] = time.perf_counter() - started
-        return out
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
 
     async def close(self) -> None:
         # on the compute thread: a step whose caller gave up (cancelled, Ctrl-C) may

@@ -38,8 +38,8 @@ carries its choice in its shape (StepShape.head_whole) and its head places:
 steps already in flight keep theirs. All give the same logits bit for bit
 (each logit is the same dot product on the same data), so the choice never
 changes a result. `split`, `whole` and `here` fix the choice (`here` takes
-"split" for a step that cannot be placed here: over step links to a last
-worker without `reply_output`).
+"split" for a step that cannot be placed here: the coordinator holds no rows,
+or over step links the last worker lacks `reply_output`).
 """
 from __future__ import annotations
 

@@ -76,6 +76,9 @@ async def run(pipe, steps: list) -> list | None:
 
     places = pipe.places
     last = len(places) - 1
+    if not getattr(places[last].executor, "step_reply_output", False) and any(
+            q is pipe.here for _, head_places in steps for q in head_places):
+        return None  # placed here for the relayed path (links were paused then): its last stage cannot reply
     plans = []  # per step: (stage tags, head tags (None: this process's share), per stage its destinations)
     for _, head_places in steps:
         stage_tags = [None] + [next(_tags) for _ in places[1:]]

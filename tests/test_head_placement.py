@@ -125,7 +125,8 @@ def test_auto_splits_on_loopback_and_shares_the_head_with_the_coordinator_behind
     assert near_tokens == far_tokens == split_tokens
 
 
-def test_a_placement_that_changes_mid_sequence_keeps_the_logits(tiny_model, start_daemon):
+@pytest.mark.parametrize("links", [True, False], ids=["step-links", "relayed"])
+def test_a_placement_that_changes_mid_sequence_keeps_the_logits(tiny_model, start_daemon, links):
     """The tiny model's head saves next to nothing, so auto measures it split on
     the first step, then shared with this process, and takes it whole after
     (on loopback too, unless a loaded machine makes the head slower than a
@@ -134,7 +135,7 @@ def test_a_placement_that_changes_mid_sequence_keeps_the_logits(tiny_model, star
     endpoints = [start_daemon("-t", "1").endpoint, start_daemon("-t", "1").endpoint]
     results = {}
     for mode in ("auto", True, False, "here"):
-        with Coordinator(endpoints, model=tiny_model, n_ctx=64, head_split=mode) as c:
+        with Coordinator(endpoints, model=tiny_model, n_ctx=64, head_split=mode, step_links=links) as c:
             results[mode] = trace(c, greedy_steps=4)
             head = c.head_placement()
             assert head["steps_split"] + head["steps_whole"] + head["steps_here"] == 1 + STEPS + 4, head

@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 from bench.delay_proxy import Link, ProxyThread  # noqa: E402
 from coordinator.api import Batch, Coordinator, DecodeResult  # noqa: E402
 from rpc_daemon.client import RpcClient, RpcError  # noqa: E402
+from rpc_daemon.testing.faults import FaultSpec, FaultSpecError  # noqa: E402
 from rpc_daemon.wire.protocol import Command, Status  # noqa: E402
 from rpc_helpers import SECRET, expect_error, small_graph  # noqa: E402
 
@@ -106,6 +107,8 @@ def test_a_refused_relay_fails_the_step_at_once(tiny_model, start_daemon, secret
     mailbox): nobody will deliver the input B's request waits for, so the step
     fails at once with COMPUTE_FAILED naming B, nothing latched, instead of
     waiting out the input's timeout; the next decode succeeds, relayed."""
+    with pytest.raises(FaultSpecError, match="only action=fail"):  # answered at once: nothing else applies
+        FaultSpec.parse("cmd=STEP_INPUT,action=kill")
     tls = ("--secret-file", secret_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key)
     a = start_daemon("-t", "1", *tls, "--peer-tls-ca", tls_files.other_ca)
     b = start_daemon("-t", "1", *tls, "--peer-tls-ca", tls_files.ca, "--test-fault", "cmd=STEP_INPUT,action=fail")

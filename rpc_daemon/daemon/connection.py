@@ -525,7 +525,7 @@ class Connection(asyncio.BufferedProtocol):
         """A command answered as soon as it is read (PING, HELLO, AUTH, STEP_INPUT): a refusal it raises
         closes the connection (STEP_INPUT returns its refusals instead)."""
         faults = self.daemon.faults  # tests only: a spec naming STEP_INPUT may refuse it
-        if faults is not None and faults.refuse_now(header.get("cmd"), self):
+        if faults is not None and faults.refuse_now(header, self):
             self._reply(req_id, Status.FAILED, "test fault: injected refusal")
             return
         try:

@@ -12,7 +12,8 @@ SPEC is comma-separated key=value pairs, e.g.
   cmd=NAME[|NAME...]  commands that count (protocol Command names; * = any;
                       default *). PING and HELLO never reach this module;
                       STEP_INPUT (answered as soon as it is read) counts only
-                      where a spec names it, and takes only action=fail.
+                      where a spec names it, and takes only action=fail
+                      (cancellations pass uncounted).
   after=N             let N matching requests pass, fire on the next (default 0)
   times=N             fire on this many matching requests in a row (default 1;
                       0 = every one from then on)
@@ -111,6 +112,9 @@ class FaultSpec:
             raise FaultSpecError(f"test fault {text!r}: {exc}") from None
         if action == "fail" and point not in ("reply",):
             raise FaultSpecError(f"test fault {text!r}: action=fail needs point=reply")
+        if cmds is not None and Command.STEP_INPUT in cmds and action != "fail":
+            raise FaultSpecError(f"test fault {text!r}: STEP_INPUT (answered as soon as it is read) takes only "
+                                 f"action=fail")
         return cls(cmds, after, times, point, action, delay, armed, text=text)
 
     def take(self, cmd) -> bool:
@@ -149,10 +153,14 @@ class Faults:
                 return Fault(s, cmd, self.daemon)
         return None
 
-    def refuse_now(self, cmd, conn) -> bool:
-        """A STEP_INPUT (answered as soon as it is read) that a spec naming it refuses (action=fail)."""
+    def refuse_now(self, header: dict, conn) -> bool:
+        """A STEP_INPUT with bytes (answered as soon as it is read; not a
+        cancellation) that a spec naming it refuses (action=fail)."""
+        cmd = header.get("cmd")
+        if cmd != Command.STEP_INPUT or header.get("cancel"):
+            return False
         for s in self.specs:
-            if cmd == Command.STEP_INPUT and s.cmds is not None and s.action == "fail" and s.take(cmd):
+            if s.cmds is not None and s.action == "fail" and s.take(cmd):
                 Fault(s, cmd, self.daemon)._log(conn)
                 return True
         return False
