@@ -50,6 +50,7 @@ from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeOutcome, D
                                  EndpointUnavailable, FailureKind, StageFailed, StepOutput)
 from coordinator.stage import Stage
 from coordinator.tokenizer import Tokenizer
+from rpc_daemon.daemon.config import available_memory
 from rpc_daemon.wire.auth import load_secret
 
 __all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "DoesNotFit", "EndpointFailure",
@@ -252,8 +253,13 @@ class Coordinator:
         rows = self._places[-1].stage.head_rows
         if not rows or not rows.start or rows.stop != self.hp.n_vocab:
             return  # no share on the last worker, or nothing besides it
-        here = Placement("local", range(0), executor=make_executor("local", self.threads),
-                         stage=Stage.head_share(self.arch, self.hp, self.gguf, range(0, rows.start)))
+        stage = Stage.head_share(self.arch, self.hp, self.gguf, range(0, rows.start))
+        need, available = buffer_bytes(stage), available_memory()
+        if need > available // 2:  # the rows are an optimization: never worth crowding this machine
+            log.warning("the coordinator does not hold the output head's other rows: they need more than half "
+                        "of its available memory", need_mib=need >> 20, available_mib=available >> 20)
+            return
+        here = Placement("local", range(0), executor=make_executor("local", self.threads), stage=stage)
         try:
             await here.executor.open()
             await here.executor.load(here.stage, self.gguf)
