@@ -25,8 +25,8 @@ measured, not assumed: the one-way delay is half the round trip of PINGs to
 each worker (the slowest worker's median of its last samples; measured at
 connect and again every REFRESH_S seconds while decoding, and by every probe
 of the cluster view), and the shard times are the workers' own compute times
-of the head requests (`compute_us` in their replies) and this process's time
-for its rows, of the last steps so placed with as many output rows, greedy
+of the head requests (`compute_us` in their replies) and this process's compute
+time for its rows, of the last steps so placed with as many output rows, greedy
 or not, the least of the last few (a step shape not yet measured is split,
 which measures it, and then, where possible, taken "here", which measures
 that; a first, cold, compute is slower, so the next step is likely split too
