@@ -348,11 +348,12 @@ class Coordinator:
 
     def head_placement(self) -> dict:
         """Where the output head runs and why (coordinator/head_placement.py):
-        `mode` (auto, split or whole), `choice` (the last step's: split or
-        whole), `one_way_seconds` and `saved_seconds` it was chosen by,
-        `extra_hops` the split cost that step, `steps_split`/`steps_whole`,
-        `changes`, `whole_held` (the last worker holds the whole head) and
-        each worker's median `rtt_seconds`."""
+        `mode` (auto, split, whole or here), `choice` (the last step's: split,
+        whole or here), `one_way_seconds` and `saved_seconds` it was chosen by,
+        `extra_hops` the split cost that step, `steps_split`/`steps_whole`/
+        `steps_here`, `changes`, `whole_held` (the last worker holds the whole
+        head), `here_held` (this process holds the rows besides the last
+        worker's share) and each worker's median `rtt_seconds`."""
         return self._head.view()
 
     def needs_refeed(self) -> list[int]:
