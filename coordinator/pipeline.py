@@ -297,7 +297,7 @@ class Pipeline:
         results = []
         for step, head_places, (out, head_results) in zip(steps, heads, linked):
             if head_places:
-                self._timed_head(head_places, step.shape, any(p is self.here for p in head_places))
+                self._timed_head(head_places, step.shape)
                 results.append(self._combine_head(head_places, head_results, step.shape))
             else:  # no head round: the last stage's output, or nothing wanted
                 results.append(await self.finish(step, out))
@@ -314,12 +314,13 @@ class Pipeline:
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise step_failed(failures)
-        self._timed_head(places, shape, any(p is self.here for p in places))
+        self._timed_head(places, shape)
         return self._combine_head(places, results, shape)
 
-    def _timed_head(self, places, shape: StepShape, here: bool) -> None:
+    def _timed_head(self, places, shape: StepShape) -> None:
         """The shards' compute times of a head round, into the placement's estimate."""
         key = shape.head_key
+        here = any(p is self.here for p in places)
         self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places],
                                    "here" if here else "split")
 
