@@ -32,8 +32,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.tokenizer import Tokenizer  # noqa: E402
-from coordinator.tokenizer_bpe import (  # noqa: E402
+from coordinator.text.tokenizer import Tokenizer  # noqa: E402
+from coordinator.text.tokenizer_bpe import (  # noqa: E402
     _GPT2,
     _PRE_NAMES,
     _PRE_SPECS,
@@ -177,7 +177,7 @@ def main() -> int:
     args = ap.parse_args()
     models = vf.fetch()
 
-    from coordinator.planning import default_model_path
+    from coordinator.model.default_model import default_model_path
 
     tokenizers = [
         ("SPM  gemma3-270m (bundled)", lambda: Tokenizer.from_gguf(default_model_path())),

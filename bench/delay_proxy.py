@@ -27,7 +27,7 @@ direction (client -> upstream, upstream -> client) has its own `Link`:
   with the same delay (a reset as an abort of the other side's socket); an
   error writing to either side closes both sides at once.
 
-Meant for 127.0.0.1 only; used by tests/test_network_path.py and
+Meant for 127.0.0.1 only; used by tests/daemon/test_network_path.py and
 bench/bench_latency.py. `ProxyThread` runs one on a loop thread of its own for
 synchronous code.
 """

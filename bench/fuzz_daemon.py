@@ -1,5 +1,5 @@
 """Long-running protocol fuzzer against a live daemon (the test suite runs a
-few thousand cases of the same: tests/test_fuzz_daemon.py).
+few thousand cases of the same: tests/daemon/test_fuzz_daemon.py).
 
     python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs,lies,bursts]
                                 [--mem MiB] [--daemon-arg=--flag ...]

@@ -1,5 +1,5 @@
 """Long-running graph-extent fuzzer (the test suite runs a few thousand cases of
-the same: tests/test_graph_extents.py).
+the same: tests/daemon/test_graph_extents.py).
 
     python bench/fuzz_extents.py [--cases 100000] [--seed N] [--threads 1]
                                  [--mutate-rate 0.35] [--report-every 10000]

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 1
-    from coordinator.planning import default_model_path
+    from coordinator.model.default_model import default_model_path
 
     rows, notes = reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg, args.reps,
                                  args.rpc)

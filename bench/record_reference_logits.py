@@ -1,4 +1,4 @@
-"""Reference logits from llama.cpp itself, for tests/test_model_reference.py.
+"""Reference logits from llama.cpp itself, for tests/coordinator/test_model_reference.py.
 
     python bench/record_reference_logits.py [CASE ...]   # (re)record tests/fixtures/reference/CASE.npz
 

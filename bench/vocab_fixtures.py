@@ -18,7 +18,7 @@ it writes the ids our tokenizer gives for each case of an .inp file, in the .out
 format, so that a later change of the tokenizer shows up as a diff. Compare such a file
 with ``llama-tokenize`` output before trusting it as truth.
 
-tests/test_tokenizer_fixtures.py imports this file for fetching and parsing.
+tests/coordinator/test_tokenizer_fixtures.py imports this file for fetching and parsing.
 """
 from __future__ import annotations
 
@@ -122,14 +122,14 @@ def read_cases(gguf: pathlib.Path) -> list[tuple[str, list[int]]] | None:
 
 
 def tokenizer_model(gguf: pathlib.Path) -> str | None:
-    from coordinator.gguf_file import GGUFFile
+    from coordinator.model.gguf_file import GGUFFile
 
     with GGUFFile(gguf) as f:
         return f.get("tokenizer.ggml.model")
 
 
 def check(names: list[str] | None = None) -> int:
-    from coordinator.tokenizer import Tokenizer
+    from coordinator.text.tokenizer import Tokenizer
 
     models = fetch(quiet=False)
     failed = 0
@@ -163,7 +163,7 @@ def check(names: list[str] | None = None) -> int:
 
 
 def record(gguf: str, inp: str, out: str | None) -> int:
-    from coordinator.tokenizer import Tokenizer
+    from coordinator.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(gguf)
     texts = pathlib.Path(inp).read_bytes().decode("utf-8").split(SEPARATOR)

@@ -15,7 +15,7 @@ from coordinator.api import (
     default_model_path,
     plan_split,
 )
-from coordinator.tokenizer import Detokenizer, Tokenizer
+from coordinator.text.tokenizer import Detokenizer, Tokenizer
 
 __all__ = ["Batch", "Coordinator", "DecodeError", "DecodeResult", "DoesNotFit", "EndpointFailure", "FailureKind",
            "default_model_path", "plan_split", "Tokenizer", "Detokenizer"]

@@ -29,27 +29,28 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import numpy as np
 import structlog
 
-from coordinator.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
+from coordinator.decode.batch_checks import (batch_problem, checked_range, checked_seq, refeed_problem, seq_ids_of,
                                       seq_masks)
-from coordinator.endpoints import EndpointSet, Placement
-from coordinator.decode_gate import DecodeGate
-from coordinator.executors import ChunkDigests, buffer_bytes, make_executor
-from coordinator.generation import Generations
-from coordinator.gguf_file import GGUFFile
-from coordinator.head_placement import HeadPlacement, checked_mode
-from coordinator.kv_cache import KVCells
-from coordinator.loop import LoopThread
-from coordinator.microbatch import DEFAULT_MICRO_BATCH, MicroBatches
-from coordinator.models import architecture
-from coordinator.models.common import head_source
-from coordinator.pipeline import Pipeline, StepFailed
-from coordinator.planning import (PAGE, DoesNotFit, checked_setup, compute_reserve, default_model_path, endpoint_free,
-                                  fit_split, plan_rows, plan_split, split_weights)
-from coordinator.resume import RESUME_BACKOFF, Resumer
-from coordinator.results import (NO_OUTPUT, Batch, DecodeError, DecodeOutcome, DecodeResult, EndpointFailure,
-                                 EndpointUnavailable, FailureKind, StageFailed, StepOutput)
-from coordinator.stage import Stage
-from coordinator.tokenizer import Tokenizer
+from coordinator.cluster.endpoints import EndpointSet, Placement
+from coordinator.decode.gate import DecodeGate
+from coordinator.cluster.executors import ChunkDigests, buffer_bytes, make_executor
+from coordinator.decode.generation import Generations
+from coordinator.model.gguf_file import GGUFFile
+from coordinator.decode.head_placement import HeadPlacement, checked_mode
+from coordinator.decode.kv_cells import KVCells
+from coordinator.cluster.loop import LoopThread
+from coordinator.decode.microbatch import DEFAULT_MICRO_BATCH, MicroBatches
+from coordinator.model.architectures import architecture
+from coordinator.model.architectures.common import head_source
+from coordinator.decode.pipeline import Pipeline, StepFailed
+from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, plan_rows, plan_split, split_weights)
+from coordinator.config import checked_setup
+from coordinator.model.default_model import default_model_path
+from coordinator.decode.resume import RESUME_BACKOFF, Resumer
+from coordinator.decode.values import (NO_OUTPUT, Batch, DecodeError, DecodeOutcome, DecodeResult, FailureKind, StepOutput)
+from coordinator.cluster.failures import EndpointFailure, EndpointUnavailable, StageFailed
+from coordinator.model.stage import Stage
+from coordinator.text.tokenizer import Tokenizer
 from rpc_daemon.daemon.config import available_memory
 from rpc_daemon.wire.auth import load_secret
 
@@ -96,7 +97,7 @@ class Coordinator:
         `head_split` (with several endpoints): True ("split"): every endpoint
         computes a share of the output head's vocabulary rows, in the split's
         proportions, all at once after the last layer, instead of the last
-        endpoint computing all of it (coordinator/stage.py); faster when the
+        endpoint computing all of it (coordinator/model/stage.py); faster when the
         head is a large part of a step, but one more network hop. False
         ("whole"): the last endpoint computes all of it. "here": the last
         endpoint computes its share and this process the rest of the rows (from
@@ -108,11 +109,11 @@ class Coordinator:
         it whole (and it has the memory), and then this process the rows
         besides the last one's share; each step takes the fastest by the
         measured round trips and head compute times
-        (coordinator/head_placement.py). Same logits whichever runs.
+        (coordinator/decode/head_placement.py). Same logits whichever runs.
 
         `micro_batch` (tokens; with several endpoints): a batch is cut into
         micro-batches that follow each other through the stages, so every
-        worker computes at once (coordinator/microbatch.py): a prompt longer
+        worker computes at once (coordinator/decode/microbatch.py): a prompt longer
         than this in chunks of at most this many tokens, a batch of several
         sequences in about as many groups as there are endpoints (of at
         least micro_batch / 2 tokens each). The logits
@@ -347,7 +348,7 @@ class Coordinator:
         return found
 
     def head_placement(self) -> dict:
-        """Where the output head runs and why (coordinator/head_placement.py):
+        """Where the output head runs and why (coordinator/decode/head_placement.py):
         `mode` (auto, split, whole or here), `choice` (the last step's: split,
         whole or here), `one_way_seconds` and `saved_seconds` it was chosen by,
         `extra_hops` the split cost that step, `steps_split`/`steps_whole`/

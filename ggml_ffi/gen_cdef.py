@@ -8,7 +8,7 @@ ggml built: `python -m ggml_ffi.ggml_build`); commit both files.
 instead (the tests use it).
 The headers are preprocessed with empty stand-ins for the C library headers so
 only ggml's own declarations remain, then reduced to what cffi's parser accepts.
-tests/test_ffi_layout.py compiles the real headers to check the result.
+tests/ffi/test_ffi_layout.py compiles the real headers to check the result.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ _CMAKE_COMMON = [
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
     # llamafile's tinyBLAS: its kernels for the 32-element quants (q8_0, q5_0, q4_0, ...) sum each
-    # output exactly as ggml's vec_dot does (tests/test_kernels.py), 1.5x faster from 2 batch rows on
+    # output exactly as ggml's vec_dot does (tests/ffi/test_kernels.py), 1.5x faster from 2 batch rows on
     # (gemma3's q5_0 and q8_0 tensors); _SOURCE_PATCHES keeps it off the float types, where it does not
     "-DGGML_LLAMAFILE=ON",
 ]

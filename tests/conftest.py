@@ -195,7 +195,7 @@ def d(shared):
 
 class WorkerSet:
     """n workers on loopback sharing one tensor cache; any of them can be
-    killed and restarted on its port (tests/test_resume.py, bench/bench_faults.py)."""
+    killed and restarted on its port (tests/coordinator/test_resume.py, bench/bench_faults.py)."""
 
     def __init__(self, cache_dir, n: int, *args: str):
         self.args = ("-t", "1", "--cache", str(cache_dir), *args)

@@ -2,7 +2,7 @@
 on client buffers fenced by PROT_NONE guard pages, must neither fault nor write
 outside what they declare.
 
-Used by tests/test_graph_extents.py (a few thousand cases in CI) and
+Used by tests/daemon/test_graph_extents.py (a few thousand cases in CI) and
 bench/fuzz_extents.py (long runs).
 
 * `generate(rnd)` builds one case for an op of graph.OP_RULES (chosen at

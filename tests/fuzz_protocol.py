@@ -34,7 +34,7 @@ well-formed frame with a known status and our request id, and it is never an
 "internal error" (a handler raising: a bug of ours) nor a dead compute process
 (a graph that passed validation yet crashed libggml: a hole in the validator).
 
-Used by tests/test_fuzz_daemon.py (a few thousand cases) and
+Used by tests/daemon/test_fuzz_daemon.py (a few thousand cases) and
 bench/fuzz_daemon.py (as many as you like).
 """
 from __future__ import annotations

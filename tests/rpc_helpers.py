@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import time
+import urllib.request
 
 import numpy as np
 
@@ -240,3 +241,12 @@ def chain_graph(buf: int, steps: int):
         return tensors, idx[x]
     finally:
         ctx.close()
+
+
+def metric(metrics_port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == name)
+
+
+def bytes_in(metrics_port: int) -> float:
+    return metric(metrics_port, "ggml_rpc_bytes_in_total")

@@ -441,7 +441,7 @@ MODELS = {"llama": model_llama, "llama3": model_llama3, "qwen2": model_qwen2,
           "qwen2-yarn": lambda: model_qwen2(yarn=True), "qwen3": model_qwen3, "phi3": model_phi3,
           "qwen3moe": model_qwen3moe}
 
-# tests/test_model_reference.py's cases, recorded by bench/record_reference_logits.py into
+# tests/coordinator/test_model_reference.py's cases, recorded by bench/record_reference_logits.py into
 # tests/fixtures/reference/CASE.npz: case -> (model, n_ctx). Phi-3 twice: its LongRoPE
 # short factors (n_ctx up to rope.scaling.original_context_length, 256) and long ones.
 REFERENCE_CASES = {"llama": ("llama", 64), "llama3": ("llama3", 64), "qwen2": ("qwen2", 64),

@@ -8,7 +8,7 @@ alone (`step_slots`). With pipelining (the coordinator's micro_batch, and
 several workers) there is one group, and one loop, per worker: each new slot
 joins the group with the fewest, and the groups' steps are in flight at once,
 so worker A computes one group's step while worker B computes another's
-(coordinator/decode_gate.py). A failed step ends every slot that was in it
+(coordinator/decode/gate.py). A failed step ends every slot that was in it
 with the error; no token from that step reaches anybody.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Sequence
 
 import structlog
 
-from coordinator.results import Batch, DecodeResult
-from coordinator.kv_cache import MAX_SEQ
-from coordinator.sampling import Sampler
-from coordinator.text import TextStream
+from coordinator.decode.values import Batch, DecodeResult
+from coordinator.decode.kv_cells import MAX_SEQ
+from coordinator.text.sampling import Sampler
+from coordinator.text.stream import TextStream
 
 log = structlog.get_logger("batching")
 
@@ -229,7 +229,7 @@ class Scheduler:
         self._started[group] = time.monotonic()
         started = time.perf_counter()
         try:
-            # with resume_within set, a lost worker is a pause here, not an error (coordinator/resume.py)
+            # with resume_within set, a lost worker is a pause here, not an error (coordinator/decode/resume.py)
             outcome = await self.coord.adecode_outcome(Batch(tokens, pos, seqs, want))
         finally:
             del self._started[group]

@@ -16,7 +16,7 @@ import sys
 import time
 
 from coordinator.api import Coordinator
-from coordinator.kv_cache import MAX_SEQ  # a serving slot is a KV sequence id
+from coordinator.decode.kv_cells import MAX_SEQ  # a serving slot is a KV sequence id
 from rpc_daemon.service.logs import say  # stderr lines: plain, or JSON under --log-format json
 from rpc_daemon.service.version import VersionAction
 
@@ -192,11 +192,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_settings(p, args)
     if getattr(args, "spares", None) and not args.resume_within:
         p.error("--spares needs --resume-within: a spare takes over a stage while a generation waits")
-    from coordinator.planning import NO_DEFAULT_MODEL, default_model_available
+    from coordinator.model.default_model import NO_DEFAULT_MODEL, default_model_available
     if args.model is None and not default_model_available():  # at once: before any worker is started
         p.error(NO_DEFAULT_MODEL)
     if args.command == "generate":
-        from coordinator.sampling import Sampler
+        from coordinator.text.sampling import Sampler
         try:  # before any worker is started or the model read
             Sampler(args.temp, args.top_k, args.top_p, args.seed)
         except ValueError as exc:
@@ -324,7 +324,7 @@ def _reference(args, n_workers: int):
     why = ref.missing()
     if why:
         return None, f"llama.cpp reference skipped: {why}"
-    from coordinator.planning import default_model_path
+    from coordinator.model.default_model import default_model_path
 
     model = args.model or default_model_path()
     return (lambda: ref.reference_rows(model, args.threads, args.pp, args.tg, 1, n_workers)), None
@@ -496,7 +496,7 @@ def cmd_serve(args) -> int:
 
 
 def _serve(args, socks) -> int:
-    from coordinator.loop import run_async
+    from coordinator.cluster.loop import run_async
     from coordinator.serving.http_server import serve_http
     from rpc_daemon.service.systemd import StartTimeoutExtender
 

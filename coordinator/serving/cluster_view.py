@@ -168,7 +168,7 @@ class ClusterView:
             self._notify()
 
     def _watch_resumes(self, health: dict) -> bool:
-        """Events of the coordinator's resuming (coordinator/resume.py): a spare
+        """Events of the coordinator's resuming (coordinator/decode/resume.py): a spare
         that took over a stage, and generations that paused and went on."""
         changed = False
         for e in health["endpoints"]:

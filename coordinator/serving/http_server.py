@@ -24,12 +24,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from coordinator.results import DecodeResult
+from coordinator.decode.values import DecodeResult
 from coordinator.serving import chat_templates
 from coordinator.serving import web_page
 from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
 from coordinator.serving.cluster_view import ClusterView
-from coordinator.sampling import Sampler
+from coordinator.text.sampling import Sampler
 from rpc_daemon.service.lifecycle import serve_until_signalled
 
 log = structlog.get_logger("http")
@@ -209,7 +209,7 @@ class CompletionServer:
         self.scheduler.start()
         self.cluster.start()
         # a failed worker is retried in the background with backoff; service resumes by itself
-        if self.coord.resume_within is None:  # resuming keeps its own, faster backoff (coordinator/resume.py)
+        if self.coord.resume_within is None:  # resuming keeps its own, faster backoff (coordinator/decode/resume.py)
             self.coord.set_auto_reconnect(True, backoff=(self.reconnect_interval, 10.0))
 
     async def _cleanup(self, app) -> None:

@@ -1,0 +1,522 @@
+"""Where a stage runs: in this process (`local`), or on a worker daemon through
+one dispatcher (an RpcClient) per connection. Both run the very same graphs.
+
+Executors raise StageFailed; the coordinator turns it into a decode code.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from coordinator.decode.values import FailureKind
+
+from coordinator.cluster.failures import StageFailed
+from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
+from rpc_daemon.client import PeerFailed, RpcClient, RpcError
+from rpc_daemon.request_window import RequestWindow
+from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_daemon.wire.tls import client_context
+
+ALIGN = 64
+UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
+# the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
+GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT",
+             "MUL_MAT_ID", "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB",
+             "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
+CACHE_MIN_BYTES = 128 << 10  # below this sending the bytes costs less than hashing them and a look-up
+
+
+def peer_failed(endpoint: str, exc: PeerFailed) -> StageFailed:
+    return StageFailed(FailureKind.of(exc.kind), endpoint, exc.message)
+
+
+def rpc_failed(endpoint: str, exc: RpcError, kind: FailureKind = FailureKind.COMPUTE) -> StageFailed:
+    """A worker's error reply to a request that was to `kind` (COMPUTE, LOAD,
+    ALLOC, or ENDPOINT: one a connection needs first)."""
+    if exc.status == Status.ALLOC_FAILED:
+        return StageFailed(FailureKind.ALLOC, endpoint, f"worker {endpoint} is out of memory: {exc.message}")
+    if kind == FailureKind.COMPUTE:
+        return StageFailed(kind, endpoint, f"compute failed on worker {endpoint}: {exc}")
+    if kind == FailureKind.LOAD:
+        return StageFailed(kind, endpoint, f"loading weights onto worker {endpoint} failed: {exc}")
+    return StageFailed(kind, endpoint, f"worker {endpoint} refused the request: {exc}")
+
+
+class InputMissing(StageFailed):
+    """A linked step's request ended without its step input (INPUT_MISSING):
+    cancelled after another stage failed, or never delivered. A consequence,
+    reported only when the step has no other failure."""
+
+
+class NotLinked(Exception):
+    """A linked step's graph was not cached on the worker (NOT_FOUND): the step
+    runs again on the relayed path (rewriting the same KV rows)."""
+
+
+def _count_when_done(task, nbytes: int, progress) -> None:
+    """Advance the progress bar by `nbytes` when the request succeeds."""
+    if progress:
+        task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else progress(nbytes))
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(tensors) -> tuple[dict, int]:
+    offsets, total = {}, 0
+    for t in tensors:
+        offsets[t] = total
+        total += align(lib.ggml_nbytes(t))
+    return offsets, total
+
+
+def stage_tensors(stage) -> tuple[list, list]:
+    return list(stage.weights.items()), stage.kv.tensors()
+
+
+def buffer_bytes(stage) -> int:
+    """The size of the one buffer a stage's weights and KV cache take on a worker."""
+    weights, kv = stage_tensors(stage)
+    return layout([t for _, t in weights] + kv)[1]
+
+
+class ChunkDigests:
+    """The SHA-256 of weight chunks, remembered per model file for the
+    coordinator's lifetime: a reconnect, or a spare taking a stage over, looks
+    the stage's chunks up in the worker's tensor cache without hashing its
+    weights again (0.1-0.4 s for Gemma 3 270M's second stage). A chunk is known
+    by its weight's name (a cut's names its rows), offset and size, within the
+    file's identity (path, device, inode, size, mtime): a file changed or
+    replaced under the coordinator is hashed afresh."""
+
+    def __init__(self):
+        self._by_file: dict[tuple, dict[tuple, str]] = {}
+        self.hashed = 0  # chunks hashed so far
+
+    def of_file(self, gguf) -> dict[tuple, str]:
+        """The digests known for `gguf` as it is on disk now."""
+        path = getattr(gguf, "path", None)
+        if path is None:
+            return {}
+        st = os.stat(path)
+        identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return self._by_file.setdefault(identity, {})
+
+    def digest(self, known: dict, name: str, start: int, chunk) -> str:
+        """The SHA-256 (hex) of `chunk`, bytes `start`.. of weight `name` of the file `known` is of."""
+        key = (name, start, len(chunk))
+        found = known.get(key)
+        if found is None:
+            found = known[key] = hashlib.sha256(chunk).hexdigest()
+            self.hashed += 1
+        return found
+
+
+class LocalExecutor:
+    """The in-process path: the correctness reference and the local baseline."""
+
+    endpoint = "local"
+
+    def __init__(self, threads: int = 1):
+        self.threads = threads
+        self.backend: CpuBackend | None = None
+        # one allocator per graph: a shared one re-plans on every switch, and
+        # reused plans across graphs of equal topology but other sizes corrupt memory
+        self.gallocs: dict[int, Gallocr] = {}
+        self.allocated: set[int] = set()  # graphs placed once keep their addresses: no allocator pass per step
+        self.buffers = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
+        self.head_seconds: dict[tuple, float] = {}  # (n_outputs, argmax) -> time of the last head shard here
+
+    async def probe(self, timeout: float) -> dict:
+        """Nothing to ask over a network: the stage runs in this process."""
+        return {}
+
+    async def open(self) -> dict:
+        self.backend = CpuBackend(self.threads)
+        return {"name": "local", "free_memory": 0, "threads": self.threads}
+
+    async def load(self, stage, gguf, progress=None) -> None:
+        # on the compute thread, copies without the GIL: the event loop goes on (uploads to workers beside it)
+        loop = asyncio.get_running_loop()
+        done = (lambda n: loop.call_soon_threadsafe(progress, n)) if progress else None
+        await loop.run_in_executor(self._pool, self._load, stage, gguf, done)
+
+    def _load(self, stage, gguf, progress) -> None:
+        weights, kv = stage_tensors(stage)
+        todo = [(n, t) for n, t in weights if t.data == NULL]
+        offsets, total = layout([t for _, t in todo] + kv)
+        buf = self.backend.alloc_buffer(total)
+        lib.ggml_backend_buffer_clear(buf, 0)
+        self.buffers.append(buf)
+        base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buf)))
+        for t, off in offsets.items():
+            lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
+        for name, t in todo:
+            data = stage.weight_data(gguf, name)
+            np.copyto(np.frombuffer(ffi.buffer(t.data, len(data)), np.uint8), np.frombuffer(data, np.uint8))
+            if progress:
+                progress(len(data))
+
+    def _run(self, stage, shape, inputs: dict, head: bool) -> bytes:
+        g, evicted = stage.graph(shape, head)
+        for old in evicted:
+            galloc = self.gallocs.pop(id(old), None)
+            self.allocated.discard(id(old))
+            if galloc:
+                galloc.close()
+        galloc = self.gallocs.get(id(g))
+        if galloc is None:
+            galloc = self.gallocs[id(g)] = Gallocr(self.backend)
+        if id(g) not in self.allocated:
+            if not galloc.alloc_graph(g.gf):
+                raise StageFailed(FailureKind.ALLOC, self.endpoint, "cannot allocate the compute buffer")
+            self.allocated.add(id(g))
+        for name, arr in inputs.items():
+            x = g.inputs[name]
+            if x.data == NULL:  # not used by this stage's layers (e.g. mask of a stage without global layers)
+                continue
+            ffi.memmove(x.data, ffi.from_buffer(arr), arr.nbytes)
+        started = time.perf_counter()
+        status = self.backend.compute(g.gf)
+        if head:  # the compute alone, as a worker's compute_us: not the wait for this thread
+            self.head_seconds[shape.head_key] = time.perf_counter() - started
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise StageFailed(FailureKind.COMPUTE, self.endpoint, f"local compute returned ggml status {status}")
+        return b"".join(ffi.buffer(out.data, lib.ggml_nbytes(out)) for out in g.outputs)
+
+    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
+
+    async def close(self) -> None:
+        # on the compute thread: a step whose caller gave up (cancelled, Ctrl-C) may
+        # still be computing there, and freeing its memory under it would segfault
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._free)
+        self._pool.shutdown(wait=False)
+
+    def _free(self) -> None:
+        for galloc in self.gallocs.values():
+            galloc.close()
+        self.gallocs.clear()
+        self.allocated.clear()
+        for buf in self.buffers:
+            lib.ggml_backend_buffer_free(buf)
+        self.buffers.clear()
+        if self.backend:
+            self.backend.close()
+
+
+class RemoteExecutor:
+    """One connection to one worker: weights and KV cache of its stage live in
+    one remote buffer; step graphs are sent once and recomputed by id."""
+
+    def __init__(self, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
+                 use_cache: bool = True, request_timeout: float | None = 900.0, secret: bytes | None = None,
+                 tls_ca: str | None = None, digests: ChunkDigests | None = None):
+        """`digests`: the chunk digests shared by the coordinator's executors (tensor cache look-ups)."""
+        self.endpoint = endpoint
+        self.digests = digests if digests is not None else ChunkDigests()
+        self.secret = secret  # shared secret for HELLO's challenge-response (rpc_daemon/wire/auth.py)
+        self.ssl_context = client_context(tls_ca) if tls_ca else None  # TLS, verifying the worker against tls_ca
+        self.connect_timeout = connect_timeout
+        self.liveness_timeout = liveness_timeout  # None: no liveness pings (measurements only)
+        self.request_timeout = request_timeout  # overall bound on one request, even from a live worker
+        self.use_cache = use_cache
+        self.client: RpcClient | None = None
+        self.info: dict = {}
+        self.placement: dict = {}
+        self.sent_graphs: set[int] = set()
+        self.buffer: int | None = None
+        self.step_token = b""  # this connection's token for step links (STEP_PEERS), new per connection
+        self.step_peers: frozenset | None = None  # the peers last named to the worker on this connection
+        self.compute_us = 0  # worker-side compute time, summed
+        self.rtt: float | None = None  # last step's round trip minus the worker's compute time
+        # (n_outputs, argmax) -> the worker's compute time of its last head shard of that shape
+        self.head_seconds: dict[tuple, float] = {}
+        # the last load: chunks sent, hash look-ups and hits, and the most requests in flight at once
+        self.load_stats = {"sent": 0, "lookups": 0, "cache_hits": 0, "max_sends_in_flight": 0,
+                           "max_lookups_in_flight": 0}
+
+    async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE):
+        try:
+            return await self.client.request(cmd, fields, blob, self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            raise rpc_failed(self.endpoint, exc, kind_on_error) from None
+
+    async def open(self) -> dict:
+        try:
+            self.client = await RpcClient.connect(self.endpoint, self.connect_timeout, self.liveness_timeout,
+                                                  secret=self.secret, ssl_context=self.ssl_context)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        self.info, _ = await self._request(Command.DEVICE_INFO, kind_on_error=FailureKind.ENDPOINT)
+        missing = sorted(set(GRAPH_OPS) - set(self.info.get("ops") or ()))
+        if missing:  # an older daemon: say so now, not as a failed compute at the first greedy step
+            raise StageFailed(FailureKind.PROTOCOL, self.endpoint, f"worker {self.endpoint} runs an older "
+                              f"ggml-rpc-server without op(s) {', '.join(missing)}, which this coordinator's graphs "
+                              f"use; upgrade it")
+        self.sent_graphs.clear()
+        self.step_token, self.step_peers = os.urandom(16), None
+        return self.info
+
+    def _offers(self, feature: str) -> bool:
+        client = self.client
+        return (client is not None and client.failed is None
+                and feature in (getattr(client, "server_hello", None) or {}).get("features", ()))
+
+    @property
+    def step_links(self) -> bool:
+        """The worker takes step inputs from, and forwards outputs to, other workers."""
+        return self._offers("step_links")
+
+    @property
+    def step_reply_output(self) -> bool:
+        """A forwarding compute on this worker may reply with its outputs too (reply_output)."""
+        return self._offers("step_reply_output")
+
+    async def name_peers(self, peers: frozenset) -> None:
+        """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
+        if peers != self.step_peers:
+            await self._request(Command.STEP_PEERS, {"token": self.step_token, "peers": sorted(peers)},
+                                kind_on_error=FailureKind.ENDPOINT)
+            self.step_peers = peers
+
+    def _forget_sent(self, evicted) -> list[int]:
+        """The ids of the evicted graphs this worker holds, no longer counted as sent: to free there."""
+        ids = [old.graph_id for old in evicted if old.graph_id in self.sent_graphs]
+        self.sent_graphs.difference_update(ids)
+        return ids
+
+    def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None,
+                    forward: list[dict], reply_output: bool = False) -> asyncio.Task:
+        """Start one linked compute: `step_input` (input name, tag, timeout)
+        is taken from the worker's mailbox, the outputs go to each `forward`
+        destination. Requests of one connection leave in the order of these
+        calls (the task and those of evicted graphs' GRAPH_FREE start in order).
+        The task gives (reply, blob): the blob is empty when every push
+        succeeded, unless `reply_output` (then it always holds the outputs)."""
+        g, evicted = stage.graph(shape, head)
+        for graph_id in self._forget_sent(evicted):
+            asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
+        fields, blob = self._compute_fields(g, inputs)
+        tensors, index_of = g.wire
+        if step_input is not None:
+            name, tag, timeout = step_input
+            fields["step_input"] = {"tensor": index_of[g.inputs[name]], "tag": tag, "timeout": timeout}
+        if forward:
+            fields["forward"] = forward
+        if reply_output:
+            fields["reply_output"] = True
+        cmd = Command.GRAPH_RECOMPUTE if g.graph_id in self.sent_graphs else Command.GRAPH_COMPUTE
+        if cmd == Command.GRAPH_COMPUTE:
+            fields["tensors"] = tensors
+        return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id,
+                                                                   shape.head_key if head else None))
+
+    async def _free_quietly(self, graph_id: int) -> None:
+        try:
+            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
+        except StageFailed:
+            pass  # a lost connection is the step's own requests' to report
+
+    async def _linked(self, cmd, fields: dict, blob, graph_id: int, head_key: tuple | None) -> tuple[dict, bytes]:
+        started = time.monotonic()
+        try:
+            reply, out = await self.client.request(cmd, fields, blob, self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            if exc.status == Status.NOT_FOUND and cmd == Command.GRAPH_RECOMPUTE:
+                self.sent_graphs.discard(graph_id)
+                raise NotLinked(exc.message) from None
+            if exc.status == Status.INPUT_MISSING:
+                raise InputMissing(FailureKind.COMPUTE, self.endpoint,
+                                   f"compute failed on worker {self.endpoint}: {exc}") from None
+            raise rpc_failed(self.endpoint, exc) from None
+        self._account(reply, time.monotonic() - started, head_key)
+        self.sent_graphs.add(graph_id)
+        return reply, out
+
+    async def deliver(self, token: bytes, tag: int, data: bytes) -> None:
+        """STEP_INPUT over this connection: the relay when a worker could not push."""
+        try:
+            await self.client.request(Command.STEP_INPUT, {"token": token, "tag": tag}, data, self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            if exc.status == Status.INVALID_REQUEST:
+                return  # the input is there already (the push arrived after all), or the step was cancelled
+            raise StageFailed(FailureKind.COMPUTE, self.endpoint, f"worker {self.endpoint} refused the step input "
+                                                                  f"the coordinator relayed to it: {exc}") from None
+
+    async def cancel_input(self, tag: int) -> None:
+        """End this connection's wait for step input `tag` (the step failed elsewhere); errors are moot."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return
+        try:
+            await client.request(Command.STEP_INPUT, {"token": self.step_token, "tag": tag, "cancel": True},
+                                 deadline=self.liveness_timeout or 2.0)
+        except (PeerFailed, RpcError):
+            pass
+
+    async def load(self, stage, gguf, progress=None) -> None:
+        weights, kv = stage_tensors(stage)
+        offsets, total = layout([t for _, t in weights] + kv)
+        reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error=FailureKind.ALLOC)
+        self.buffer = reply["buffer"]
+        self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
+        self.load_stats = dict.fromkeys(self.load_stats, 0)
+        chunks = []  # (range, bytes, (weight name, offset in it)) in buffer order
+        for name, t in weights:
+            data = stage.weight_data(gguf, name)
+            for start in range(0, len(data), UPLOAD_CHUNK):
+                chunk = data[start: start + UPLOAD_CHUNK]
+                chunks.append(({"buffer": self.buffer, "offset": offsets[t] + start, "size": len(chunk)}, chunk,
+                               (name, start)))
+        try:
+            if self.use_cache and self.info.get("tensor_cache"):
+                chunks = await self._fill_from_cache(chunks, self.digests.of_file(gguf), progress)
+            window = RequestWindow(self.client, deadline=self.request_timeout)
+            for where, chunk, _ in chunks:
+                _count_when_done(await window.submit(Command.SET_TENSOR, where, chunk), len(chunk), progress)
+            await window.drain()
+            self.load_stats.update(sent=len(chunks), max_sends_in_flight=window.peak_requests)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            raise rpc_failed(self.endpoint, exc, FailureKind.LOAD) from None
+
+    async def _fill_from_cache(self, chunks: list, known: dict, progress) -> list:
+        """Ask the worker's tensor cache for every large chunk at once (pipelined
+        SET_TENSOR_HASH, one window; digests from `known`, a ChunkDigests
+        file's, where hashed before); return the chunks still to send, the
+        misses marked `cache: true` so the worker keeps them."""
+        window = RequestWindow(self.client, deadline=self.request_timeout)
+        asked, rest = [], []
+        for where, chunk, (name, start) in chunks:
+            if len(chunk) < CACHE_MIN_BYTES:
+                rest.append((where, chunk, None))
+                continue
+            digest = self.digests.digest(known, name, start, chunk)
+            asked.append((where, chunk, await window.submit(Command.SET_TENSOR_HASH, dict(where, hash=digest),
+                                                             accept=(Status.NOT_FOUND,))))
+        await window.drain()
+        self.load_stats.update(lookups=len(asked), max_lookups_in_flight=window.peak_requests)
+        for where, chunk, task in asked:
+            if task.result()[0].get("status") == Status.NOT_FOUND:
+                rest.append((dict(where, cache=True), chunk, None))
+                continue
+            self.load_stats["cache_hits"] += 1
+            if progress:
+                progress(len(chunk))
+        return rest
+
+    def _compute_fields(self, g, inputs: dict) -> tuple[dict, bytes]:
+        """A compute request's fields (graph id, inline inputs, outputs) and blob."""
+        if g.wire is None:
+            g.wire = encode_graph(g.gf, self.placement.get)
+        tensors, index_of = g.wire
+        specs, parts, off = [], [], 0
+        for name, arr in inputs.items():
+            if g.inputs[name] not in index_of:  # not used by this stage's layers
+                continue
+            specs.append([index_of[g.inputs[name]], off, arr.nbytes])
+            parts.append(arr.tobytes())
+            off += arr.nbytes
+        return {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[out] for out in g.outputs]}, \
+            b"".join(parts)
+
+    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
+        g, evicted = stage.graph(shape, head)
+        for graph_id in self._forget_sent(evicted):
+            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
+        fields, blob = self._compute_fields(g, inputs)
+        tensors, _ = g.wire
+        if g.graph_id in self.sent_graphs:
+            try:
+                started = time.monotonic()
+                reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout)
+                self._account(reply, time.monotonic() - started, shape.head_key if head else None)
+                return out
+            except RpcError as exc:
+                if exc.status != Status.NOT_FOUND:
+                    raise rpc_failed(self.endpoint, exc) from None
+            except PeerFailed as exc:
+                raise peer_failed(self.endpoint, exc) from None
+        started = time.monotonic()
+        reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
+        self._account(reply, time.monotonic() - started, shape.head_key if head else None)
+        self.sent_graphs.add(g.graph_id)
+        return out
+
+    def _account(self, reply: dict, elapsed: float, head_key: tuple | None = None) -> None:
+        """Worker compute time, and the step's round trip without it (network and
+        hops); a head shard's (of StepShape.head_key `head_key`) kept for the head's placement."""
+        compute = reply.get("compute_us", 0)
+        self.compute_us += compute
+        self.rtt = max(0.0, elapsed - compute / 1e6)
+        if head_key is not None:
+            self.head_seconds[head_key] = compute / 1e6
+
+    async def ping(self) -> float | None:
+        """One PING's round trip (s), bounded by the connection's liveness bound;
+        None if there is no live connection or no answer in time (the
+        connection's own requests report what is wrong with it)."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return None
+        started = time.monotonic()
+        try:
+            await client.request(Command.PING, deadline=None)
+        except (PeerFailed, RpcError):
+            return None
+        return time.monotonic() - started
+
+    async def probe(self, timeout: float) -> dict:
+        """For the cluster view: a PING's round trip and the worker's memory
+        (DEVICE_INFO) over this connection, each bounded by `timeout` seconds.
+        A request abandoned at its timeout stays harmless (its reply is
+        dropped); a worker that stops answering altogether is the liveness
+        watchdog's to declare dead, as for any request. Errors are values."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return {"error": f"no connection to worker {self.endpoint}"}
+        out: dict = {}
+        try:
+            started = time.monotonic()
+            await asyncio.wait_for(client.request(Command.PING), timeout)
+            out["ping_rtt"] = time.monotonic() - started
+            info, _ = await asyncio.wait_for(client.request(Command.DEVICE_INFO), timeout)
+            out.update(total_memory=info.get("total_memory"), free_memory=info.get("free_memory"))
+        except asyncio.TimeoutError:
+            out["error"] = f"worker {self.endpoint} did not answer the probe within {timeout:g} s"
+        except (PeerFailed, RpcError) as exc:
+            out["error"] = str(exc) or type(exc).__name__
+        return out
+
+    async def close(self) -> None:
+        if self.client is not None:
+            if self.client.failed is None and self.buffer is not None:
+                try:
+                    await asyncio.wait_for(self.client.request(Command.FREE_BUFFER, {"buffer": self.buffer}), 2.0)
+                except Exception:
+                    pass
+            await self.client.aclose()
+            self.client = None
+
+
+def make_executor(endpoint: str, threads: int, **opts):
+    if endpoint == "local":
+        return LocalExecutor(threads)
+    return RemoteExecutor(endpoint, **opts)
+

@@ -1,0 +1,343 @@
+"""One decode step through the stages: the forward pass (stage after stage,
+the hidden state coming back here between them) and, with the output head
+split, the head round (every endpoint's share at once); or, when every
+worker offers step links, the same step with its activations going worker to
+worker (coordinator/decode/step_links.py), chosen per step. Each step that
+succeeds is recorded in the KV journal when there is one, and `replay` runs
+journal steps again to rebuild a lost KV cache (coordinator/decode/resume.py).
+
+It touches no latch: a failure is raised as StepFailed, naming the failure the
+decode reports and every endpoint whose connection failed, for the caller to
+latch. docs/architecture.md, "A decode step", has the data flow.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.decode import step_links
+from coordinator.decode.head_placement import HeadPlacement
+from coordinator.decode.kv_cells import KVCells
+from coordinator.decode.flow import FlowFailed, flow
+from coordinator.model.architectures.common import HParams, StepShape
+from coordinator.decode.values import FailureKind
+from coordinator.cluster.failures import StageFailed
+from coordinator.model.stage import StageOutput
+
+REPLAY_AHEAD = 4  # replayed steps a stage may run ahead of the next one (hidden states held)
+
+
+@dataclass
+class PreparedStep:
+    """One step (a micro-batch, or a whole batch) with the inputs fixed when its KV rows were assigned."""
+    tokens: object  # the token ids (a sequence of int)
+    rows: np.ndarray  # int64: the KV rows it writes
+    pos: np.ndarray  # int64 positions
+    seqs: np.ndarray  # uint64 sequence masks
+    out_rows: np.ndarray  # int32: the rows the last stage returns (one dropped row if none is wanted)
+    wanted: bool  # some row wants logits (else the KV rows are all it is for)
+    head_split: bool  # its head runs in shares at once, on `head_places` (else whole on the last stage, or not at all)
+    shape: StepShape
+    common: dict  # the inputs every stage takes: positions, kv_rows, masks
+    mask: np.ndarray
+    mask_swa: np.ndarray
+    head_places: tuple = ()  # the places whose shares compute its head (HeadPlacement's "split" or "here")
+
+
+class StepFailed(Exception):
+    """`reported`: what the decode reports (a StageFailed, or any other
+    exception: a bug of ours); `lost`: the failures of connections, to latch."""
+
+    def __init__(self, reported: BaseException, lost: list[StageFailed]):
+        super().__init__(str(reported))
+        self.reported, self.lost = reported, lost
+
+
+def _read(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
+    """Stage `p`'s reply taken apart, if it has the size its layout says."""
+    expect = p.stage.output_size(shape, head)
+    if len(data) != expect:
+        raise StageFailed(FailureKind.COMPUTE, p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
+                                                 f"{len(data)} bytes, expected {expect}")
+    return p.stage.read_output(data, shape, head)
+
+
+def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
+    if ((tokens < 0) | (tokens >= n_vocab)).any():
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: argmax token id out of range")
+    return tokens
+
+
+def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
+    if not np.isfinite(logits).all():
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: logits contain NaN or infinity")
+    return logits
+
+
+def _stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
+    """Stage `p`'s graph inputs: the step's common ones, and the tokens (first
+    stage) or the hidden state from the stage before, and the output rows (last)."""
+    inputs = dict(common)
+    if p.stage.first:
+        inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
+    else:
+        inputs["hidden"] = hidden
+    if p.stage.last:
+        inputs["out_rows"] = out_rows
+    return inputs
+
+
+def step_failed(failures: list[BaseException]) -> StepFailed:
+    """Several failures of one step as the one it reports, in the order given
+    (micro-batch, then stage or endpoint): a bug of ours first, else the first
+    lost connection (ENDPOINT_FAILED before COMPUTE_FAILED), else the first;
+    every lost connection, to latch."""
+    flat: list[BaseException] = []
+    for exc in failures:
+        flat.extend([exc.reported, *(e for e in exc.lost if e is not exc.reported)]
+                    if isinstance(exc, StepFailed) else [exc])
+    lost = [exc for exc in flat if isinstance(exc, StageFailed) and exc.lost_connection]
+    bug = next((exc for exc in flat if not isinstance(exc, StageFailed)), None)
+    return StepFailed(bug or (lost or flat)[0], lost)
+
+
+async def _run_on(p, common: dict, tokens, hidden, out_rows, shape: StepShape) -> StageOutput:
+    """Stage `p` computed once: its inputs sent, its reply read back."""
+    inputs = _stage_inputs(p, common, tokens, hidden, out_rows)
+    return _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+
+
+async def _failures_as_step_failed(coro):
+    try:
+        return await coro
+    except StageFailed as exc:
+        raise StepFailed(exc, [exc] if exc.lost_connection else []) from None
+    except (StepFailed, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # a bug of ours: the decode reports it, never raises it
+        raise StepFailed(exc, []) from exc
+
+
+class Pipeline:
+    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None,
+                 links: bool = True, stats: dict | None = None, placement: HeadPlacement | None = None):
+        """`head_split`: the stages hold shards of the output head; `placement`
+        chooses, step by step, whether a step uses them or the last stage's
+        whole head (coordinator/decode/head_placement.py; None: always the shards).
+        `journal` (a StepJournal, or None): every step that succeeds is
+        recorded there, for rebuilding a lost KV cache by replay. `links`: a
+        step whose workers all offer step links sends its activations worker
+        to worker (coordinator/decode/step_links.py); else they come back here."""
+        self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
+        self.here = None  # a Placement in this process holding the rows besides the last stage's share, if any
+        self.placement = placement if placement is not None else HeadPlacement("split" if head_split else "whole")
+        self._pinging: set = set()  # round-trip measurements in flight (held until they end)
+        self.links = links
+        self.links_paused_until = 0.0  # step_links: relayed until then, after a failed push
+        self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
+
+    async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
+                   out_rows: np.ndarray, greedy: bool) -> np.ndarray:
+        """The logits of the rows `out_rows` lists (f32[n_outputs, n_vocab]), or
+        with `greedy` their argmax tokens (i32[n_outputs]); the KV rows `rows`
+        written on every worker. Raises StepFailed."""
+        return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy))
+
+    async def replay(self, steps: list, through: int) -> None:
+        """Journal steps (kv_journal.JournalStep) again, in order, as they were
+        first decoded, through the stages 0..`through` only: their KV rows are
+        rewritten (the stages after keep theirs); no head round. The stages
+        work as a pipeline (microbatch.flow): stage k replays step i while
+        stage k-1 replays step i+1, each taking the steps in order, as its KV
+        rows need. Raises StepFailed; after the first failure no stage starts
+        another step, and the requests in flight end before it is raised."""
+        places = self.places[: through + 1]
+
+        def replay_on(p):
+            async def replay_one(i: int, carried):
+                step = steps[i]
+                if carried is None:  # the first stage: the inputs common to every stage
+                    mask, mask_swa = step.masks()
+                    common, hidden = self._common(step.pos, step.rows, mask, mask_swa), None
+                else:
+                    common, hidden = carried
+                out = await _run_on(p, common, step.tokens, hidden, step.out_rows, step.shape)
+                return common, out.hidden
+            return replay_one
+
+        try:
+            await flow(len(steps), [replay_on(p) for p in places], ahead=REPLAY_AHEAD)
+        except FlowFailed as failed:
+            raise step_failed(failed.errors) from None
+
+    def _common(self, tok_pos, rows, mask, mask_swa) -> dict:
+        common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
+        if self.hp.n_swa:
+            common["mask_swa"] = mask_swa
+        return common
+
+    async def _forward(self, step: PreparedStep) -> StageOutput:
+        """The stages one after another; the last one's output."""
+        hidden = out = None
+        for p in self.places:
+            out = await self.run_stage(p, step, hidden)
+            hidden = out.hidden
+        return out
+
+    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, relayed: bool = False) -> PreparedStep:
+        """A step's inputs, fixed now: n_kv and the masks from the KV table as
+        it is (the step's own rows assigned, those of later steps not yet);
+        and where its head runs (`relayed`: it will not go over step links)."""
+        n = len(tokens)
+        wanted = len(out_rows) > 0
+        if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
+            out_rows = np.array([n - 1], dtype=np.int32)
+        head = self._place_head(len(out_rows), greedy, relayed) if wanted else "whole"
+        if not self.head_split:
+            head = "whole"  # the stages hold no shares (the placement's mode is "whole" then)
+        n_kv = self.kv.n_kv()
+        mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
+        shape = StepShape(n, n_kv, len(out_rows), greedy, head_whole=wanted and self.head_split and head == "whole")
+        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
+                            self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
+
+    def _head_places(self, head: str) -> tuple:
+        """The places whose shares compute a step's head placed `head`."""
+        if head == "split":
+            return tuple(p for p in self.places if len(p.stage.head_rows))
+        if head == "here":
+            return self.here, self.places[-1]
+        return ()
+
+    def _place_head(self, n_outputs: int, greedy: bool, relayed: bool) -> str:
+        """The placement's choice for a step (only a last stage that holds the whole head can take it whole;
+        only a coordinator that holds the other rows, with a last worker that can reply with its normed
+        rows while it pushes them to its own share, can take a share itself)."""
+        if self.placement.stale():
+            self.placement.measured_at = time.monotonic()
+            task = asyncio.get_running_loop().create_task(self.measure_rtts(pings=1))
+            self._pinging.add(task)  # not awaited: the step does not wait for it
+            task.add_done_callback(self._pinging.discard)
+        linked = self.links and not relayed and step_links.usable(self)
+        last = self.places[-1]
+        here = self.here is not None and (not linked or getattr(last.executor, "step_reply_output", False))
+        return self.placement.choose((n_outputs, greedy), 1 if linked else 2,
+                                     whole_possible=last.stage.whole_head, here_possible=here)
+
+    async def measure_rtts(self, pings: int = 3) -> None:
+        """PING every connected worker `pings` times (one after another), all
+        workers at once; each round trip into the placement's estimate. A
+        worker that does not answer is its requests' to report, not this."""
+        async def one(p):
+            ping = getattr(p.executor, "ping", None)
+            for _ in range(pings if ping is not None and p.failure is None else 0):
+                rtt = await ping()
+                if rtt is None:
+                    return
+                self.placement.record_rtt(p.endpoint, rtt)
+
+        await asyncio.gather(*(one(p) for p in self.places))
+        self.placement.keep_only({p.endpoint for p in self.places})
+
+    async def run_stage(self, p, step: PreparedStep, hidden) -> StageOutput:
+        """Stage `p` of `step`, given the hidden state from the stage before (None for the first)."""
+        return await _run_on(p, step.common, step.tokens, hidden, step.out_rows, step.shape)
+
+    async def finish(self, step: PreparedStep, out: StageOutput) -> np.ndarray:
+        """The step's result from the last stage's output: the head round (head
+        split), or the last stage's logits or tokens, checked."""
+        greedy = step.shape.argmax
+        if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
+            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        if step.head_split:
+            return await self._head(out.hidden, step.shape, step.head_places)
+        last = self.places[-1].endpoint
+        if greedy:
+            _checked_logits(out.sums, last)
+            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
+        return _checked_logits(out.logits, last)
+
+    def record(self, step: PreparedStep) -> None:
+        """A step that succeeded, into the journal (if any)."""
+        if self.journal is not None:
+            self.journal.record(step.tokens, step.rows, step.pos, step.seqs, step.out_rows, step.shape.argmax,
+                                step.shape.n_kv, step.mask, step.mask_swa if self.hp.n_swa else None,
+                                lambda: self.kv.pos >= 0)
+
+    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+        step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+        result = await self._linked(step)
+        if result is not None:
+            result = result[0]
+        else:
+            out = await self._forward(step)
+            result = await self.finish(step, out)
+        self.record(step)
+        return result
+
+    async def linked(self, steps: list[PreparedStep]) -> list[np.ndarray] | None:
+        """`steps` (a decode's micro-batches, in order) over step links, if
+        every worker offers them (None: they must be relayed). Raises StepFailed."""
+        return await _failures_as_step_failed(self._linked(*steps))
+
+    async def _linked(self, *steps: PreparedStep) -> list[np.ndarray] | None:
+        """The steps over step links when every worker offers them, each one's
+        result; None: relay them."""
+        if not (self.links and step_links.usable(self)):
+            return None
+        heads = [list(step.head_places) for step in steps]
+        linked = await step_links.run(self, list(zip(steps, heads)))
+        if linked is None:
+            return None
+        self.stats["linked_steps"] = self.stats.get("linked_steps", 0) + len(steps)
+        results = []
+        for step, head_places, (out, head_results) in zip(steps, heads, linked):
+            if head_places:
+                self._timed_head(head_places, step.shape)
+                results.append(self._combine_head(head_places, head_results, step.shape))
+            else:  # no head round: the last stage's output, or nothing wanted
+                results.append(await self.finish(step, out))
+        return results
+
+    async def _head(self, normed: np.ndarray, shape: StepShape, places: tuple) -> np.ndarray:
+        """The shares of the output head (`places`') at once; then the logits
+        side by side, or (greedy) each row's token from the shard whose best
+        logit is highest (the first such shard: the lowest id, as argmax)."""
+        inputs = {"head_in": normed}
+        # every shard's request runs to its end (or failure): none is left in flight past this decode
+        results = await asyncio.gather(*(p.executor.run(p.stage, shape, inputs, head=True) for p in places),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise step_failed(failures)
+        self._timed_head(places, shape)
+        return self._combine_head(places, results, shape)
+
+    def _timed_head(self, places, shape: StepShape) -> None:
+        """The shards' compute times of a head round, into the placement's estimate."""
+        key = shape.head_key
+        here = any(p is self.here for p in places)
+        self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places],
+                                   "here" if here else "split")
+
+    def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
+        """The head shards' replies (in `places` order) as one result."""
+        if shape.argmax:
+            best, value = [], []
+            for p, data in zip(places, results):
+                out, r = _read(p, data, shape, head=True), p.stage.head_rows
+                _checked_logits(out.sums, p.endpoint)
+                best.append(_checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
+                value.append(out.best)
+            winner = np.argmax(np.stack(value), axis=0)
+            return np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
+        logits = np.empty((shape.n_outputs, self.hp.n_vocab), dtype=np.float32)
+        for p, data in zip(places, results):
+            r = p.stage.head_rows
+            logits[:, r.start: r.stop] = _checked_logits(_read(p, data, shape, head=True).logits, p.endpoint)
+        return logits

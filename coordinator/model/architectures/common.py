@@ -1,0 +1,346 @@
+"""Blocks shared by the architectures, and the per-step graph inputs.
+
+A stage graph computes a contiguous range of layers. Everything that changes
+from one decode step to the next (tokens, positions, KV write rows, masks,
+which rows want logits) is an input tensor, so a step with the same shape reuses
+the graph the worker already holds and sends only those inputs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ggml_ffi import NULL, lib, type_traits
+from rpc_daemon.validation.graph import WEIGHT_TYPES  # what the workers' matmul and get_rows accept
+
+F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
+ROPE_NORMAL, ROPE_NEOX = 0, 2
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rms_eps: float
+    rope_type: int
+    rope_base: float
+    rope_scale: float = 1.0
+    n_ctx_train: int = 4096
+    # YaRN's extrapolation mix (1.0 with rope.scaling.type "yarn", else 0) and the factor
+    # RoPE multiplies cos/sin by (rope.scaling.attn_factor: Phi-3's LongRoPE); as llama.cpp
+    rope_ext_factor: float = 0.0
+    rope_attn_factor: float = 1.0
+    n_ctx_orig: int = 0  # rope.scaling.original_context_length (YaRN, LongRoPE), else n_ctx_train
+    # mixture of experts (qwen3moe): experts per layer, experts each token uses, and the factor
+    # the chosen experts' weights are scaled by after normalizing them (0: none)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_weights_scale: float = 0.0
+    # gemma3
+    n_swa: int = 0
+    swa_pattern: int = 0
+    rope_base_swa: float = 10000.0
+    attn_scale: float = 0.0  # Q scaled by this before attention (gemma3)
+    embd_scale: float = 0.0  # token embeddings scaled by this (gemma3)
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.head_dim * self.n_head_kv
+
+    def is_swa(self, il: int) -> bool:
+        return self.n_swa > 0 and self.swa_pattern > 0 and il % self.swa_pattern < self.swa_pattern - 1
+
+
+@dataclass
+class StepShape:
+    """What fixes a stage graph's structure; equal shapes reuse one graph."""
+    n_tokens: int
+    n_kv: int
+    n_outputs: int
+    argmax: bool = False  # the last stage returns each output row's argmax token, not its logits
+    # the last stage computes the whole output head in its layer graph although the head is split
+    # (coordinator/decode/head_placement.py chose it for this step); a stage without the whole head ignores it
+    head_whole: bool = False
+
+    @property
+    def head_key(self) -> tuple:
+        """What a head shard's compute time depends on: (n_outputs, argmax) (coordinator/decode/head_placement.py)."""
+        return (self.n_outputs, self.argmax)
+
+
+@dataclass
+class StepInputs:
+    """Input tensors of one stage graph; names are how the executors address them."""
+    tensors: dict = field(default_factory=dict)
+
+    def new(self, ctx, name: str, t: int, ne):
+        x = ctx.new_tensor(t, ne, name)
+        lib.ggml_set_input(x)
+        self.tensors[name] = x
+        return x
+
+
+class GraphBuilder:
+    """Holds the context of one stage graph and the blocks that build it."""
+
+    def __init__(self, ctx, hp: HParams, weights, kv, shape: StepShape, inputs: StepInputs, gf):
+        self.ctx, self.c = ctx, ctx.ptr
+        self.hp, self.w, self.kv, self.shape, self.inputs, self.gf = hp, weights, kv, shape, inputs, gf
+        self.outputs_only = False  # the rows past the last layer's attention are already the output rows
+
+    # ---------------------------------------------------------------- blocks
+    def norm(self, x, weight):
+        return lib.ggml_mul(self.c, lib.ggml_rms_norm(self.c, x, self.hp.rms_eps), weight)
+
+    def rope(self, x, pos, il: int, factors=None):
+        """RoPE over the first n_rot dims of each head; `factors` (llama 3's rope_freqs,
+        Phi-3's LongRoPE factors) divide each dimension pair's frequency."""
+        hp = self.hp
+        swa = hp.is_swa(il)
+        base = hp.rope_base_swa if swa else hp.rope_base
+        scale = 1.0 if swa else hp.rope_scale
+        return lib.ggml_rope_ext(self.c, x, pos, NULL if factors is None else factors, hp.n_rot, hp.rope_type,
+                                 hp.n_ctx_orig or hp.n_ctx_train, base, scale, hp.rope_ext_factor,
+                                 hp.rope_attn_factor, 32.0, 1.0)
+
+    def attention(self, il: int, q, k, v, kq_scale: float):
+        """Write this step's K and V into the layer's cache rows, then attend over
+        the first n_kv cache rows with the step's mask (flash attention, f16 cache)."""
+        c, hp, n_tokens, n_kv = self.c, self.hp, self.shape.n_tokens, self.shape.n_kv
+        k_cache, v_cache = self.kv.layer(il)
+        rows = self.inputs.tensors["kv_rows"]
+        for cur, cache in ((k, k_cache), (v, v_cache)):
+            cur2d = lib.ggml_view_2d(c, cur, hp.n_embd_kv, n_tokens, cur.nb[2], 0)
+            lib.ggml_build_forward_expand(self.gf, lib.ggml_set_rows(c, cache, cur2d, rows))
+        row = lib.ggml_row_size(k_cache.type, hp.head_dim)
+        row_kv = lib.ggml_row_size(k_cache.type, hp.n_embd_kv)
+        kk = lib.ggml_view_4d(c, k_cache, hp.head_dim, hp.n_head_kv, n_kv, 1, row, row_kv, row_kv * n_kv, 0)
+        vv = lib.ggml_view_4d(c, v_cache, hp.head_dim, hp.n_head_kv, n_kv, 1, row, row_kv, row_kv * n_kv, 0)
+        qq = lib.ggml_permute(c, q, 0, 2, 1, 3)
+        kk = lib.ggml_permute(c, kk, 0, 2, 1, 3)
+        vv = lib.ggml_permute(c, vv, 0, 2, 1, 3)
+        mask = self.inputs.tensors["mask_swa" if hp.is_swa(il) else "mask"]
+        out = lib.ggml_flash_attn_ext(c, qq, kk, vv, mask, kq_scale, 0.0, 0.0)
+        lib.ggml_flash_attn_ext_set_prec(out, lib.GGML_PREC_F32)
+        return lib.ggml_reshape_2d(c, out, out.ne[0] * out.ne[1], out.ne[2] * out.ne[3])
+
+    def output_rows_only(self, il: int, attn, x):
+        """In the model's last layer, the projected attention output and the residual of
+        the rows that want logits only, as llama.cpp does (inp_out_ids, after the output
+        projection): the rest of the layer is per row, so no other row's work reaches a
+        logit, and a prompt's FFN runs for its last row alone. Every row's K and V were
+        written before. Elsewhere (attn, x) as they are."""
+        rows = self.inputs.tensors.get("out_rows")
+        if il != self.hp.n_layer - 1 or rows is None:
+            return attn, x
+        self.outputs_only = True
+        return lib.ggml_get_rows(self.c, attn, rows), lib.ggml_get_rows(self.c, x, rows)
+
+    def qkv(self, il: int, x):
+        """Q, K, V as [head_dim, heads, n_tokens], with their biases where the layer has
+        them (qwen2); from one fused attn_qkv product (phi3) as views of its Q, K, V rows."""
+        c, hp, n = self.c, self.hp, self.shape.n_tokens
+        p = f"blk.{il}."
+        fused = self.w.get(p + "attn_qkv.weight")
+        if fused is not None:
+            qkv = lib.ggml_mul_mat(c, fused, x)
+            row = lib.ggml_row_size(qkv.type, hp.head_dim)
+            q_bytes = lib.ggml_row_size(qkv.type, hp.head_dim * hp.n_head)
+            kv_bytes = lib.ggml_row_size(qkv.type, hp.n_embd_kv)
+            return (lib.ggml_view_3d(c, qkv, hp.head_dim, hp.n_head, n, row, qkv.nb[1], 0),
+                    lib.ggml_view_3d(c, qkv, hp.head_dim, hp.n_head_kv, n, row, qkv.nb[1], q_bytes),
+                    lib.ggml_view_3d(c, qkv, hp.head_dim, hp.n_head_kv, n, row, qkv.nb[1], q_bytes + kv_bytes))
+
+        def project(name: str, n_head: int):
+            y = lib.ggml_mul_mat(c, self.w[p + name + ".weight"], x)
+            bias = self.w.get(p + name + ".bias")
+            if bias is not None:
+                y = lib.ggml_add(c, y, bias)
+            return lib.ggml_reshape_3d(c, y, hp.head_dim, n_head, n)
+
+        return project("attn_q", hp.n_head), project("attn_k", hp.n_head_kv), project("attn_v", hp.n_head_kv)
+
+    def qk_norm(self, il: int, q, k):
+        """RMS norm over each head of Q and of K (one head_dim weight each: qwen3, gemma3)."""
+        p = f"blk.{il}."
+        return self.norm(q, self.w[p + "attn_q_norm.weight"]), self.norm(k, self.w[p + "attn_k_norm.weight"])
+
+    def attn_residual(self, il: int, attn, x):
+        """The attention's output projection plus the layer's input: the FFN's input."""
+        cur, x = self.output_rows_only(il, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        return lib.ggml_add(self.c, cur, x)
+
+    def swiglu_residual(self, il: int, ffn_in):
+        """The pre-norm SwiGLU FFN block plus its input: the layer's output."""
+        cur = self.gated_ffn(il, self.norm(ffn_in, self.w[f"blk.{il}.ffn_norm.weight"]), lib.ggml_swiglu_split)
+        return lib.ggml_add(self.c, cur, ffn_in)
+
+    def gated_ffn(self, il: int, x, glu):
+        p = f"blk.{il}."
+        gate = lib.ggml_mul_mat(self.c, self.w[p + "ffn_gate.weight"], x)
+        up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
+        return lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up))
+
+    def moe_ffn(self, il: int, x):
+        """Mixture of experts, as llama.cpp's build_moe_ffn with softmax gating: router logits
+        (ffn_gate_inp) -> softmax -> the n_expert_used best experts per token (TOP_K) -> their
+        probabilities, normalized to sum 1 (and scaled, if the GGUF says so) -> SwiGLU over
+        the chosen experts' slices of the stacked ffn_{gate,up,down}_exps (MUL_MAT_ID) ->
+        the experts' outputs weighted and summed. x: [n_embd, n_tokens]."""
+        c, hp, p = self.c, self.hp, f"blk.{il}."
+        n_embd, n_tokens, n_used = x.ne[0], x.ne[1], hp.n_expert_used
+        probs = lib.ggml_soft_max(c, lib.ggml_mul_mat(c, self.w[p + "ffn_gate_inp.weight"], x))  # [n_expert, n_tokens]
+        # TOP_K, not llama.cpp's argsort: the same experts, and the only ids the workers accept computed
+        selected = lib.ggml_top_k(c, probs, n_used)  # i32 [n_used, n_tokens]
+        weights = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, probs, 1, hp.n_expert, n_tokens), selected)
+        weights = lib.ggml_reshape_2d(c, weights, n_used, n_tokens)
+        weights = lib.ggml_div(c, weights, lib.ggml_sum_rows(c, weights))
+        if hp.expert_weights_scale not in (0.0, 1.0):
+            weights = lib.ggml_scale(c, weights, hp.expert_weights_scale)
+        cur = lib.ggml_reshape_3d(c, x, n_embd, 1, n_tokens)
+        up = lib.ggml_mul_mat_id(c, self.w[p + "ffn_up_exps.weight"], cur, selected)  # [n_ff, n_used, n_tokens]
+        gate = lib.ggml_mul_mat_id(c, self.w[p + "ffn_gate_exps.weight"], cur, selected)
+        experts = lib.ggml_mul_mat_id(c, self.w[p + "ffn_down_exps.weight"], lib.ggml_swiglu_split(c, gate, up),
+                                      selected)  # [n_embd, n_used, n_tokens]
+        experts = lib.ggml_mul(c, experts, lib.ggml_reshape_3d(c, weights, 1, n_used, n_tokens))
+        out = None
+        for i in range(n_used):  # summed in llama.cpp's order: the best expert first
+            one = lib.ggml_view_2d(c, experts, n_embd, n_tokens, experts.nb[2], i * experts.nb[1])
+            out = one if out is None else lib.ggml_add(c, out, one)
+        return lib.ggml_cont(c, out) if n_used == 1 else out
+
+    def fused_ffn(self, il: int, x):
+        """SwiGLU over one ffn_up product whose first half is the gate (phi3)."""
+        p = f"blk.{il}."
+        up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
+        return lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up))
+
+    def final_norm(self, x):
+        """The rows that want logits, normalized: what the output head multiplies."""
+        if not self.outputs_only:
+            x = lib.ggml_get_rows(self.c, x, self.inputs.tensors["out_rows"])
+        return self.norm(x, self.w["output_norm.weight"])
+
+    def output_head(self, x):
+        out = self.w.get("output.weight")
+        if out is None:  # tied output embedding
+            out = self.w["token_embd.weight"]
+        return lib.ggml_mul_mat(self.c, out, self.final_norm(x))
+
+
+def embed(b: GraphBuilder, tokens):
+    """The token embedding rows (every architecture but gemma3's scaled ones)."""
+    return lib.ggml_get_rows(b.c, b.w["token_embd.weight"], tokens)
+
+
+def no_extra_weights(tensors) -> list[str]:
+    """extra_weights of an architecture whose stages hold only their layers' weights."""
+    return []
+
+
+# ChatML (Qwen): the chat template when the GGUF carries none
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                   "{% endfor %}<|im_start|>assistant\n")
+
+
+def argmax_first(c, logits):
+    """Each column's argmax with ties going to the lowest id, as numpy's argmax
+    and llama.cpp's greedy sampler (ggml_argmax alone gives the highest), the
+    column's maximum, and its sum (not finite: a NaN or infinite logit, which the
+    coordinator refuses as it refuses such logits). Exact for finite logits:
+    x - max is 0 only where x equals the max, so sgn(x - max) * n - id is above
+    -n exactly there, highest at the first."""
+    n, cols = logits.ne[0], logits.ne[1]
+    last = lib.ggml_argmax(c, logits)
+    # the maximum of column j is row last[j] of the [1, n] slice j: a get_rows per column
+    best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), lib.ggml_reshape_2d(c, last, 1, cols))
+    below = lib.ggml_sgn(c, lib.ggml_sub(c, logits, lib.ggml_reshape_2d(c, best, 1, cols)))  # -1 or 0
+    score = lib.ggml_sub(c, lib.ggml_scale(c, below, float(n)), lib.ggml_arange(c, 0.0, float(n), 1.0))
+    return lib.ggml_argmax(c, score), best, lib.ggml_sum_rows(c, logits)
+
+
+def head_source(tensors) -> str:
+    """The GGUF tensor the output head multiplies by (gemma ties it to the embedding)."""
+    return "output.weight" if "output.weight" in tensors else "token_embd.weight"
+
+
+def default_attn_scale(hp: HParams) -> float:
+    return 1.0 / math.sqrt(hp.head_dim)
+
+
+def standard_hparams(g, arch: str, rope_type: int, rms_eps: float = 1e-5,
+                     scaling_types=("none", "linear", "yarn"), **overrides) -> HParams:
+    """HParams from the GGUF keys every llama-like architecture shares (`arch`.block_count,
+    .attention.head_count, .rope.*, ...); `scaling_types`: the rope.scaling.types it
+    computes; `overrides` sets fields an architecture fixes."""
+    n_embd, n_head = g.require(f"{arch}.embedding_length"), g.require(f"{arch}.attention.head_count")
+    if isinstance(n_head, list) or isinstance(g.get(f"{arch}.attention.head_count_kv"), list):
+        raise ValueError(f"{arch}: a head count per layer is not supported")
+    head_dim = g.get(f"{arch}.attention.key_length", n_embd // n_head)
+    if g.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{arch}: attention.value_length different from key_length is not supported")
+    fields = dict(
+        arch=arch, n_vocab=g.tensor("token_embd.weight").ne[1], n_embd=n_embd,
+        n_layer=g.require(f"{arch}.block_count"), n_ff=g.require(f"{arch}.feed_forward_length"),
+        n_head=n_head, n_head_kv=g.get(f"{arch}.attention.head_count_kv", n_head), head_dim=head_dim,
+        n_rot=g.get(f"{arch}.rope.dimension_count", head_dim),
+        rms_eps=g.get(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps), rope_type=rope_type,
+        n_ctx_train=g.get(f"{arch}.context_length", 4096), **rope_hparams(g, arch, scaling_types))
+    fields.update(overrides)
+    return HParams(**fields)
+
+
+def rope_hparams(g, arch: str, scaling_types=("none", "linear", "yarn")) -> dict:
+    """The RoPE fields of HParams from `arch`'s GGUF keys, as llama.cpp reads them for
+    these architectures: rope.scaling.type none, linear (positions divided by
+    rope.scaling.factor), yarn (YaRN's mix of interpolation and extrapolation; llama.cpp's
+    own mscale cancels out: it divides by the same 1 + 0.1 ln(factor) the kernel multiplies
+    by, and it ignores the GGUF's yarn_* keys for them), or longrope where the architecture
+    allows it (phi3: its factors are tensors); rope.scaling.attn_factor multiplies cos and
+    sin. Any other type is refused here."""
+    kind = g.get(f"{arch}.rope.scaling.type", "linear")
+    if kind not in scaling_types:
+        raise ValueError(f"{arch}: rope.scaling.type {kind!r} is not supported (supported: {', '.join(scaling_types)})")
+    factor = g.get(f"{arch}.rope.scaling.factor") or g.get(f"{arch}.rope.scale_linear") or 0.0
+    return {"rope_base": g.get(f"{arch}.rope.freq_base", 10000.0),
+            "rope_scale": 1.0 / factor if factor and kind != "none" else 1.0,
+            "rope_ext_factor": 1.0 if kind == "yarn" else 0.0,
+            "rope_attn_factor": g.get(f"{arch}.rope.scaling.attn_factor", 1.0),
+            "n_ctx_orig": g.get(f"{arch}.rope.scaling.original_context_length", 0) or 0}
+
+
+def check_tensors(g, arch: str, layer_tensors, global_tensors, optional=frozenset()) -> None:
+    """Refuse, with a message naming it, a GGUF this architecture's graph cannot compute as
+    it is: a tensor the graph would ignore (a variant it does not compute: a MoE FFN, an
+    output bias, ...) or one it needs and the file lacks. `layer_tensors`: names after
+    "blk.N."; `global_tensors`: the other names; `optional`: those of either that may be
+    absent."""
+    n_layer = g.require(f"{arch}.block_count")
+    unknown = []
+    for name in g.tensors:
+        parts = name.split(".", 2)
+        in_layer = parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < n_layer
+        if not ((in_layer and parts[2] in layer_tensors) or name in global_tensors):
+            unknown.append(name)
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise ValueError(f"{arch}: this variant is not supported: tensor(s) {shown} have no place in the {arch} "
+                         f"graph (it uses {', '.join(sorted(layer_tensors))} per layer)")
+    required = [n for n in global_tensors if n not in optional]
+    required += [f"blk.{il}.{n}" for il in range(n_layer) for n in sorted(layer_tensors) if n not in optional]
+    odd = [n for n, t in g.tensors.items() if t.type not in WEIGHT_TYPES]
+    if odd:
+        # (a GGUF's tensor types are live ggml types: gguf_init_from_file refuses others)
+        raise ValueError(f"{arch}: tensor {odd[0]!r} is {type_traits(g.tensors[odd[0]].type).name}, a type the "
+                         f"workers do not compute (supported: {', '.join(type_traits(t).name for t in WEIGHT_TYPES)})")
+    missing = [n for n in required if n not in g.tensors]
+    if missing:
+        raise ValueError(f"{arch}: tensor {missing[0]!r} is missing" +
+                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

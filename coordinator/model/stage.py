@@ -1,0 +1,253 @@
+"""A stage: a contiguous range of layers that runs on one endpoint, with the
+weights and KV cache those layers need, and its step graphs built once per
+shape and reused.
+
+With the output head split (the coordinator's `head_split`), every stage also
+holds a shard of the output head: a range of vocabulary rows. The last stage's
+layer graph then ends at the normalized rows that want logits, and every stage
+multiplies them by its rows in a separate head graph, all at the same time. On
+a model whose head is a large part of the work (Gemma 3: a 262k vocabulary)
+this turns the slowest serial part of a step into a parallel one; the logits
+are the same bits, row for row, since each is the same dot product."""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ggml_ffi import Context, lib
+from coordinator.model.architectures.common import (F16, F32, I32, I64, GraphBuilder, HParams, StepInputs, StepShape,
+                                       argmax_first, head_source)
+
+MAX_CACHED_GRAPHS = 8
+TENSORS_PER_LAYER = 80
+
+
+@dataclass
+class StageOutput:
+    """A stage's reply taken apart (Stage.read_output); what is not in it is None."""
+    hidden: np.ndarray | None = None  # f32: the next stage's (or the head round's) input
+    logits: np.ndarray | None = None  # f32[n_outputs, rows]
+    tokens: np.ndarray | None = None  # i32[n_outputs]: each row's argmax (in this shard)
+    best: np.ndarray | None = None  # f32[n_outputs]: that token's logit (head shards: to compare them)
+    sums: np.ndarray | None = None  # f32[n_outputs]: each row's sum (not finite: a NaN or infinite logit)
+
+
+@dataclass
+class BuiltGraph:
+    ctx: Context
+    gf: object
+    inputs: dict  # name -> tensor
+    outputs: list  # tensors whose data the step returns, concatenated in this order
+    graph_id: int
+    wire: object = None  # (tensors, index_of), encoded on first remote use
+
+
+class StageKV:
+    """Per-layer K and V caches of one stage (metadata; placed by the executor)."""
+
+    def __init__(self, hp: HParams, layers: range, n_ctx: int):
+        self.n_ctx = n_ctx  # cache rows; what Phi-3 picks its LongRoPE factors by
+        self.ctx = Context(2 * len(layers) + 4)
+        self._layers = {}
+        for il in layers:
+            k = self.ctx.new_tensor(F16, [hp.n_embd_kv, n_ctx], f"cache_k_l{il}")
+            v = self.ctx.new_tensor(F16, [hp.n_embd_kv, n_ctx], f"cache_v_l{il}")
+            self._layers[il] = (k, v)
+
+    def layer(self, il: int):
+        return self._layers[il]
+
+    def tensors(self) -> list:
+        return [t for kv in self._layers.values() for t in kv]
+
+
+@dataclass
+class Stage:
+    index: int
+    arch: object  # module from coordinator.model.architectures
+    hp: HParams
+    layers: range
+    first: bool
+    last: bool
+    weights: dict  # name -> tensor (from the GGUF context, or cut from one: see `cuts`)
+    kv: StageKV
+    # vocabulary rows of the output head this stage computes in its head graph
+    # (None: the head is not split; the last stage's layer graph computes it whole)
+    head_rows: range | None = None
+    # the last stage holds the whole head besides (its rows are a view of it): a step may have it
+    # computed whole here instead of split (StepShape.head_whole; coordinator/decode/head_placement.py)
+    whole_head: bool = False
+    head_weight: str | None = None  # the weight the head graph multiplies by (all its rows, or a cut)
+    # name -> (GGUF tensor, first byte, end byte): weights that are a row range of a GGUF tensor
+    cuts: dict = field(default_factory=dict)
+    own_ctx: Context | None = None  # holds the tensors of `cuts`
+    graphs: "collections.OrderedDict[tuple, BuiltGraph]" = field(default_factory=collections.OrderedDict)
+    _next_graph_id: int = 1
+
+    @classmethod
+    def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
+               head_rows: range | None = None, whole_head: bool = False) -> "Stage":
+        """`whole_head` (with `head_rows`): the last stage holds the whole head too (others ignore it)."""
+        first, last = layers.start == 0, layers.stop == n_layer
+        whole_head = last and (head_rows is None or whole_head)
+        names = [n for n in gguf.tensors if n.startswith("blk.") and int(n.split(".")[1]) in layers]
+        if first:
+            names.append("token_embd.weight")
+        if last:
+            names.append("output_norm.weight")
+            if whole_head:
+                names.append(head_source(gguf.tensors))
+        names += arch.extra_weights(gguf.tensors)  # on every stage, e.g. llama 3.x's RoPE frequency factors
+        weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
+        stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows,
+                    whole_head)
+        if head_rows is not None and len(head_rows):
+            src = head_source(gguf.tensors)
+            # a stage that holds the whole tensor anyway (the first, with a tied embedding)
+            # multiplies by a view of its rows; the others hold only their rows
+            stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
+        return stage
+
+    @classmethod
+    def head_share(cls, arch, hp, gguf, head_rows: range) -> "Stage":
+        """No layers, only rows of the output head, as a tensor of their own:
+        the share the coordinator computes itself (head_placement.py, "here")."""
+        stage = cls(-1, arch, hp, range(0), False, False, {}, StageKV(hp, range(0), 1), head_rows)
+        stage.head_weight = stage._cut_head(gguf, head_source(gguf.tensors))
+        return stage
+
+    def _cut_head(self, gguf, src_name: str) -> str:
+        """Hold only this stage's rows of the head weight, as a tensor of their own."""
+        src = gguf.tensor(src_name)
+        rows = self.head_rows
+        self.own_ctx = Context(1)
+        name = f"{src_name}[{rows.start}:{rows.stop}]"
+        self.weights[name] = self.own_ctx.new_tensor(src.type, [src.ne[0], len(rows)], name)
+        self.cuts[name] = (src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
+        return name
+
+    def weight_data(self, gguf, name: str) -> memoryview:
+        """The bytes of weight `name`, straight from the GGUF file's memory map."""
+        cut = self.cuts.get(name)
+        if cut is None:
+            return gguf.tensor_data(name)
+        src_name, start, stop = cut
+        return gguf.tensor_data(src_name)[start:stop]
+
+    def head_here(self, shape: StepShape) -> bool:
+        """This stage's layer graph ends in the whole output head (else the
+        hidden state, or with the head split the normed rows for the shards)."""
+        return self.last and (self.head_rows is None or (shape.head_whole and self.whole_head))
+
+    # ------------------------------------------------------------ the reply's layout
+    # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
+    # token (i32) and maximum, then the row sums (f32), one value per output row.
+    def output_size(self, shape: StepShape, head: bool = False) -> int:
+        if head:
+            # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
+            return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
+        if self.head_here(shape):
+            return (2 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4  # argmax: token and row sum
+        if self.last:
+            return self.hp.n_embd * shape.n_outputs * 4
+        return self.hp.n_embd * shape.n_tokens * 4
+
+    def read_output(self, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
+        """The arrays in a reply of output_size(shape, head) bytes."""
+        n_out = shape.n_outputs
+        if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
+            return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
+                               best=np.frombuffer(data, np.float32, n_out, n_out * 4),
+                               sums=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4))
+        if head:
+            return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, len(self.head_rows)))
+        if self.head_here(shape) and shape.argmax:  # the argmax token and the row's sum
+            return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
+                               sums=np.frombuffer(data, np.float32, n_out, n_out * 4))
+        if self.head_here(shape):
+            return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, self.hp.n_vocab))
+        return StageOutput(hidden=np.frombuffer(data, np.float32))
+
+    def graph(self, shape: StepShape, head: bool = False) -> tuple[BuiltGraph, list]:
+        """The step graph for `shape` (its head graph if `head`) and the graphs
+        evicted to make room for it."""
+        if head:
+            key = ("head", shape.n_outputs, shape.argmax)
+        else:
+            whole = self.head_here(shape)
+            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and whole, whole)
+        evicted = []
+        g = self.graphs.get(key)
+        if g is not None:
+            self.graphs.move_to_end(key)
+            return g, evicted
+        g = self._build_head(shape) if head else self._build(shape)
+        self.graphs[key] = g
+        while len(self.graphs) > MAX_CACHED_GRAPHS:
+            evicted.append(self.graphs.popitem(last=False)[1])
+        return g, evicted
+
+    def _new_id(self) -> int:
+        graph_id = self._next_graph_id
+        self._next_graph_id += 1
+        return graph_id
+
+    def _build(self, shape: StepShape) -> BuiltGraph:
+        hp = self.hp
+        ctx = Context(TENSORS_PER_LAYER * len(self.layers) + 64)
+        gf = ctx.new_graph()
+        inputs = StepInputs()
+        n = shape.n_tokens
+        if self.first:
+            tokens = inputs.new(ctx, "tokens", I32, [n])
+        else:
+            x = inputs.new(ctx, "hidden", F32, [hp.n_embd, n])
+        pos = inputs.new(ctx, "positions", I32, [n])
+        inputs.new(ctx, "kv_rows", I64, [n])
+        inputs.new(ctx, "mask", F16, [shape.n_kv, n])
+        if hp.n_swa:
+            inputs.new(ctx, "mask_swa", F16, [shape.n_kv, n])
+        if self.last:
+            inputs.new(ctx, "out_rows", I32, [shape.n_outputs])
+        b = GraphBuilder(ctx, hp, self.weights, self.kv, shape, inputs, gf)
+        if self.first:
+            x = self.arch.embed(b, tokens)
+        for il in self.layers:
+            x = self.arch.layer(b, il, x, pos)
+        if self.head_here(shape):
+            out = b.output_head(x)
+            if shape.argmax:
+                # greedy decoding needs one token id per row, not a megabyte of logits on the wire
+                first, _, total = argmax_first(ctx.ptr, out)
+                return self._finish(ctx, gf, inputs, [first, total])
+        elif self.last:
+            out = b.final_norm(x)  # the head shards, this stage's among them, take it from here
+        else:
+            out = x
+        return self._finish(ctx, gf, inputs, [out])
+
+    def _build_head(self, shape: StepShape) -> BuiltGraph:
+        """This stage's shard of the output head: its vocabulary rows times the
+        normalized rows that want logits; with argmax, each row's best token in
+        the shard and that token's logit."""
+        hp, rows, n_out = self.hp, self.head_rows, shape.n_outputs
+        ctx = Context(32)
+        c = ctx.ptr
+        gf = ctx.new_graph()
+        inputs = StepInputs()
+        x = inputs.new(ctx, "head_in", F32, [hp.n_embd, n_out])
+        w = self.weights[self.head_weight]
+        if self.head_weight not in self.cuts:
+            w = lib.ggml_view_2d(c, w, w.ne[0], len(rows), w.nb[1], rows.start * w.nb[1])
+        logits = lib.ggml_mul_mat(c, w, x)
+        if not shape.argmax:
+            return self._finish(ctx, gf, inputs, [logits])
+        return self._finish(ctx, gf, inputs, list(argmax_first(c, logits)))
+
+    def _finish(self, ctx, gf, inputs: StepInputs, outputs: list) -> BuiltGraph:
+        for out in outputs:
+            lib.ggml_set_output(out)
+            lib.ggml_build_forward_expand(gf, out)
+        return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id())

@@ -1,0 +1,1 @@
+"""Text: tokenizers (SentencePiece, byte-level BPE), streaming detokenized text, sampling."""
