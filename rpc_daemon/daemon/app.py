@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import structlog
 
@@ -21,13 +22,17 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=
         from rpc_daemon.wire.tls import server_context
         ssl_context = server_context(config.tls_cert, config.tls_key)
     daemon = Daemon(config)
+    connection = functools.partial(Connection, daemon)
+    if config.test_faults:  # tests only: connections that misbehave on purpose (rpc_daemon/testing/)
+        from rpc_daemon.testing.faulty_connection import connections
+        connection = connections(daemon)
     if spare is not None:
         daemon.compute.adopt(spare)
     metrics_server = None
     if config.metrics_port is not None:
         from rpc_daemon.daemon.metrics import serve_metrics
         metrics_server = serve_metrics(daemon, config.host, config.metrics_port)
-    server = await loop.create_server(lambda: Connection(daemon), config.host, config.port, reuse_address=True,
+    server = await loop.create_server(connection, config.host, config.port, reuse_address=True,
                                       ssl=ssl_context,
                                       ssl_handshake_timeout=config.hello_timeout if ssl_context else None)
     port = server.sockets[0].getsockname()[1]

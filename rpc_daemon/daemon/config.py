@@ -1,9 +1,8 @@
 """The daemon's configuration (DaemonConfig: every default the CLI shows) and
-what it reads from the machine: memory, the open-files limit."""
+the open-files limit it reads from the machine (its memory: service/memory.py)."""
 from __future__ import annotations
 
 import ipaddress
-import os
 import resource
 from dataclasses import dataclass, field
 
@@ -50,21 +49,6 @@ class DaemonConfig:
     insecure: bool = False  # a non-loopback bind without a secret, acknowledged
     max_requests_per_second: float = 2000.0  # per client, token bucket; 0 = unlimited
     request_burst: int = 4000
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return physical_memory()
 
 
 # Descriptors the daemon holds per connected client, whatever its buffer count: its socket,

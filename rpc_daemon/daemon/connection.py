@@ -1,13 +1,17 @@
 """The daemon's connections: asyncio BufferedProtocols that only move bytes,
-and the Daemon state they share. What each command does is in handlers.py
-(one table); what a request must satisfy, in rpc_daemon/validation/.
+and the Daemon state they share. What each command does, and how its requests
+are scheduled, is in handlers.py (one table); what a request must satisfy, in
+rpc_daemon/validation/; what a connection's first bytes are (a llama.cpp
+client?), in wire/llamacpp.py. Tests' misbehaving connections subclass this
+one (rpc_daemon/testing/faulty_connection.py).
 
 protocol.FrameReader (the client's too) cuts the frames, and the connection,
 as its sink, says where each blob goes, so SET_TENSOR data lands straight in
 the destination shared-memory buffer once the whole request has been checked.
 Commands whose table row says so (PING, HELLO, AUTH) are answered as soon as
 they are read, even while the connection's previous request is still
-computing; every other request runs in order on the connection's own task.
+computing; every other request runs in order on the connection's own task
+(those whose row says so, a few side by side).
 """
 from __future__ import annotations
 
@@ -21,12 +25,13 @@ import structlog
 
 from rpc_daemon.compute.pool import ComputePool
 from rpc_daemon.daemon.buffers import BufferRegistry, SharedBuffer, arena_size_for
-from rpc_daemon.daemon.config import DaemonConfig, fd_client_limit, physical_memory
-from rpc_daemon.daemon.handlers import COMMANDS, Session
+from rpc_daemon.daemon.config import DaemonConfig, fd_client_limit
+from rpc_daemon.daemon.handlers import COMMANDS, CommandRow, Session, overlap, runs_beside
 from rpc_daemon.daemon.peers import MAX_DEFERRED, Deferred, PeerLinks
 from rpc_daemon.daemon.ratelimit import TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache, default_max_bytes
 from rpc_daemon.service import hoptrace
+from rpc_daemon.service.memory import physical_memory
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import llamacpp
@@ -40,11 +45,6 @@ log = structlog.get_logger("rpc")
 MAX_QUEUED = 64  # requests queued per connection before it stops reading
 RX_SIZE = 1 << 16  # receive buffer of an authenticated connection
 PREAUTH_RX_SIZE = 1 << 13  # before authentication: one frame is at most 12 + max_preauth_header bytes
-# SET_TENSOR_HASH requests of one connection run at once (their cache entries read and hashed on
-# executor threads); 3 keeps two cores busy with a reading and a hashing one and the next one started
-LOOKUPS_AT_ONCE = 3
-LLAMACPP_HINT = ("llama.cpp's own rpc-server serves llama.cpp clients (it also uses port 50052); "
-                 "this worker serves ggml-coordinator")
 
 
 class Daemon:
@@ -68,10 +68,6 @@ class Daemon:
         self._ids = itertools.count(1)
         self.stats = collections.Counter()
         self.peer_links = _peer_links(config, self.stats)  # step links to other workers (daemon/peers.py)
-        self.faults = None  # tests only: injected faults (rpc_daemon/testing/faults.py), None in normal use
-        if config.test_faults:
-            from rpc_daemon.testing.faults import Faults
-            self.faults = Faults(list(config.test_faults), self)
 
     def new_client_id(self) -> int:
         return next(self._ids)
@@ -105,7 +101,7 @@ class Connection(asyncio.BufferedProtocol):
         self.log = log
         self.closed = False
         self.queue: asyncio.Queue = asyncio.Queue()
-        self._queued = asyncio.Event()  # set when a request is queued (_lookups waits for one)
+        self._queued = asyncio.Event()  # set when a request is queued (_run_beside waits for one)
         self.worker: asyncio.Task | None = None
         self.worker_busy = False
         self.last_activity = time.monotonic()
@@ -119,10 +115,9 @@ class Connection(asyncio.BufferedProtocol):
                                     eager_blobs=False)
         # a connection's first bytes are looked at before the reader parses them, until they tell whether
         # they are a llama.cpp client's HELLO (answered in its framing, then closed) or go to the reader
-        # (wire/llamacpp.py); meanwhile they are kept here (at most one pre-auth receive, once)
-        self._opening: bytearray | None = bytearray()
+        # (wire/llamacpp.py decides; meanwhile it keeps them: at most one pre-auth receive, once)
+        self._opening: llamacpp.Opening | None = llamacpp.Opening()
         self._opening_rx: memoryview | None = None  # the receive buffer handed out while looking
-        self._llamacpp_input_size: int | None = None  # set once the opening is a llama.cpp HELLO
         self._refused: ProtocolError | None = None  # the refusal header() decided for the frame being read
         self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
@@ -178,30 +173,20 @@ class Connection(asyncio.BufferedProtocol):
             self._framing_broken(exc)
 
     def _opening_received(self, data: bytes) -> None:
-        """A connection's first bytes: a llama.cpp client's HELLO is read whole
-        (so closing sends FIN, not RST, before it reads the reply) and answered
-        with a version llama.cpp refuses; anything else goes to the frame reader.
-        At most 9 + 24 bytes are looked at; the hello timeout bounds the wait."""
-        self._opening += data
-        if self._llamacpp_input_size is None:
-            kind = llamacpp.classify(self._opening)
-            if kind is llamacpp.UNDECIDED:
-                return
-            if kind is None:  # ours (or anything but llama.cpp): framing as usual, from the first byte
-                opening, self._opening = bytes(self._opening), None
-                self.reader.feed(opening)
-                return
-            self.log.warning("a llama.cpp RPC client connected; this worker speaks the ggml-distributed protocol",
-                             hint=LLAMACPP_HINT)
-            self._llamacpp_input_size = kind
-        if len(self._opening) >= llamacpp.OPENING + self._llamacpp_input_size:
-            self._answer_llamacpp()
-
-    def _answer_llamacpp(self) -> None:
-        # closing stops reading (bytes already received may still come once more: then nothing is written)
-        if not self.transport.is_closing():
-            self.transport.write(llamacpp.hello_reply(self._llamacpp_input_size))
-        self.abort("llama.cpp RPC client (another protocol): answered its HELLO with version 0.0.0")
+        """A connection's first bytes, until llamacpp.Opening has decided: ours
+        go to the frame reader, a llama.cpp client's HELLO is answered (with a
+        version llama.cpp refuses) and the connection closed."""
+        for event in self._opening.received(data):
+            if isinstance(event, llamacpp.Ours):
+                self._opening = None
+                self.reader.feed(event.data)
+            elif isinstance(event, llamacpp.Detected):
+                self.log.warning(llamacpp.LOG_LINE, hint=llamacpp.HINT)
+            else:  # llamacpp.Answer
+                # closing stops reading (bytes already received may still come once more: then nothing is written)
+                if not self.transport.is_closing():
+                    self.transport.write(event.reply)
+                self.abort(llamacpp.CLOSE_REASON)
 
     def _framing_broken(self, exc: ProtocolError) -> None:
         """A prefix past the limits (before authentication: past the pre-auth
@@ -382,8 +367,9 @@ class Connection(asyncio.BufferedProtocol):
                 item = None
                 self.worker_busy = True
                 try:
-                    if _lookup_range(header) is not None:
-                        item = await self._lookups((header, blob, direct, held))  # and the request after them
+                    beside = runs_beside(header)
+                    if beside is not None:  # and the request after them
+                        item = await self._run_beside(beside[0], (header, blob, direct, held))
                     else:
                         try:
                             await self._dispatch(header, blob, direct)
@@ -398,21 +384,22 @@ class Connection(asyncio.BufferedProtocol):
             item = header = blob = None  # a direct SET_TENSOR's blob is a view into its buffer
             self._release()
 
-    async def _lookups(self, first: tuple):
-        """SET_TENSOR_HASH requests queued back to back, up to LOOKUPS_AT_ONCE
-        at a time: one cache entry is read while another is hashed (both
-        release the GIL), so they keep two cores busy. Replies go out in
-        request order; a request whose range overlaps a running one's waits
-        until none runs, so every range ends as if they had run one at a time.
-        Returns the request taken from the queue after them that is not one of
-        them (to run next), or None."""
+    async def _run_beside(self, row: CommandRow, first: tuple):
+        """Requests of `row`'s command queued back to back, up to row.at_once
+        at a time (SET_TENSOR_HASH: one cache entry is read while another is
+        hashed, both release the GIL, so they keep two cores busy). Replies go
+        out in request order; a request whose range overlaps a running one's
+        waits until none runs, so every range ends as if they had run one at a
+        time. Returns the request taken from the queue after them that is not
+        one of them (to run next), or None."""
         running: collections.deque = collections.deque()  # (its _handle task, bytes it holds, its range)
         item, after, ended = first, None, False
         try:
             while True:
                 if item is not None:
-                    rng = _lookup_range(item[0])
-                    if rng is None or any(_overlap(rng, other) for _, _, other in running):
+                    beside = runs_beside(item[0])
+                    rng = beside[1] if beside is not None and beside[0] is row else None
+                    if rng is None or any(overlap(rng, other) for _, _, other in running):
                         after = item  # in its turn, once the running ones are answered
                     else:
                         header, blob, direct, held = item
@@ -421,7 +408,7 @@ class Connection(asyncio.BufferedProtocol):
                 if not running:
                     return after
                 task, held, _ = running[0]
-                if after is None and not ended and len(running) < LOOKUPS_AT_ONCE:
+                if after is None and not ended and len(running) < row.at_once:
                     if not self.queue.empty():
                         item = self.queue.get_nowait()
                         ended = item is None  # the connection's end (self.closed is set): answer what runs
@@ -470,51 +457,55 @@ class Connection(asyncio.BufferedProtocol):
         await self._answer(await self._handle(header, blob, direct))
 
     async def _handle(self, header: dict, blob, direct: bool):
-        """Run one queued request's handler. Its outcome, to _answer: (id,
-        test fault or None, the handler's result), or None when already answered."""
+        """Run one queued request's handler. Its outcome, to _answer: (id, the
+        handler's result, how to send its reply), or None when already answered."""
         req_id = header.get("id")
         try:
             cmd = P.command(header)  # an int: a bool or a float is refused, not taken for a command
         except ProtocolError as exc:
-            return req_id, None, {"status": exc.status, "error": exc.message}
+            return req_id, {"status": exc.status, "error": exc.message}, self._send
         row = COMMANDS.get(cmd)
         if row is None or row.answer_now is not None:  # AUTH without a pending challenge
-            return req_id, None, {"status": Status.UNKNOWN_COMMAND, "error": f"unknown command {cmd!r}"}
-        fault = self.daemon.faults.take(cmd) if self.daemon.faults is not None else None  # tests only
-        if fault is not None and await fault.before(self):
-            return None
+            return req_id, {"status": Status.UNKNOWN_COMMAND, "error": f"unknown command {cmd!r}"}, self._send
         try:
-            return req_id, fault, await row.handler(self.session, header, blob, direct)
+            called = await self._call(cmd, row, header, blob, direct)
         except ProtocolError as exc:
-            return req_id, None, {"status": exc.status, "error": exc.message, **exc.fields}
+            called = {"status": exc.status, "error": exc.message, **exc.fields}, self._send
         except Exception as exc:  # a bug of ours must not take the daemon down
             self.log.exception("handler failed", cmd=cmd)
-            return req_id, None, {"status": Status.FAILED, "error": f"internal error: {type(exc).__name__}: {exc}"}
+            called = {"status": Status.FAILED, "error": f"internal error: {type(exc).__name__}: {exc}"}, self._send
+        return None if called is None else (req_id, *called)
+
+    async def _call(self, cmd: int, row: CommandRow, header: dict, blob, direct: bool):
+        """The handler's result and how its reply is sent (`_send`), or None
+        for a request already dealt with (no reply). A test connection
+        (testing/faulty_connection.py) overrides this to misbehave around the handler."""
+        return await row.handler(self.session, header, blob, direct), self._send
+
+    async def _send(self, req_id, fields: dict, out) -> None:
+        """Reply with a handler's result: its fields (`status` and `error` among them set the reply's) and blob."""
+        status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
+        self._reply(req_id, status, error, out, **fields)
 
     async def _answer(self, outcome) -> None:
         """Reply with a request's outcome (_handle's)."""
         if outcome is None:
             return
-        req_id, fault, result = outcome
+        req_id, result, send = outcome
         if isinstance(result, Deferred):
             # its reply waits for its pushes to peer workers; the connection's next request need not
             await self._deferred.acquire()
             result.start(self.daemon.peer_links)
-            asyncio.get_running_loop().create_task(self._reply_deferred(req_id, result, fault))
+            asyncio.get_running_loop().create_task(self._reply_deferred(req_id, result, send))
             await asyncio.sleep(0)  # the pushes write before the next request is handled (Deferred.start)
             return
         fields, out = result if isinstance(result, tuple) else (result or {}, b"")
-        status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
-        if fault is not None and await fault.reply(self, req_id, status, error, out, fields):  # tests only
-            return
-        self._reply(req_id, status, error, out, **fields)
+        await send(req_id, fields, out)
 
-    async def _reply_deferred(self, req_id, result: Deferred, fault) -> None:
+    async def _reply_deferred(self, req_id, result: Deferred, send) -> None:
         try:
             fields, out = await result.finish()
-            if fault is not None and await fault.reply(self, req_id, Status.SUCCESS, "", out, fields):  # tests only
-                return
-            self._reply(req_id, Status.SUCCESS, "", out, **fields)
+            await send(req_id, fields, out)
         except Exception as exc:  # a bug of ours must not take the daemon down
             self.log.exception("forwarding failed")
             self._reply(req_id, Status.FAILED, f"internal error: {type(exc).__name__}: {exc}")
@@ -524,10 +515,6 @@ class Connection(asyncio.BufferedProtocol):
     def _answer_now(self, req_id, row, header: dict, blob) -> None:
         """A command answered as soon as it is read (PING, HELLO, AUTH, STEP_INPUT): a refusal it raises
         closes the connection (STEP_INPUT returns its refusals instead)."""
-        faults = self.daemon.faults  # tests only: a spec naming STEP_INPUT may refuse it
-        if faults is not None and faults.refuse_now(header, self):
-            self._reply(req_id, Status.FAILED, "test fault: injected refusal")
-            return
         try:
             fields = row.handler(self.session, header, blob, False)
         except ProtocolError as exc:
@@ -544,19 +531,3 @@ class Connection(asyncio.BufferedProtocol):
         """The session authenticated (HELLO, and AUTH with a secret): full frame limits, full-size receive buffer."""
         self.reader.authenticated = True  # the next prefix, even in this receive, gets the full limits
         self.reader.resize(RX_SIZE)
-
-
-def _lookup_range(header) -> tuple[int, int, int] | None:
-    """A SET_TENSOR_HASH's (buffer, start, end), for running it beside others;
-    None for any other request, or one whose range is not plain integers (it
-    runs alone, in its turn, and its handler refuses it)."""
-    if not isinstance(header, dict) or type(header.get("cmd")) is not int or header["cmd"] != Command.SET_TENSOR_HASH:
-        return None
-    fields = header.get("buffer"), header.get("offset"), header.get("size")
-    if any(type(f) is not int for f in fields):
-        return None
-    return fields[0], fields[1], fields[1] + fields[2]
-
-
-def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]

@@ -1,6 +1,7 @@
 """One row per command: its handler, and whether it is answered as soon as it
 is read (PING, HELLO, AUTH while a challenge is pending) or queued behind the
-connection's running request. Handlers see a `Session` (this client's id,
+connection's running request, and whether queued requests of it may run side
+by side (SET_TENSOR_HASH). Handlers see a `Session` (this client's id,
 buffers, graphs, limits, authentication), not the connection.
 
 A handler takes (session, header, blob, direct) and returns reply fields, or
@@ -22,8 +23,8 @@ from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, fill_bytes, round_up
 from rpc_daemon.daemon import peers
-from rpc_daemon.daemon.config import available_memory
 from rpc_daemon.service import hoptrace
+from rpc_daemon.service.memory import available_memory
 from rpc_daemon.validation import requests as V
 from rpc_daemon.validation.graph import SUPPORTED_OP_NAMES, GraphSpec
 from rpc_daemon.wire import auth as A
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("rpc")
 
 LARGE_GRAPH = 2048  # graphs with more tensors are validated off the event loop
+# SET_TENSOR_HASH requests of one connection run at once (their cache entries read and hashed on
+# executor threads); 3 keeps two cores busy with a reading and a hashing one and the next one started
+LOOKUPS_AT_ONCE = 3
+Range = tuple[int, int, int]  # (buffer, start, end): the bytes of a client buffer a request writes
 
 
 class Session:
@@ -196,6 +201,16 @@ async def handle_set_tensor_hash(s: Session, h, blob, direct):
     return {}
 
 
+def set_tensor_hash_range(h) -> Range | None:
+    """A SET_TENSOR_HASH's (buffer, start, end), for running it beside others;
+    None for one whose range is not plain integers (it runs alone, in its turn,
+    and its handler refuses it)."""
+    fields = h.get("buffer"), h.get("offset"), h.get("size")
+    if any(type(f) is not int for f in fields):
+        return None
+    return fields[0], fields[1], fields[1] + fields[2]
+
+
 async def handle_get_tensor(s: Session, h, blob, direct):
     buf, r = V.check_get_tensor(h, s.buffer_of, s.limits)
     return {}, bytes(buf.view[r.offset: r.offset + r.size])
@@ -281,6 +296,25 @@ class CommandRow:
     # handler), even while the connection's previous request computes; when it does not, the
     # command is not one this session may send (UNKNOWN_COMMAND, in its turn).
     answer_now: Callable[[Session], bool] | None = None
+    # None: one request at a time. Else, for a queued command, the range a request writes (None:
+    # that request runs alone, in its turn): requests of the command queued back to back then run up
+    # to `at_once` at a time, as if one at a time (replies in request order; one whose range overlaps
+    # a running one's starts once none runs; any other request after every one of them is answered)
+    beside: Callable[[dict], Range | None] | None = None
+    at_once: int = 1
+
+
+def runs_beside(h) -> tuple[CommandRow, Range] | None:
+    """A queued request that may run beside others of its command: its row and
+    the range it writes; None for any other (it runs alone, in its turn)."""
+    cmd = h.get("cmd") if isinstance(h, dict) else None
+    row = COMMANDS.get(cmd) if type(cmd) is int else None  # strictly: cmd 8.0 or True is not a command
+    rng = row.beside(h) if row is not None and row.beside is not None else None
+    return None if rng is None else (row, rng)
+
+
+def overlap(a: Range, b: Range) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def _always(s: Session) -> bool:
@@ -302,7 +336,8 @@ COMMANDS: dict[int, CommandRow] = {
     Command.SET_TENSOR: CommandRow(handle_set_tensor),
     Command.GET_TENSOR: CommandRow(handle_get_tensor),
     Command.COPY_TENSOR: CommandRow(handle_copy_tensor),
-    Command.SET_TENSOR_HASH: CommandRow(handle_set_tensor_hash),
+    Command.SET_TENSOR_HASH: CommandRow(handle_set_tensor_hash, beside=set_tensor_hash_range,
+                                        at_once=LOOKUPS_AT_ONCE),
     Command.GRAPH_COMPUTE: CommandRow(handle_graph_compute),
     Command.GRAPH_RECOMPUTE: CommandRow(handle_graph_recompute),
     Command.GRAPH_FREE: CommandRow(handle_graph_free),

@@ -38,6 +38,11 @@ SPEC is comma-separated key=value pairs, e.g.
 
 Every firing is logged as "test fault fired" with `at=<unix time>`, arming
 as "test fault armed", so a test can wait for either in the daemon's log.
+
+With fault specs in its config the daemon's app serves the connections of
+faulty_connection.py, which call Fault.before() and Fault.send() around a
+queued request's handler and Faults.refuse_now() for a command answered on the
+spot; the production connection carries nothing of this.
 """
 from __future__ import annotations
 
@@ -129,7 +134,7 @@ class FaultSpec:
 
 
 class Faults:
-    """The daemon's fault table (Daemon.faults); None when no --test-fault."""
+    """The daemon's fault table, shared by its connections (one per daemon with --test-fault)."""
 
     def __init__(self, specs: list[str], daemon):
         self.specs = [FaultSpec.parse(s) for s in specs]
@@ -167,7 +172,7 @@ class Faults:
 
 
 class Fault:
-    """One firing: the connection's dispatcher calls before() and reply()."""
+    """One firing: the connection (faulty_connection.py) calls before() and, through send(), reply()."""
 
     def __init__(self, spec: FaultSpec, cmd, daemon):
         self.spec, self.cmd, self.daemon = spec, cmd, daemon
@@ -248,3 +253,9 @@ class Fault:
         if a == "stop" and not transport.is_closing():  # resumed: finish the frame
             transport.write(frame[half:])
         return True
+
+    async def send(self, conn, req_id, fields: dict, out) -> None:
+        """Send a handler's result (Connection._send's arguments) as the fault says: reply() first."""
+        status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
+        if not await self.reply(conn, req_id, status, error, out, fields):
+            conn._reply(req_id, status, error, out, **fields)

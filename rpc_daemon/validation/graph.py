@@ -15,6 +15,7 @@ from typing import Callable
 
 from ggml_ffi import lib, nbytes as ggml_nbytes, type_traits
 from rpc_daemon.validation import row_ids
+from rpc_daemon.wire.graph_limits import FLOAT_TYPES, MAX_EXPERTS, WEIGHT_TYPES
 from rpc_daemon.wire.protocol import ProtocolError, Status, field_list
 
 MAX_NE = 1 << 40
@@ -24,10 +25,7 @@ KNOWN_FLAGS = (lib.GGML_TENSOR_FLAG_INPUT | lib.GGML_TENSOR_FLAG_OUTPUT | lib.GG
                | lib.GGML_TENSOR_FLAG_LOSS | lib.GGML_TENSOR_FLAG_COMPUTE)
 F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
 I32, I64 = lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
-FLOAT_TYPES = (F32, F16, BF16)
-# weight types the CPU matmul and get_rows kernels accept (those llama and gemma3 GGUFs use)
-WEIGHT_TYPES = FLOAT_TYPES + tuple(getattr(lib, f"GGML_TYPE_{n}") for n in (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+# FLOAT_TYPES, WEIGHT_TYPES and MAX_EXPERTS are the coordinator's too: rpc_daemon/wire/graph_limits.py
 KV_TYPES = (F32, F16, BF16, lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
 
 
@@ -600,8 +598,8 @@ def rule_arange(t, tensors):
 
 
 # MUL_MAT_ID's kernel keeps a row map of n_as * ids.ne0 * ids.ne1 entries of 8 bytes in its work
-# memory (not counted against --mem) and holds n_as, ids.ne0 and the row index in C ints
-MAX_EXPERTS = 1024
+# memory (not counted against --mem) and holds n_as (at most MAX_EXPERTS), ids.ne0 and the row index
+# in C ints
 MAX_EXPERT_ROW_MAP = 256 << 20
 INT32_MAX = (1 << 31) - 1
 

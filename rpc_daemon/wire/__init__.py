@@ -1,2 +1,3 @@
 """The wire format, shared by the client and the daemon: framing and field checks
-(protocol), the graph codec, the HELLO/AUTH handshake, TLS contexts, socket options."""
+(protocol), the graph codec, what a graph may hold (graph_limits), the HELLO/AUTH
+handshake, TLS contexts, socket options, a llama.cpp client's HELLO (llamacpp)."""
