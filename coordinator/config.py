@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
+from coordinator.decode.microbatch import DEFAULT_MICRO_BATCH
 from rpc_daemon.client import parse_endpoint
 
 
@@ -36,3 +39,104 @@ def checked_setup(endpoints, split, n_batch, threads) -> tuple[list[str], list[f
         if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive integer, not {value!r}")
     return endpoints, split
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything a Coordinator is built from (Coordinator(**fields) takes the same names).
+
+    `model`: a GGUF path; None: the bundled Gemma 3 270M, from the `model`
+    extra (without it: FileNotFoundError, before anything is started).
+
+    Fault handling: `connect_timeout` bounds connecting plus HELLO;
+    `liveness_timeout` is the detection bound for a stopped, hung or cut-off
+    worker while a request is outstanding (None disables the liveness pings:
+    for measurements only); `request_timeout` bounds any single request even
+    from a worker that keeps answering pings. `auto_reconnect` reconnects a
+    failed endpoint in the background, waiting `reconnect_backoff[0]` seconds
+    before the first attempt and doubling up to `reconnect_backoff[1]`.
+
+    Security (docs/security.md): `secret` or `secret_file` (else systemd's
+    credential $CREDENTIALS_DIRECTORY/rpc-secret, else the environment
+    variable GGML_RPC_SECRET) is the workers' shared secret, proven in both
+    directions at HELLO; `tls_ca` (a PEM CA bundle) turns on TLS and verifies
+    each worker's certificate against it.
+
+    `head_split` (with several endpoints) is where the output head runs, one
+    of coordinator/decode/head_placement.py's modes: True ("split"): every
+    endpoint computes a share of the head's vocabulary rows, in the split's
+    proportions, all at once after the last layer; faster when the head is a
+    large part of a step, but one more network hop. False ("whole"): the last
+    endpoint computes all of it. "here": the last endpoint computes its share
+    and this process the rest of the rows (from the normed rows the last stage
+    replies with: the split's compute at the whole head's hops; this process
+    holds those rows and computes them with `threads` threads). "auto" (the
+    default): every endpoint holds its share, and the last one the whole head
+    too where the round trips measured before the upload say a step could take
+    it whole (and it has the memory), and then this process the rows besides
+    the last one's share; each step takes the fastest by the measured round
+    trips and head compute times. Same logits whichever runs.
+
+    `micro_batch` (tokens; with several endpoints): a batch is cut into
+    micro-batches that follow each other through the stages, so every worker
+    computes at once (coordinator/decode/microbatch.py): a prompt longer than
+    this in chunks of at most this many tokens, a batch of several sequences
+    in about as many groups as there are endpoints (of at least micro_batch / 2
+    tokens each). The logits are those of decoding the same micro-batches one
+    after another. 0 turns it off: every batch is one step, the stages one
+    after another.
+
+    `step_links` (with several remote endpoints that offer them): a step's
+    hidden state goes from worker to worker, and the last stage's normed state
+    straight to the head shards, instead of back through the coordinator
+    between stages (docs/protocol.md, "Step links"). Same logits; fewer network
+    hops per token. False: always relayed.
+
+    `on_upload(done, total)` (bytes of weights) is called when the upload
+    starts and after every chunk, from the coordinator's I/O thread: the server
+    uses it to keep systemd's start timeout from expiring while a big model
+    uploads (rpc_daemon/service/systemd.py, StartTimeoutExtender).
+
+    Resuming (docs/failure-semantics.md, "Resuming"): with `resume_within`
+    (seconds) set, generate/stream/astream (and decode_resuming) pause instead
+    of failing when a worker is lost: the endpoint is reconnected automatically
+    (backoff 0.01 s doubling to 0.02 s unless `reconnect_backoff` says
+    otherwise) or, once it has been down for a while (`spare_after` seconds;
+    default min(1 s, resume_within / 4)), its stage moves to one of `spares`
+    (host:port workers), and back to its own endpoint once that is back; the
+    KV cache is rebuilt by replaying the steps exactly as first decoded, and
+    the step is retried: the same text as without the failure. Not back within
+    `resume_within`: the original error."""
+    endpoints: Sequence[str] = ("local",)
+    model: str | None = None
+    split: Sequence[float] | None = None
+    n_ctx: int = 2048
+    n_batch: int = 512
+    threads: int = 1
+    connect_timeout: float = 5.0
+    liveness_timeout: float | None = 2.0
+    use_cache: bool = True
+    progress: bool = False
+    request_timeout: float | None = 900.0
+    auto_reconnect: bool = False
+    reconnect_backoff: tuple[float, float] | None = None
+    secret: str | bytes | None = None
+    secret_file: str | None = None
+    tls_ca: str | None = None
+    head_split: bool | str = "auto"
+    on_upload: Callable[[int, int], None] | None = None
+    resume_within: float | None = None
+    spares: Sequence[str] = ()
+    spare_after: float | None = None
+    micro_batch: int = DEFAULT_MICRO_BATCH
+    step_links: bool = True
+
+    def checked(self) -> "CoordinatorConfig":
+        """This configuration with its endpoints and split as lists, or ValueError
+        naming what is wrong; nothing is read or connected."""
+        endpoints, split = checked_setup(self.endpoints, self.split, self.n_batch, self.threads)
+        spares = checked_setup(list(self.spares), None, self.n_batch, self.threads)[0] if self.spares else []
+        n_ctx = int(self.n_ctx)
+        if n_ctx < 1:
+            raise ValueError("n_ctx must be at least 1")
+        return replace(self, endpoints=endpoints, split=split, spares=spares, n_ctx=n_ctx)

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from coordinator.cluster.executors import peer_failed
+from coordinator.cluster.executors import Executor, peer_failed
 from coordinator.cluster.failures import EndpointFailure, EndpointUnavailable, StageFailed
 from coordinator.decode.values import FailureKind
 from coordinator.model.stage import Stage
@@ -28,10 +28,12 @@ log = structlog.get_logger("coordinator")
 
 
 @dataclass
-class Placement:
+class Place:
+    """A stage's place in the cluster: the endpoint serving it now, its
+    connection (executor), its stage, and its latch."""
     endpoint: str
     layers: range
-    executor: object = None
+    executor: Executor | None = None
     stage: Stage | None = None
     failure: EndpointFailure | None = None
     reconnect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -46,14 +48,14 @@ def _bounds(r: range | None) -> list[int] | None:
 
 class EndpointSet:
     def __init__(self, endpoints: list[str], io, lock: asyncio.Lock,
-                 connect: Callable[[Placement, str], Awaitable[object]], lose_kv: Callable[[], set[int]],
+                 connect: Callable[[Place, str], Awaitable[object]], lose_kv: Callable[[], set[int]],
                  auto_reconnect: bool = False, backoff: tuple[float, float] = (0.25, 8.0),
                  stats: dict | None = None, resumer=None):
         """`io`: the LoopThread; `lock`: the decode lock (latch and swap
         connections between steps); `resumer` (coordinator/decode/resume.py, when
         resuming is on): keeps the KV cache through a latch, names spares to
         reconnect to and rebuilds the KV cache after a reconnect."""
-        self.places = [Placement(e, range(0), home=e) for e in endpoints]
+        self.places = [Place(e, range(0), home=e) for e in endpoints]
         self.resumer = resumer if resumer is not None and resumer.enabled else None
         self.io, self.lock, self.connect, self.lose_kv = io, lock, connect, lose_kv
         self.auto_reconnect = bool(auto_reconnect)
@@ -110,18 +112,18 @@ class EndpointSet:
             if bar:
                 bar.close()
 
-    def watch(self, p: Placement, ex) -> None:
+    def watch(self, p: Place, ex) -> None:
         """Latch `p` as soon as its connection fails, also between decodes (a
         worker that dies, hangs or drops us while we are idle), so health() and
         failed() tell the truth before the next decode finds out."""
-        client = getattr(ex, "client", None)
+        client = ex.client
         if client is None:
             return
         client.on_failure = lambda failure: self.io.spawn(self._connection_lost(p, ex, failure))
         if client.failed is not None:  # it failed before it was watched (during the upload)
             client.on_failure(client.failed)
 
-    async def _connection_lost(self, p: Placement, ex, failure) -> None:
+    async def _connection_lost(self, p: Place, ex, failure) -> None:
         async with self.lock:  # between steps: a step in flight latches its own failures
             if p.executor is ex and p.failure is None and not self.io.closed:
                 self._latch(p, peer_failed(p.endpoint, failure))
@@ -138,21 +140,21 @@ class EndpointSet:
     def status(self) -> list[dict]:
         return [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
                  "head_rows": _bounds(p.stage.head_rows) if p.stage else None,
-                 "failed": p.failure is not None, "rtt": getattr(p.executor, "rtt", None)} for p in self.places]
+                 "failed": p.failure is not None, "rtt": p.executor.rtt if p.executor is not None else None} for p in self.places]
 
     async def probe(self, timeout: float) -> list[dict]:
         """Every connected endpoint's probe (its executor's: ping round trip,
         memory), all at once and outside the decode lock, so a step is never
         held up; with the worker compute time summed over the current
         connection. A latched endpoint is not asked: its `error` is the cause."""
-        async def one(p: Placement) -> dict:
+        async def one(p: Place) -> dict:
             ex = p.executor
             if ex is None:
                 return {"error": f"worker {p.endpoint} is being reconnected"}
             if p.failure is not None:
                 return {"error": p.failure.cause}
             found = await ex.probe(timeout)
-            compute_us = getattr(ex, "compute_us", None)  # a remote worker's; None in this process
+            compute_us = ex.compute_us  # a remote worker's; None in this process
             return dict(found, compute_seconds=None if compute_us is None else compute_us / 1e6)
 
         return list(await asyncio.gather(*(one(p) for p in self.places)))
@@ -179,11 +181,11 @@ class EndpointSet:
             if p.endpoint == exc.endpoint:
                 self._latch(p, exc)
 
-    def _latch(self, p: Placement, exc: StageFailed) -> None:
+    def _latch(self, p: Place, exc: StageFailed) -> None:
         if p.failure is None:
             self._set_failure(p, EndpointFailure(p.endpoint, exc.message, exc.cause, time.time()))
 
-    def _set_failure(self, p: Placement, failure: EndpointFailure) -> None:
+    def _set_failure(self, p: Place, failure: EndpointFailure) -> None:
         """Latch `p` failed. Its worker freed our buffers with the connection, so
         every sequence's KV cache is gone: lose_kv() clears it, and the
         sequences are remembered for needs_refeed()/reconnect()."""
@@ -211,7 +213,7 @@ class EndpointSet:
                 await self._reconnect_place(p, only_if_failed=False)
         return sorted(self.needs_refeed)
 
-    async def _reconnect_place(self, p: Placement, only_if_failed: bool, spares: bool = False) -> None:
+    async def _reconnect_place(self, p: Place, only_if_failed: bool, spares: bool = False) -> None:
         """A new connection for `p` (with `spares`, the resumer may name a spare
         to take its stage), its weights uploaded; the latch cleared."""
         async with p.reconnect_lock:
@@ -265,13 +267,11 @@ class EndpointSet:
                     await self.resumer.reconnected(self.places, self.latch)
 
     # ------------------------------------------------------------ moving a stage back from a spare
-    async def _bring_home(self, p: Placement) -> None:
-        """While a spare holds `p`'s stage (resuming): every HOME_EVERY seconds,
-        try to move it back to its own endpoint (`_move_home`)."""
-        from coordinator.decode.resume import HOME_EVERY
-
+    async def _bring_home(self, p: Place) -> None:
+        """While a spare holds `p`'s stage (resuming): every `resumer.home_every`
+        seconds, try to move it back to its own endpoint (`_move_home`)."""
         while p.endpoint != p.home and not self.io.closed:
-            await asyncio.sleep(HOME_EVERY)
+            await asyncio.sleep(self.resumer.home_every)
             if p.failure is not None or p.endpoint == p.home:
                 continue  # resuming: its reconnect attempts try the home endpoint too
             try:
@@ -281,7 +281,7 @@ class EndpointSet:
             except Exception:  # a bug of ours: logged, and tried again
                 log.exception("moving a stage home failed", endpoint=p.home)
 
-    async def _move_home(self, p: Placement) -> None:
+    async def _move_home(self, p: Place) -> None:
         """`p`'s own endpoint connected and loaded while the spare goes on
         serving; then, between two steps, the stage switches to it and its KV
         rows are rebuilt there (resume.py's replay); the spare's connection is
@@ -326,11 +326,11 @@ class EndpointSet:
                 if p.failure is not None:
                     p.failure.next_attempt = None
 
-    def _schedule_auto_reconnect(self, p: Placement) -> None:
+    def _schedule_auto_reconnect(self, p: Place) -> None:
         if p.auto_task is None or p.auto_task.done():
             p.auto_task = self.io.loop.create_task(self._auto_reconnect(p))
 
-    async def _auto_reconnect(self, p: Placement) -> None:
+    async def _auto_reconnect(self, p: Place) -> None:
         delay, cap = self.backoff
         while p.failure is not None and self.auto_reconnect and not self.io.closed:
             p.failure.next_attempt = time.time() + delay

@@ -1,5 +1,7 @@
 """Where a stage runs: in this process (`local`), or on a worker daemon through
-one dispatcher (an RpcClient) per connection. Both run the very same graphs.
+one dispatcher (an RpcClient) per connection. Both run the very same graphs
+and offer the same contract, `Executor`; what only a worker can do (step
+links, pings) the local one declines with neutral values.
 
 Executors raise StageFailed; the coordinator turns it into a decode code.
 """
@@ -10,6 +12,7 @@ import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 
@@ -119,10 +122,50 @@ class ChunkDigests:
         return found
 
 
+class Executor(Protocol):
+    """What the coordinator asks of a place that runs a stage."""
+    endpoint: str
+    client: RpcClient | None  # the connection (None in this process): EndpointSet watches it for failures
+    rtt: float | None  # the last step's round trip minus the worker's compute time (None: not measured)
+    compute_us: int | None  # the worker's compute time summed over this connection (None in this process)
+    head_seconds: dict  # (n_outputs, argmax) -> compute time of the last head share of that shape here
+    request_timeout: float | None
+    step_token: bytes  # this connection's token for step links
+
+    async def open(self) -> dict: ...  # DEVICE_INFO (or this process's equivalent)
+    async def load(self, stage, gguf, progress=None) -> None: ...
+    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes: ...
+    async def ping(self) -> float | None: ...  # a round trip in seconds; None: no answer (or nothing to ask)
+    async def probe(self, timeout: float) -> dict: ...
+    async def close(self) -> None: ...
+
+    @property
+    def step_links(self) -> bool: ...  # takes step inputs from, and pushes outputs to, other workers
+
+    @property
+    def step_reply_output(self) -> bool: ...  # a forwarding compute may reply with its outputs too
+
+    # step links (only where step_links is True)
+    async def name_peers(self, peers: frozenset) -> None: ...
+    def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None, forward: list[dict],
+                    reply_output: bool = False) -> asyncio.Task: ...
+    async def deliver(self, token: bytes, tag: int, data: bytes) -> None: ...
+    async def cancel_input(self, tag: int) -> None: ...
+
+
 class LocalExecutor:
     """The in-process path: the correctness reference and the local baseline."""
 
     endpoint = "local"
+    client = None
+    rtt = None
+    compute_us = None
+    request_timeout = None
+    step_token = b""
+    step_links = step_reply_output = False  # nothing to link: the stage runs in this process
+
+    async def ping(self) -> float | None:
+        return None  # nothing to measure: no network between here and here
 
     def __init__(self, threads: int = 1):
         self.threads = threads
@@ -231,7 +274,7 @@ class RemoteExecutor:
         self.use_cache = use_cache
         self.client: RpcClient | None = None
         self.info: dict = {}
-        self.placement: dict = {}
+        self.addresses: dict = {}  # tensor -> (remote buffer, offset) of the loaded stage
         self.sent_graphs: set[int] = set()
         self.buffer: int | None = None
         self.step_token = b""  # this connection's token for step links (STEP_PEERS), new per connection
@@ -271,7 +314,7 @@ class RemoteExecutor:
     def _offers(self, feature: str) -> bool:
         client = self.client
         return (client is not None and client.failed is None
-                and feature in (getattr(client, "server_hello", None) or {}).get("features", ()))
+                and feature in client.server_hello.get("features", ()))
 
     @property
     def step_links(self) -> bool:
@@ -374,7 +417,7 @@ class RemoteExecutor:
         offsets, total = layout([t for _, t in weights] + kv)
         reply, _ = await self._request(Command.ALLOC_BUFFER, {"size": max(total, 1)}, kind_on_error=FailureKind.ALLOC)
         self.buffer = reply["buffer"]
-        self.placement = {t: (self.buffer, off) for t, off in offsets.items()}
+        self.addresses = {t: (self.buffer, off) for t, off in offsets.items()}
         self.load_stats = dict.fromkeys(self.load_stats, 0)
         chunks = []  # (range, bytes, (weight name, offset in it)) in buffer order
         for name, t in weights:
@@ -424,7 +467,7 @@ class RemoteExecutor:
     def _compute_fields(self, g, inputs: dict) -> tuple[dict, bytes]:
         """A compute request's fields (graph id, inline inputs, outputs) and blob."""
         if g.wire is None:
-            g.wire = encode_graph(g.gf, self.placement.get)
+            g.wire = encode_graph(g.gf, self.addresses.get)
         tensors, index_of = g.wire
         specs, parts, off = [], [], 0
         for name, arr in inputs.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Sequence
 
-Stage = Callable[[int, object], Awaitable[object]]  # (item index, the stage before's output or None) -> output
+FlowStage = Callable[[int, object], Awaitable[object]]  # (item index, the stage before's output or None) -> output
 
 _SKIPPED = object()  # an item not run because something failed: passed on so later stages count it
 
@@ -34,7 +34,7 @@ class FlowFailed(Exception):
         return [exc for _, _, exc in self.failures]
 
 
-async def flow(n_items: int, stages: Sequence[Stage], ahead: int = 0,
+async def flow(n_items: int, stages: Sequence[FlowStage], ahead: int = 0,
                after: Sequence[asyncio.Future | None] = (), done: Sequence[asyncio.Future | None] = ()) -> list:
     """Run items 0..n_items-1 through `stages`; the last stage's outputs, in
     item order. `ahead` (0: no bound) bounds how many finished items a stage
@@ -49,13 +49,13 @@ async def flow(n_items: int, stages: Sequence[Stage], ahead: int = 0,
     results: list = [None] * n_items
     failures: list[tuple[int, int, BaseException]] = []
 
-    async def run(k: int, stage: Stage) -> None:
+    async def run(k: int, stage: FlowStage) -> None:
         try:
             await _run(k, stage)
         finally:
             _set(done, k)
 
-    async def _run(k: int, stage: Stage) -> None:
+    async def _run(k: int, stage: FlowStage) -> None:
         if k < len(after) and after[k] is not None:
             await asyncio.shield(after[k])  # a cancelled flow must not cancel its predecessor's future
         for i in range(n_items):

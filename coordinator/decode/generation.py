@@ -18,8 +18,9 @@ from coordinator.text.stream import TextStream
 
 
 class Generations:
-    def __init__(self, coord):
-        self.coord = coord
+    def __init__(self, resumer, tokenizer, n_ctx: int, n_batch: int, stats: dict):
+        """`resumer.decode`: a decode that pauses through a lost worker when resuming is on (resume.py)."""
+        self.resumer, self.tokenizer, self.n_ctx, self.n_batch, self.stats = resumer, tokenizer, n_ctx, n_batch, stats
         self._lock = asyncio.Lock()  # one generation at a time
         self._owner = None  # the thread or task whose generation holds it
 
@@ -44,31 +45,32 @@ class Generations:
                 self._owner = None
 
     async def _generate(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop):
-        c = self.coord
         if not is_int(max_tokens) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, not {max_tokens!r}")
-        ids = c.tokenize(prompt)
+        tokenizer, decoder = self.tokenizer, self.resumer.decoder
+        ids = tokenizer.encode(prompt)
         # the last new token is sampled, never decoded: it needs no KV cell
-        if len(ids) + max(max_tokens - 1, 0) > c.n_ctx:
+        if len(ids) + max(max_tokens - 1, 0) > self.n_ctx:
             raise DecodeError(DecodeResult.NO_KV_SLOT, None, f"context full: prompt of {len(ids)} tokens plus "
-                              f"{max_tokens} new ones exceeds n_ctx {c.n_ctx}", FailureKind.CONTEXT_FULL)
+                              f"{max_tokens} new ones exceeds n_ctx {self.n_ctx}", FailureKind.CONTEXT_FULL)
         sampler = Sampler(temperature, top_k, top_p, seed)
         greedy = temperature == 0  # the last worker returns the argmax, not a megabyte of logits
-        c.kv_seq_rm(0)
-        text = TextStream(c.tokenizer, stop)
+        decoder.kv_seq_rm(0, 0, -1)  # on the loop, between steps: generations take turns
+        text = TextStream(tokenizer, stop)
         pos, pending = 0, ids
         for _ in range(max_tokens):
-            for start in range(0, len(pending), c.n_batch):
-                chunk = pending[start: start + c.n_batch]
+            for start in range(0, len(pending), self.n_batch):
+                chunk = pending[start: start + self.n_batch]
                 # with resume_within set it pauses through a lost worker (resume.py)
-                code = await c._resume.decode(Batch.single(chunk, pos), greedy)
-                if code != DecodeResult.OK:  # nothing of this step is emitted
-                    raise DecodeError(code, c.last_failed_endpoint, c.last_error or code.name, c.last_cause)
+                outcome = await self.resumer.decode(Batch.single(chunk, pos), greedy)
+                if outcome.code != DecodeResult.OK:  # nothing of this step is emitted
+                    raise DecodeError(outcome.code, outcome.endpoint, outcome.error or outcome.code.name,
+                                      outcome.cause)
                 pos += len(chunk)
-            token = c.token(-1) if greedy else sampler.sample(c.logits(-1))
-            if c.tokenizer.is_eog(token):
+            token = outcome.token(-1) if greedy else sampler.sample(outcome.logits(-1))
+            if tokenizer.is_eog(token):
                 break
-            c.stats["generated"] += 1
+            self.stats["generated"] += 1
             piece = text.feed(token)
             if piece:
                 yield piece

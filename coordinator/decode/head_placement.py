@@ -34,7 +34,7 @@ and measures it again). Between workers on one machine, sharing its memory
 bandwidth, the whole head takes less than the sum of the shards: the rule
 then splits more often than it should, which costs at most the saving it
 overestimates. Each step is decided when it is prepared, between steps, and
-carries its choice in its shape (StepShape.head_whole) and its head places:
+carries its choice in its shape (StepShape.head_on_last) and its head places:
 steps already in flight keep theirs. All give the same logits bit for bit
 (each logit is the same dot product on the same data), so the choice never
 changes a result. `split`, `whole` and `here` fix the choice (`here` takes

@@ -1,5 +1,5 @@
 """Pipeline parallelism within a decode step: the batch is cut into
-micro-batches that follow each other through the stages (stage_flow.flow),
+micro-batches that follow each other through the stages (flow.py),
 so worker A computes micro-batch k+1 while worker B computes micro-batch k,
 and the head round of one overlaps the layers of the next.
 
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.decode.pipeline import Pipeline, PreparedStep, step_failed
+from coordinator.decode.pipeline import Pipeline
+from coordinator.decode.step_io import PreparedStep, step_failed
 from coordinator.decode.flow import FlowFailed, flow
 
 DEFAULT_MICRO_BATCH = 64  # tokens; prompt chunks of 64 keep ggml's matmuls efficient on the CPU
@@ -109,7 +110,7 @@ class MicroBatches:
     """Decode steps cut into micro-batches that flow through the stages, and
     the order in which every stage takes them, across steps too: a step
     admitted after another is computed after it on every stage, so several
-    steps may be in flight at once (decode_gate.py). `micro_batch`: 0 turns
+    steps may be in flight at once (gate.py). `micro_batch`: 0 turns
     pipelining off (the coordinator then decodes one step at a time, each
     whole, the stages one after another: Pipeline.step)."""
 
@@ -188,7 +189,7 @@ def linkable(steps: list[PreparedStep], n_embd: int) -> bool:
     relayed it overlaps), not too many requests queued per worker, and room
     for all their hidden states in a worker's mailbox."""
     return (_fit_links(len(steps), sum(s.shape.n_tokens for s in steps), n_embd)
-            and not any(s.head_split for s in steps[:-1]))
+            and not any(s.head_in_shares for s in steps[:-1]))
 
 
 def _fit_links(n_pieces: int, n_tokens: int, n_embd: int) -> bool:

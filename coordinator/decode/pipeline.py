@@ -14,102 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.cluster.failures import StageFailed
 from coordinator.decode import step_links
+from coordinator.decode.flow import FlowFailed, flow
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.kv_cells import KVCells
-from coordinator.decode.flow import FlowFailed, flow
+from coordinator.decode.step_io import (PreparedStep, StepFailed, checked_logits, checked_tokens, read_output,
+                                        stage_inputs, step_failed)
 from coordinator.model.architectures.common import HParams, StepShape
-from coordinator.decode.values import FailureKind
-from coordinator.cluster.failures import StageFailed
 from coordinator.model.stage import StageOutput
 
 REPLAY_AHEAD = 4  # replayed steps a stage may run ahead of the next one (hidden states held)
 
 
-@dataclass
-class PreparedStep:
-    """One step (a micro-batch, or a whole batch) with the inputs fixed when its KV rows were assigned."""
-    tokens: object  # the token ids (a sequence of int)
-    rows: np.ndarray  # int64: the KV rows it writes
-    pos: np.ndarray  # int64 positions
-    seqs: np.ndarray  # uint64 sequence masks
-    out_rows: np.ndarray  # int32: the rows the last stage returns (one dropped row if none is wanted)
-    wanted: bool  # some row wants logits (else the KV rows are all it is for)
-    head_split: bool  # its head runs in shares at once, on `head_places` (else whole on the last stage, or not at all)
-    shape: StepShape
-    common: dict  # the inputs every stage takes: positions, kv_rows, masks
-    mask: np.ndarray
-    mask_swa: np.ndarray
-    head_places: tuple = ()  # the places whose shares compute its head (HeadPlacement's "split" or "here")
-
-
-class StepFailed(Exception):
-    """`reported`: what the decode reports (a StageFailed, or any other
-    exception: a bug of ours); `lost`: the failures of connections, to latch."""
-
-    def __init__(self, reported: BaseException, lost: list[StageFailed]):
-        super().__init__(str(reported))
-        self.reported, self.lost = reported, lost
-
-
-def _read(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
-    """Stage `p`'s reply taken apart, if it has the size its layout says."""
-    expect = p.stage.output_size(shape, head)
-    if len(data) != expect:
-        raise StageFailed(FailureKind.COMPUTE, p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
-                                                 f"{len(data)} bytes, expected {expect}")
-    return p.stage.read_output(data, shape, head)
-
-
-def _checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
-    if ((tokens < 0) | (tokens >= n_vocab)).any():
-        raise StageFailed(FailureKind.COMPUTE, endpoint,
-                          f"compute failed on worker {endpoint}: argmax token id out of range")
-    return tokens
-
-
-def _checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
-    if not np.isfinite(logits).all():
-        raise StageFailed(FailureKind.COMPUTE, endpoint,
-                          f"compute failed on worker {endpoint}: logits contain NaN or infinity")
-    return logits
-
-
-def _stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
-    """Stage `p`'s graph inputs: the step's common ones, and the tokens (first
-    stage) or the hidden state from the stage before, and the output rows (last)."""
-    inputs = dict(common)
-    if p.stage.first:
-        inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
-    else:
-        inputs["hidden"] = hidden
-    if p.stage.last:
-        inputs["out_rows"] = out_rows
-    return inputs
-
-
-def step_failed(failures: list[BaseException]) -> StepFailed:
-    """Several failures of one step as the one it reports, in the order given
-    (micro-batch, then stage or endpoint): a bug of ours first, else the first
-    lost connection (ENDPOINT_FAILED before COMPUTE_FAILED), else the first;
-    every lost connection, to latch."""
-    flat: list[BaseException] = []
-    for exc in failures:
-        flat.extend([exc.reported, *(e for e in exc.lost if e is not exc.reported)]
-                    if isinstance(exc, StepFailed) else [exc])
-    lost = [exc for exc in flat if isinstance(exc, StageFailed) and exc.lost_connection]
-    bug = next((exc for exc in flat if not isinstance(exc, StageFailed)), None)
-    return StepFailed(bug or (lost or flat)[0], lost)
-
-
 async def _run_on(p, common: dict, tokens, hidden, out_rows, shape: StepShape) -> StageOutput:
     """Stage `p` computed once: its inputs sent, its reply read back."""
-    inputs = _stage_inputs(p, common, tokens, hidden, out_rows)
-    return _read(p, await p.executor.run(p.stage, shape, inputs), shape)
+    inputs = stage_inputs(p, common, tokens, hidden, out_rows)
+    return read_output(p, await p.executor.run(p.stage, shape, inputs), shape)
 
 
 async def _failures_as_step_failed(coro):
@@ -124,22 +48,27 @@ async def _failures_as_step_failed(coro):
 
 
 class Pipeline:
-    def __init__(self, places: list, hp: HParams, kv: KVCells, head_split: bool, journal=None,
-                 links: bool = True, stats: dict | None = None, placement: HeadPlacement | None = None):
-        """`head_split`: the stages hold shards of the output head; `placement`
+    def __init__(self, places: list, hp: HParams, kv: KVCells, head_shards: bool, journal=None,
+                 links: bool = True, stats: dict | None = None, head_placement: HeadPlacement | None = None):
+        """`head_shards`: the stages hold shares of the output head; `head_placement`
         chooses, step by step, whether a step uses them or the last stage's
         whole head (coordinator/decode/head_placement.py; None: always the shards).
         `journal` (a StepJournal, or None): every step that succeeds is
         recorded there, for rebuilding a lost KV cache by replay. `links`: a
         step whose workers all offer step links sends its activations worker
         to worker (coordinator/decode/step_links.py); else they come back here."""
-        self.places, self.hp, self.kv, self.head_split, self.journal = places, hp, kv, head_split, journal
-        self.here = None  # a Placement in this process holding the rows besides the last stage's share, if any
-        self.placement = placement if placement is not None else HeadPlacement("split" if head_split else "whole")
+        self.places, self.hp, self.kv, self.head_shards, self.journal = places, hp, kv, head_shards, journal
+        self.here = None  # a Place in this process holding the rows besides the last stage's share, if any
+        self.head_placement = (head_placement if head_placement is not None
+                               else HeadPlacement("split" if head_shards else "whole"))
         self._pinging: set = set()  # round-trip measurements in flight (held until they end)
         self.links = links
-        self.links_paused_until = 0.0  # step_links: relayed until then, after a failed push
+        self.links_paused_until = 0.0  # relayed until then, after a failed push (pause_links)
         self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
+
+    def pause_links(self, seconds: float) -> None:
+        """Relay every step for `seconds` (a worker could not push to its next hop)."""
+        self.links_paused_until = time.monotonic() + seconds
 
     async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
                    out_rows: np.ndarray, greedy: bool) -> np.ndarray:
@@ -152,7 +81,7 @@ class Pipeline:
         """Journal steps (kv_journal.JournalStep) again, in order, as they were
         first decoded, through the stages 0..`through` only: their KV rows are
         rewritten (the stages after keep theirs); no head round. The stages
-        work as a pipeline (microbatch.flow): stage k replays step i while
+        work as a pipeline (flow.py): stage k replays step i while
         stage k-1 replays step i+1, each taking the steps in order, as its KV
         rows need. Raises StepFailed; after the first failure no stage starts
         another step, and the requests in flight end before it is raised."""
@@ -198,11 +127,11 @@ class Pipeline:
         if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
             out_rows = np.array([n - 1], dtype=np.int32)
         head = self._place_head(len(out_rows), greedy, relayed) if wanted else "whole"
-        if not self.head_split:
+        if not self.head_shards:
             head = "whole"  # the stages hold no shares (the placement's mode is "whole" then)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), greedy, head_whole=wanted and self.head_split and head == "whole")
+        shape = StepShape(n, n_kv, len(out_rows), greedy, head_on_last=wanted and self.head_shards and head == "whole")
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
                             self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
 
@@ -218,31 +147,30 @@ class Pipeline:
         """The placement's choice for a step (only a last stage that holds the whole head can take it whole;
         only a coordinator that holds the other rows, with a last worker that can reply with its normed
         rows while it pushes them to its own share, can take a share itself)."""
-        if self.placement.stale():
-            self.placement.measured_at = time.monotonic()
+        if self.head_placement.stale():
+            self.head_placement.measured_at = time.monotonic()
             task = asyncio.get_running_loop().create_task(self.measure_rtts(pings=1))
             self._pinging.add(task)  # not awaited: the step does not wait for it
             task.add_done_callback(self._pinging.discard)
         linked = self.links and not relayed and step_links.usable(self)
         last = self.places[-1]
-        here = self.here is not None and (not linked or getattr(last.executor, "step_reply_output", False))
-        return self.placement.choose((n_outputs, greedy), 1 if linked else 2,
-                                     whole_possible=last.stage.whole_head, here_possible=here)
+        here = self.here is not None and (not linked or last.executor.step_reply_output)
+        return self.head_placement.choose((n_outputs, greedy), 1 if linked else 2,
+                                     whole_possible=last.stage.holds_whole_head, here_possible=here)
 
     async def measure_rtts(self, pings: int = 3) -> None:
         """PING every connected worker `pings` times (one after another), all
         workers at once; each round trip into the placement's estimate. A
         worker that does not answer is its requests' to report, not this."""
         async def one(p):
-            ping = getattr(p.executor, "ping", None)
-            for _ in range(pings if ping is not None and p.failure is None else 0):
-                rtt = await ping()
+            for _ in range(pings if p.executor is not None and p.failure is None else 0):
+                rtt = await p.executor.ping()
                 if rtt is None:
                     return
-                self.placement.record_rtt(p.endpoint, rtt)
+                self.head_placement.record_rtt(p.endpoint, rtt)
 
         await asyncio.gather(*(one(p) for p in self.places))
-        self.placement.keep_only({p.endpoint for p in self.places})
+        self.head_placement.keep_only({p.endpoint for p in self.places})
 
     async def run_stage(self, p, step: PreparedStep, hidden) -> StageOutput:
         """Stage `p` of `step`, given the hidden state from the stage before (None for the first)."""
@@ -254,13 +182,13 @@ class Pipeline:
         greedy = step.shape.argmax
         if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
             return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
-        if step.head_split:
+        if step.head_in_shares:
             return await self._head(out.hidden, step.shape, step.head_places)
         last = self.places[-1].endpoint
         if greedy:
-            _checked_logits(out.sums, last)
-            return _checked_tokens(out.tokens, self.hp.n_vocab, last)
-        return _checked_logits(out.logits, last)
+            checked_logits(out.sums, last)
+            return checked_tokens(out.tokens, self.hp.n_vocab, last)
+        return checked_logits(out.logits, last)
 
     def record(self, step: PreparedStep) -> None:
         """A step that succeeded, into the journal (if any)."""
@@ -322,7 +250,7 @@ class Pipeline:
         """The shards' compute times of a head round, into the placement's estimate."""
         key = shape.head_key
         here = any(p is self.here for p in places)
-        self.placement.record_head(key, [getattr(p.executor, "head_seconds", {}).get(key) for p in places],
+        self.head_placement.record_head(key, [p.executor.head_seconds.get(key) for p in places],
                                    "here" if here else "split")
 
     def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
@@ -330,14 +258,14 @@ class Pipeline:
         if shape.argmax:
             best, value = [], []
             for p, data in zip(places, results):
-                out, r = _read(p, data, shape, head=True), p.stage.head_rows
-                _checked_logits(out.sums, p.endpoint)
-                best.append(_checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
+                out, r = read_output(p, data, shape, head=True), p.stage.head_rows
+                checked_logits(out.sums, p.endpoint)
+                best.append(checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
                 value.append(out.best)
             winner = np.argmax(np.stack(value), axis=0)
             return np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
         logits = np.empty((shape.n_outputs, self.hp.n_vocab), dtype=np.float32)
         for p, data in zip(places, results):
             r = p.stage.head_rows
-            logits[:, r.start: r.stop] = _checked_logits(_read(p, data, shape, head=True).logits, p.endpoint)
+            logits[:, r.start: r.stop] = checked_logits(read_output(p, data, shape, head=True).logits, p.endpoint)
         return logits

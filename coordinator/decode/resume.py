@@ -30,8 +30,8 @@ import time
 import structlog
 
 from coordinator.decode.kv_journal import StepJournal
-from coordinator.decode.pipeline import StepFailed
-from coordinator.decode.values import DecodeResult
+from coordinator.decode.step_io import StepFailed
+from coordinator.decode.values import NO_OUTPUT, DecodeOutcome, DecodeResult
 
 log = structlog.get_logger("coordinator.decode.resume")
 
@@ -43,11 +43,12 @@ HOME_EVERY = 2.0  # while a spare holds a stage, how often its own endpoint is t
 
 
 class Resumer:
-    def __init__(self, coord, resume_within: float | None, spares=(), stats: dict | None = None,
+    home_every = HOME_EVERY
+    def __init__(self, resume_within: float | None, spares=(), stats: dict | None = None,
                  spare_after: float | None = None):
         if resume_within is not None and not resume_within > 0:
             raise ValueError(f"resume_within must be a positive number of seconds or None, not {resume_within!r}")
-        self.coord = coord
+        self.decoder = self.endpoints = None  # attach(): they are built with this as one of their hooks
         self.resume_within = None if resume_within is None else float(resume_within)
         self.spares: list[str] = list(spares)
         if self.spares and self.resume_within is None:
@@ -65,6 +66,10 @@ class Resumer:
         self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
                            "replayed_tokens": 0, "replay_seconds": 0.0, "spare_takeovers": 0,
                            "moves_home": 0})
+
+    def attach(self, decoder, endpoints) -> None:
+        """The Decoder whose steps this resumes and the EndpointSet whose latches it waits out."""
+        self.decoder, self.endpoints = decoder, endpoints
 
     @property
     def enabled(self) -> bool:
@@ -133,10 +138,10 @@ class Resumer:
 
     async def _rebuild(self, latch) -> None:
         through = max(self.lost)
-        steps = self.journal.prune(self.coord.kv.pos >= 0)
+        steps = self.journal.prune(self.decoder.kv.pos >= 0)
         started = time.perf_counter()
         try:
-            await self.coord._pipeline.replay(steps, through)
+            await self.decoder.pipeline.replay(steps, through)
         except StepFailed as failed:
             if failed.lost:  # a worker failed during the replay: it latches and is resumed in turn
                 for exc in failed.lost:
@@ -147,7 +152,7 @@ class Resumer:
             log.error("KV rebuild failed; the sequences must be re-fed", error=str(failed.reported))
             self.lost.clear()
             self.journal.clear()
-            self.coord._forget_kv()
+            self.decoder.forget_kv()
             return
         seconds = time.perf_counter() - started
         n_tokens = self.journal.replay_tokens()
@@ -160,42 +165,42 @@ class Resumer:
                  seconds=round(seconds, 3))
 
     # ------------------------------------------------------------ decoding through a failure
-    async def decode(self, batch, greedy: bool = False) -> DecodeResult:
-        """decode(), waiting through endpoint failures for at most resume_within
-        seconds from the first; on the coordinator's loop."""
-        c = self.coord
-        code = await c._decode(batch, greedy)
-        if code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
-            return code
-        first = (c.last_error, c.last_cause, c.last_failed_endpoint)
-        if first[2] in self.first_failures:  # the failure itself: not a fast-fail's "[latched ...]" form, nor
-            cause, kind = self.first_failures[first[2]]  # a reconnect attempt's that replaced the latch's since
-            first = (cause, kind, first[2])
+    async def decode(self, batch, greedy: bool = False, group: bool = True) -> DecodeOutcome:
+        """Decoder.decode, waiting through endpoint failures for at most
+        resume_within seconds from the first; on the coordinator's loop."""
+        decoder = self.decoder
+        outcome = await decoder.decode(batch, greedy, group)
+        if outcome.code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
+            return outcome
+        first = outcome
+        if first.endpoint in self.first_failures:  # the failure itself: not a fast-fail's "[latched ...]" form,
+            cause, kind = self.first_failures[first.endpoint]  # nor a reconnect attempt's that replaced the latch's
+            first = DecodeOutcome(first.code, NO_OUTPUT, cause, kind, first.endpoint)
         paused = time.monotonic()
         deadline = paused + self.resume_within
-        log.warning("decode paused: waiting for the stage to resume", endpoint=first[2], cause=first[0],
+        log.warning("decode paused: waiting for the stage to resume", endpoint=first.endpoint, cause=first.error,
                     within=self.resume_within)
-        while code == DecodeResult.ENDPOINT_FAILED:
-            while c._endpoints.failed():
+        while outcome.code == DecodeResult.ENDPOINT_FAILED:
+            while self.endpoints.failed():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    c._failed(code, *first)
-                    log.error("resume gave up: the stage did not come back in time", endpoint=first[2],
-                              cause=first[0], waited=round(time.monotonic() - paused, 3))
-                    return code
+                    decoder.last = first
+                    log.error("resume gave up: the stage did not come back in time", endpoint=first.endpoint,
+                              cause=first.error, waited=round(time.monotonic() - paused, 3))
+                    return first
                 # no await between the look and the clear: a reconnect that ends meanwhile sets it again
                 self._serving.clear()
                 try:
                     await asyncio.wait_for(self._serving.wait(), left)
                 except TimeoutError:
                     pass
-            code = await c._decode(batch, greedy)
+            outcome = await decoder.decode(batch, greedy, group)
         seconds = time.monotonic() - paused
-        if code == DecodeResult.OK:
+        if outcome.code == DecodeResult.OK:
             self.stats["resumes"] += 1
             self.stats["resume_seconds"] += seconds
-            log.info("decode resumed", endpoint=first[2], paused_seconds=round(seconds, 3))
-        return code
+            log.info("decode resumed", endpoint=first.endpoint, paused_seconds=round(seconds, 3))
+        return outcome
 
     # ------------------------------------------------------------ health
     def health(self, health: dict, places: list) -> dict:

@@ -28,8 +28,9 @@ import time
 import structlog
 
 from coordinator.cluster.executors import InputMissing, NotLinked
-from coordinator.decode.values import FailureKind
 from coordinator.cluster.failures import StageFailed
+from coordinator.decode.step_io import StepFailed, read_output, stage_inputs, step_failed
+from coordinator.decode.values import FailureKind
 
 log = structlog.get_logger("coordinator")
 
@@ -44,19 +45,17 @@ def usable(pipe) -> bool:
     push failed lately (a firewall between workers would cost every step a
     failed push before the relay)."""
     return (len(pipe.places) > 1 and time.monotonic() >= pipe.links_paused_until
-            and all(getattr(p.executor, "step_links", False) for p in pipe.places))
+            and all(p.executor is not None and p.executor.step_links for p in pipe.places))
 
 
 async def _share_here(p, last_place, last_stage: asyncio.Task, shape) -> tuple[dict, bytes]:
     """This process's share of a step's head (`p`, pipe.here), from the normed
     rows the last stage replies with (reply_output); (reply, blob) as a worker's."""
-    from coordinator.decode.pipeline import _read
-
     await asyncio.wait([last_stage])  # not `await`: cancelling this must not cancel the last stage's request
     if last_stage.cancelled() or last_stage.exception() is not None:
         raise InputMissing(FailureKind.COMPUTE, p.endpoint, "no normed rows for this process's share of the "
                                                             "output head: the last stage failed")
-    normed = _read(last_place, last_stage.result()[1], shape).hidden
+    normed = read_output(last_place, last_stage.result()[1], shape).hidden
     return {}, await p.executor.run(p.stage, shape, {"head_in": normed}, head=True)
 
 
@@ -73,11 +72,9 @@ async def run(pipe, steps: list) -> list | None:
     step (the last stage's output, or None when it went to the head shards;
     the shards' reply blobs), or None when the steps must run on the relayed
     path instead. Raises StepFailed (the failures in step order)."""
-    from coordinator.decode.pipeline import StepFailed, _read, _stage_inputs, step_failed
-
     places = pipe.places
     last = len(places) - 1
-    if not getattr(places[last].executor, "step_reply_output", False) and any(
+    if not places[last].executor.step_reply_output and any(
             q is pipe.here for _, head_places in steps for q in head_places):
         return None  # placed here for the relayed path (links were paused then): its last stage cannot reply
     plans = []  # per step: (stage tags, head tags (None: this process's share), per stage its destinations)
@@ -90,7 +87,7 @@ async def run(pipe, steps: list) -> list | None:
                        for k in range(len(places))]))
     # the last stage names every head shard whether a step's head is split or not, so a head
     # placement that changes between steps (head_placement.py) costs no STEP_PEERS round trip
-    shards = frozenset(p.endpoint for p in places if pipe.head_split and len(p.stage.head_rows))
+    shards = frozenset(p.endpoint for p in places if pipe.head_shards and len(p.stage.head_rows))
     try:
         # a round trip only when a connection's peers change (its first linked step)
         await asyncio.gather(*(p.executor.name_peers(
@@ -103,7 +100,7 @@ async def run(pipe, steps: list) -> list | None:
     waits = []  # (place, tag, task): every request that waits for an input
     for (step, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
         for k, p in enumerate(places):
-            inputs = _stage_inputs(p, step.common, step.tokens, None, step.out_rows)
+            inputs = stage_inputs(p, step.common, step.tokens, None, step.out_rows)
             inputs.pop("hidden", None)  # it comes from stage k-1's worker
             timeout = p.executor.request_timeout or 900.0
             step_input = ("hidden", stage_tags[k], timeout) if k else None
@@ -154,7 +151,7 @@ async def run(pipe, steps: list) -> list | None:
             q, tag = dests[index]
             log.warning("a worker could not push to the next; relaying its steps for a while", worker=p.endpoint,
                         to=q.endpoint, error=why, relay_s=RELAY_AFTER_FAILED_PUSH)
-            pipe.links_paused_until = time.monotonic() + RELAY_AFTER_FAILED_PUSH
+            pipe.pause_links(RELAY_AFTER_FAILED_PUSH)
             relay = asyncio.get_running_loop().create_task(q.executor.deliver(q.executor.step_token, tag, bytes(out)))
             relay.add_done_callback(relay_settled)
             relays.append(relay)
@@ -205,6 +202,6 @@ async def run(pipe, steps: list) -> list | None:
     outputs = []
     for step, head_places in steps:  # each step's replies: its stages', then its shards'
         mine, results = results[:len(places) + len(head_places)], results[len(places) + len(head_places):]
-        outputs.append((None if head_places else _read(places[last], mine[last][1], step.shape),
+        outputs.append((None if head_places else read_output(places[last], mine[last][1], step.shape),
                         [blob for _, blob in mine[len(places):]]))
     return outputs

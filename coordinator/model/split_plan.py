@@ -83,7 +83,7 @@ def human(n: int) -> str:
 
 
 def fit_split(names: Sequence[str], free: Sequence[int | None], n_layer: int, n_vocab: int,
-              weights: Sequence[float], head_split: bool, fixed: bool, need) -> tuple[list[range], list]:
+              weights: Sequence[float], head_shards: bool, fixed: bool, need) -> tuple[list[range], list]:
     """Layer ranges and head rows whose stages fit each endpoint's free memory.
 
     `need(index, layers, head_rows)` is what stage `index` would take (bytes); `free[i]`
@@ -93,7 +93,7 @@ def fit_split(names: Sequence[str], free: Sequence[int | None], n_layer: int, n_
     many as fit while leaving one for each after it. If that fails too, DoesNotFit says
     how many bytes are missing in all and on which endpoints."""
     layers = plan_split(n_layer, weights)
-    heads = plan_rows(n_vocab, weights) if head_split else [None] * len(names)
+    heads = plan_rows(n_vocab, weights) if head_shards else [None] * len(names)
     needs = [need(i, r, h) for i, (r, h) in enumerate(zip(layers, heads))]
     if all(f is None or n <= f for n, f in zip(needs, free)):
         return layers, heads

@@ -2,7 +2,7 @@
 weights and KV cache those layers need, and its step graphs built once per
 shape and reused.
 
-With the output head split (the coordinator's `head_split`), every stage also
+With the output head in shares (the coordinator's `head_shards`), every stage also
 holds a shard of the output head: a range of vocabulary rows. The last stage's
 layer graph then ends at the normalized rows that want logits, and every stage
 multiplies them by its rows in a separate head graph, all at the same time. On
@@ -77,8 +77,8 @@ class Stage:
     # (None: the head is not split; the last stage's layer graph computes it whole)
     head_rows: range | None = None
     # the last stage holds the whole head besides (its rows are a view of it): a step may have it
-    # computed whole here instead of split (StepShape.head_whole; coordinator/decode/head_placement.py)
-    whole_head: bool = False
+    # computed whole here instead of split (StepShape.head_on_last; coordinator/decode/head_placement.py)
+    holds_whole_head: bool = False
     head_weight: str | None = None  # the weight the head graph multiplies by (all its rows, or a cut)
     # name -> (GGUF tensor, first byte, end byte): weights that are a row range of a GGUF tensor
     cuts: dict = field(default_factory=dict)
@@ -88,21 +88,21 @@ class Stage:
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
-               head_rows: range | None = None, whole_head: bool = False) -> "Stage":
-        """`whole_head` (with `head_rows`): the last stage holds the whole head too (others ignore it)."""
+               head_rows: range | None = None, holds_whole_head: bool = False) -> "Stage":
+        """`holds_whole_head` (with `head_rows`): the last stage holds the whole head too (others ignore it)."""
         first, last = layers.start == 0, layers.stop == n_layer
-        whole_head = last and (head_rows is None or whole_head)
+        holds_whole_head = last and (head_rows is None or holds_whole_head)
         names = [n for n in gguf.tensors if n.startswith("blk.") and int(n.split(".")[1]) in layers]
         if first:
             names.append("token_embd.weight")
         if last:
             names.append("output_norm.weight")
-            if whole_head:
+            if holds_whole_head:
                 names.append(head_source(gguf.tensors))
         names += arch.extra_weights(gguf.tensors)  # on every stage, e.g. llama 3.x's RoPE frequency factors
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
         stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows,
-                    whole_head)
+                    holds_whole_head)
         if head_rows is not None and len(head_rows):
             src = head_source(gguf.tensors)
             # a stage that holds the whole tensor anyway (the first, with a tied embedding)
@@ -139,7 +139,7 @@ class Stage:
     def head_here(self, shape: StepShape) -> bool:
         """This stage's layer graph ends in the whole output head (else the
         hidden state, or with the head split the normed rows for the shards)."""
-        return self.last and (self.head_rows is None or (shape.head_whole and self.whole_head))
+        return self.last and (self.head_rows is None or (shape.head_on_last and self.holds_whole_head))
 
     # ------------------------------------------------------------ the reply's layout
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's

@@ -2,7 +2,7 @@
 
 In order: `--chat-template` (a built-in name below, or a path to a Jinja
 template file), else the GGUF's own `tokenizer.chat_template`, else the
-architecture's generic fallback (models/<arch>.py FALLBACK_CHAT_TEMPLATE),
+architecture's generic fallback (model/architectures/<arch>.py FALLBACK_CHAT_TEMPLATE),
 which is what a base model without a template gets: the server then warns at
 start that chat will mostly continue the user's text.
 

@@ -2,27 +2,27 @@
 
 Without --endpoints it starts --local-workers daemons on free loopback ports,
 uses them and stops them at exit.
+
+This module is the command line alone: the flags, their checks, and main(),
+which runs the command's module: generate.py, benchmark.py, or lifecycle.py
+(serve). cluster_setup.py turns the flags they share into endpoints and
+Coordinator options.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
+import dataclasses
 import inspect
 import os
 import signal
-import statistics
 import sys
-import time
 
 from coordinator.api import Coordinator
+from coordinator.config import CoordinatorConfig
 from coordinator.decode.kv_cells import MAX_SEQ  # a serving slot is a KV sequence id
 from rpc_daemon.service.logs import say  # stderr lines: plain, or JSON under --log-format json
 from rpc_daemon.service.version import VersionAction
 
-EXIT_DECODE_FAILED = 2
-EXIT_CONNECT_FAILED = 3
-EXIT_LISTEN_FAILED = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 SERVE_RESUME_WITHIN = 30.0  # serve's default: a worker restarted by systemd is back well within it
@@ -33,7 +33,7 @@ def _defaults(fn) -> dict:
     return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
 
 
-LIBRARY = _defaults(Coordinator.__init__)  # n_ctx, threads, ...
+LIBRARY = {f.name: f.default for f in dataclasses.fields(CoordinatorConfig)}  # n_ctx, threads, ...
 GENERATION = _defaults(Coordinator.stream)  # max_tokens, temperature, top_k, top_p, seed
 
 
@@ -120,11 +120,6 @@ def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None
     p.add_argument("--spare-after", type=_seconds, default=None, metavar="S",
                    help="how long a lost worker may take to come back before a spare takes its stage "
                         "(default: 1 s, or a quarter of --resume-within if that is less)")
-
-
-def _resume_options(args) -> dict:
-    return {"resume_within": args.resume_within or None, "spare_after": args.spare_after,
-            "spares": [e.strip() for e in (args.spares or "").split(",") if e.strip()]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -223,306 +218,6 @@ def _check_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(str(exc))
 
 
-@contextlib.contextmanager
-def endpoints_for(args, supervise: bool = False):
-    if args.endpoints:
-        yield [e.strip() for e in args.endpoints.split(",") if e.strip()]
-        return
-    from coordinator.serving.local_workers import LocalWorkers
-
-    extra = ("--secret-file", args.secret_file) if args.secret_file else ()
-    with LocalWorkers(args.local_workers, args.threads, extra) as workers:
-        if supervise:  # a server restarts a local worker that dies; generate and bench report it and stop
-            workers.supervise()
-        yield workers.endpoints
-
-
-def _security(args) -> dict:
-    """Coordinator options for the workers' shared secret and TLS (docs/security.md)."""
-    return {"secret": args.secret, "tls_ca": args.tls_ca}
-
-
-def cmd_generate(args) -> int:
-    from coordinator import DecodeError
-
-    with endpoints_for(args) as endpoints:
-        try:
-            c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size, **_security(args),
-                            threads=args.threads, progress=sys.stderr.isatty(), head_split=args.head_split,
-                            step_links=args.step_links,
-                            micro_batch=args.micro_batch, **_resume_options(args))
-        except (ConnectionError, OSError, ValueError) as exc:
-            say(f"cannot start: {exc}", "error")
-            return EXIT_CONNECT_FAILED
-        with c:
-            started, n = time.perf_counter(), 0
-            generated0 = c.stats["generated"]
-            try:
-                for piece in c.stream(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed):
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-            except DecodeError as exc:
-                say(f"generation failed: {exc}", "error", new_line=True)
-                return EXIT_DECODE_FAILED
-            elapsed = time.perf_counter() - started
-            n = c.stats["generated"] - generated0
-            n_layer = c.hp.n_layer
-            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1} "
-                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
-                              + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
-                                 if e["head_rows"] else "") for e in c.endpoints())
-            if args.log_format == "json":
-                say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
-                    endpoints=c.endpoints())
-            else:
-                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
-    return 0
-
-
-def _bench_one(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
-    """pp tokens/s; tg tokens/s reading full logits (llama-bench's measure);
-    tg tokens/s with greedy=True (what generate does at temperature 0)."""
-    from coordinator import Batch, DecodeError
-
-    rng = __import__("numpy").random.default_rng(0)
-    prompt = [int(x) for x in rng.integers(10, 1000, n_pp)]
-    rates = []
-    for greedy in (None, False, True):
-        c.kv_clear()
-        t = time.perf_counter()
-        code = c.decode(Batch.single(prompt, 0))
-        if greedy is None:
-            rates.append(n_pp / (time.perf_counter() - t))
-            continue
-        if code != 0:
-            raise DecodeError(code, None, "prompt decode failed")
-        tok, pos = c.token(-1), n_pp
-        t = time.perf_counter()
-        for _ in range(n_tg):
-            code = c.decode(Batch.single([tok], pos), greedy=greedy)
-            if code != 0:
-                raise DecodeError(code, None, "decode failed")
-            tok, pos = c.token(-1), pos + 1
-        rates.append(n_tg / (time.perf_counter() - t))
-    return tuple(rates)
-
-
-def _reference(args, n_workers: int):
-    """llama.cpp's llama-bench on the same model, threads, pp and tg, in process and over as
-    many of its rpc-servers: (a function measuring one repetition of those rows -> ({row:
-    {"pp", "tg"}}, notes), None) or (None, why the rows are skipped)."""
-    import importlib.util
-    import pathlib
-
-    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "llama_cpp_reference.py"
-    if not script.is_file():
-        return None, f"llama.cpp reference skipped: {script} is not here (an installed package has no bench/)"
-    spec = importlib.util.spec_from_file_location("llama_cpp_reference", script)
-    ref = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ref)
-    why = ref.missing()
-    if why:
-        return None, f"llama.cpp reference skipped: {why}"
-    from coordinator.model.default_model import default_model_path
-
-    model = args.model or default_model_path()
-    return (lambda: ref.reference_rows(model, args.threads, args.pp, args.tg, 1, n_workers)), None
-
-
-def cmd_bench(args) -> int:
-    load_before = os.getloadavg()[0]  # printed with the results: other jobs on the cores move every row
-    results = {}
-    with endpoints_for(args) as endpoints:
-        rpc = f"rpc x{len(endpoints)}"
-        setups = {"local": (["local"], {})}
-        total = args.threads * len(endpoints)
-        if total > args.threads:  # the workers' cores, all in one process: what one machine alone would do
-            setups[f"local -t {total}"] = (["local"], {"threads": total})
-        for links in (("on", True), ("off", False)):
-            if args.step_links not in (links[0], "both"):
-                continue
-            name, opts = rpc + ("" if links[1] else " relayed"), {"split": args.split, "step_links": links[1]}
-            if args.head_split in ("on", "both") or len(endpoints) == 1:
-                setups[name] = (endpoints, dict(opts, head_split=True))
-            if args.head_split in ("off", "both") and len(endpoints) > 1:
-                setups[name + " head whole"] = (endpoints, dict(opts, head_split=False))
-        coords = {}
-        try:
-            for name, (eps, opts) in setups.items():
-                opts = {"threads": args.threads, "micro_batch": args.micro_batch, **opts}
-                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
-                                           **opts, **_security(args))
-        except BaseException:
-            for c in coords.values():
-                c.close()
-            raise
-        reference_run, notes = _reference(args, len(endpoints)) if args.reference else (None, None)
-        notes, ref_results = [notes] if notes else [], {}
-        try:
-            for c in coords.values():
-                # warm up with the measured shapes, as llama-bench does: the pp graph sent, built and
-                # placed once, compute processes started (else the first repetition pays for it)
-                _bench_one(c, args.pp, 2)
-            for _ in range(args.reps):  # interleaved, so all see the same machine load
-                for name, c in coords.items():
-                    results.setdefault(name, []).append(_bench_one(c, args.pp, args.tg))
-                if reference_run is not None:
-                    try:
-                        rows, ref_notes = reference_run()
-                    except (RuntimeError, OSError, ValueError, KeyError) as exc:
-                        notes.append(f"llama.cpp reference failed: {exc}")
-                        reference_run = None
-                        continue
-                    for name, r in rows.items():
-                        ref_results.setdefault(name, []).append(r)
-                    notes += [n for n in ref_notes if n not in notes]
-        finally:
-            for c in coords.values():
-                c.close()
-    reference = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
-                 for name, rs in ref_results.items()}
-    if reference:
-        notes.append("llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, "
-                     "threads, pp and tg, one repetition after each of ours")
-        notes.append("both sides: ggml 0.25.3 from the same pinned source built -march=native, plain CPU buffers "
-                     "(no repacked weights: llama.cpp's --repack 1 also turns on AMX, which dies on VMs that list "
-                     "it; CPU_REPACK made no measurable difference to ours), flash attention, f16 KV cache, the "
-                     "last layer's FFN for the output rows only, llamafile's tinyBLAS (ours: for quantized "
-                     "weights only, as this model's are; docs/architecture.md, \"Kernels\")")
-    cols = [f"pp{args.pp} t/s", f"tg{args.tg} t/s", f"tg{args.tg} greedy"]
-    width = max(len(name) for name in results) + 20
-    print(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
-    med = {}
-    for name, rs in results.items():
-        med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
-        print(f"{name:<{width}}" + "".join(f"{v:>14.1f}" for v in med[name]))
-    baselines = [name for name in med if name.startswith("local")]
-    for base in baselines:
-        for name in med:
-            if name not in baselines:
-                label = f"ratio {name}" + (f" / {base}" if base != "local" else "")
-                print(f"{label:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med[base])))
-    for name, r in reference.items():
-        print(f"{name:<{width}}{r['pp']:>14.1f}{r['tg']:>14.1f}{'-':>14}")
-    for ours, theirs in (("local", "llama.cpp"), (rpc, f"llama.cpp {rpc}")):
-        if ours in med and theirs in reference:
-            label = f"ratio {ours} / {theirs}"
-            print(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
-                  f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
-    targets = []  # issue #14's speed targets, as ratios to llama.cpp measured in this same run
-    for ours, theirs, col, goal in (("local", "llama.cpp", 0, 0.95), (rpc, f"llama.cpp {rpc}", 0, 0.95),
-                                    (rpc, f"llama.cpp {rpc}", 1, 1.4)):
-        if ours in med and theirs in reference:
-            ratio = med[ours][col] / reference[theirs]["pp" if col == 0 else "tg"]
-            what = f"pp{args.pp}" if col == 0 else f"tg{args.tg}"
-            targets.append(f"{ours} {what} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
-    if targets:
-        print("targets vs llama.cpp: " + " | ".join(targets))
-    for note in notes:
-        print(note)
-    print(f"load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} "
-          f"cores: other jobs share them with every row, so on a busy machine run this more than once")
-    print("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
-          "workers' threads")
-    print("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
-    if any(name.endswith("head whole") for name in med):
-        print("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
-              "split it over the workers, computed at the same time")
-    if any(" relayed" in name for name in med):
-        print("relayed: hidden states come back through the coordinator between stages (--step-links off); the "
-              "other rpc rows send them worker to worker")
-    return 0
-
-
-def listen_sockets(host: str, port: int) -> list:
-    """Bound, listening sockets for host:port (every address `host` resolves
-    to), made before any worker is started or the model read, so a port that
-    is taken fails at once. OSError if it cannot be bound."""
-    import socket
-
-    socks = []
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, addr in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart while old connections linger
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if port == 0 and len(socks) > 1:  # the same free port on every address
-                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
-            sock.bind(addr)
-            sock.listen(128)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in socks:
-            sock.close()
-        raise
-    return socks
-
-
-def serving_url(host: str, sock) -> str:
-    port = sock.getsockname()[1]
-    shown = host or "0.0.0.0"
-    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
-
-
-def model_id(c, alias: str | None) -> str:
-    """The id clients see in /v1/models and every response's `model`: --alias,
-    else the GGUF's general.name lowercased with spaces as '-', else the file's stem."""
-    if alias:
-        return alias
-    name = str(c.gguf.get("general.name") or "").strip()
-    if not name:
-        name = os.path.splitext(os.path.basename(c.model_path))[0]
-    return "-".join(name.lower().split())
-
-
-def cmd_serve(args) -> int:
-    os.environ.pop("GGML_COORDINATOR_API_KEY", None)  # read by parse_args; local workers need not inherit it
-    try:
-        socks = listen_sockets(args.host, args.port)
-    except OSError as exc:
-        say(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
-            f"{' (another server on that port? choose one with --port)' if exc.errno == errno.EADDRINUSE else ''}",
-            "error")
-        return EXIT_LISTEN_FAILED
-    try:
-        return _serve(args, socks)
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _serve(args, socks) -> int:
-    from coordinator.cluster.loop import run_async
-    from coordinator.serving.http_server import serve_http
-    from rpc_daemon.service.systemd import StartTimeoutExtender
-
-    with endpoints_for(args, supervise=True) as endpoints:
-        try:  # under systemd, a big model's upload extends the start timeout while it progresses
-            c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads, **_security(args),
-                            n_ctx=args.parallel * args.ctx_per_slot, progress=sys.stderr.isatty(),
-                            head_split=args.head_split, step_links=args.step_links, **_resume_options(args),
-                            on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch)
-        except (ConnectionError, OSError, ValueError) as exc:
-            say(f"cannot start: {exc}", "error")
-            return EXIT_CONNECT_FAILED
-        with c:
-            name = model_id(c, args.alias)
-            opts = {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
-                    "chat_template": args.chat_template, "metrics_endpoint": args.metrics}
-
-            def announce() -> None:
-                slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
-                url = serving_url(args.host, socks[0])
-                say(f"serving {url} (model {name}, {slots} x {args.ctx_per_slot} tokens)", url=url, model=name)
-
-            run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce, **opts))
-    return 0
-
-
 class Terminated(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so every `with` unwinds: the
     coordinator frees its remote buffers and local workers are stopped."""
@@ -530,6 +225,18 @@ class Terminated(BaseException):
 
 def _terminate(signum, frame):
     raise Terminated()
+
+
+def _command(name: str):
+    """The function that runs command `name` (imported only now: serve's module brings aiohttp)."""
+    if name == "generate":
+        from coordinator.serving.generate import cmd_generate
+        return cmd_generate
+    if name == "bench":
+        from coordinator.serving.benchmark import cmd_bench
+        return cmd_bench
+    from coordinator.serving.lifecycle import cmd_serve
+    return cmd_serve
 
 
 def main(argv=None) -> int:
@@ -541,7 +248,7 @@ def main(argv=None) -> int:
     if args.command != "serve":  # serve handles its signals in its event loop (graceful drain)
         signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        return _command(args.command)(args)
     except KeyboardInterrupt:
         say("interrupted", "warning", new_line=True)
         return EXIT_INTERRUPTED

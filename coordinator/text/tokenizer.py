@@ -65,7 +65,7 @@ def eot_by_text(tokens: list[str]) -> int | None:
     return next((index[t] for t in _EOT_TEXTS if t in index), None)
 
 
-def _as_list(value: Any) -> list:
+def as_list(value: Any) -> list:
     # GGUF readers hand back lists or numpy arrays; .tolist() is much faster than list()
     # on large arrays and yields plain Python scalars.
     return value.tolist() if hasattr(value, "tolist") else list(value)
@@ -100,8 +100,8 @@ class Tokenizer:
                 raise ValueError(f"{name}={tid} is outside the vocabulary (size {n})")
 
         self.tokens: list[str] = list(tokens)
-        self.scores: list[float] = _as_list(scores)
-        self.token_types: list[int] = _as_list(token_types)
+        self.scores: list[float] = as_list(scores)
+        self.token_types: list[int] = as_list(token_types)
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.unk_id = unk_id
@@ -155,6 +155,14 @@ class Tokenizer:
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
 
     # ------------------------------------------------------------------ construction
+    # tokenizer.ggml.model -> the subclass that reads it; filled by `register` as the subclasses are
+    # imported (coordinator/text/__init__.py imports them all), so this base class names none of them
+    _readers: dict[str, type] = {}
+
+    @staticmethod
+    def register(reader: type, *models: str) -> None:
+        for model in models:
+            Tokenizer._readers[model] = reader
 
     @classmethod
     def from_gguf(cls, path: "str | os.PathLike") -> "Tokenizer":
@@ -168,15 +176,15 @@ class Tokenizer:
     def from_gguf_fields(cls, get: Callable[[str], Any]) -> "Tokenizer":
         """Build from GGUF metadata; ``get(key)`` returns the value or None if absent.
 
-        Dispatches on ``tokenizer.ggml.model``: "llama" is SentencePiece (this class),
-        "gpt2" (byte-level BPE) and "gemma4" go to
-        :class:`coordinator.text.tokenizer_bpe.BPETokenizer`; anything else is refused.
+        Dispatches on ``tokenizer.ggml.model``: "llama" is SentencePiece (this class);
+        a model a subclass registered for (``register``: "gpt2" and "gemma4" are
+        :class:`coordinator.text.tokenizer_bpe.BPETokenizer`'s) goes to it; anything
+        else is refused.
         """
         model = get("tokenizer.ggml.model")
-        if model in ("gpt2", "gemma4"):
-            from coordinator.text.tokenizer_bpe import BPETokenizer
-
-            return BPETokenizer.from_gguf_fields(get)
+        reader = Tokenizer._readers.get(model)
+        if reader is not None and cls is Tokenizer:
+            return reader.from_gguf_fields(get)
         if model != "llama":
             raise ValueError(
                 f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: "
@@ -186,7 +194,7 @@ class Tokenizer:
         if tokens is None:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
         tokens = [t.decode("utf-8") if isinstance(t, (bytes, bytearray)) else t
-                  for t in _as_list(tokens)]
+                  for t in as_list(tokens)]
         n = len(tokens)
         scores = get("tokenizer.ggml.scores")
         types = get("tokenizer.ggml.token_type")

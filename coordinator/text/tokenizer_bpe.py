@@ -59,7 +59,8 @@ from coordinator.text.tokenizer import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_NORMAL,
     Tokenizer,
-    _as_list,
+    as_list,
+    eot_by_text,
 )
 
 log = logging.getLogger(__name__)
@@ -296,13 +297,13 @@ class BPETokenizer(Tokenizer):
         if tokens is None:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
         tokens = [t.decode("utf-8") if isinstance(t, (bytes, bytearray)) else t
-                  for t in _as_list(tokens)]
+                  for t in as_list(tokens)]
         merges = get("tokenizer.ggml.merges")
         if merges is None:
             raise ValueError(f"tokenizer.ggml.model {model!r} needs tokenizer.ggml.merges, "
                              f"which this GGUF file does not have")
         merges = [m.decode("utf-8") if isinstance(m, (bytes, bytearray)) else m
-                  for m in _as_list(merges)]
+                  for m in as_list(merges)]
         pre = get("tokenizer.ggml.pre")
         if model == "gpt2" and pre is None:
             log.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' "
@@ -323,7 +324,6 @@ class BPETokenizer(Tokenizer):
         add_eos = get("tokenizer.ggml.add_eos_token")
         eot_id = tid("tokenizer.ggml.eot_token_id", None)
         if eot_id is None:
-            from coordinator.text.tokenizer import eot_by_text
             eot_id = eot_by_text(tokens)
         return cls(
             tokens=tokens,
@@ -357,3 +357,6 @@ class BPETokenizer(Tokenizer):
         except KeyError:
             # A character outside GPT-2's byte alphabet (hand-added piece): keep its UTF-8.
             return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in text)
+
+
+Tokenizer.register(BPETokenizer, "gpt2", "gemma4")

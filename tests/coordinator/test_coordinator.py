@@ -18,9 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess, free_port
+from conftest import SLACK, DaemonProcess, free_port
 from coordinator import Batch, Coordinator, DecodeError, DecodeResult, default_model_path
 from tiny_models import write_tiny_llama
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 OK = DecodeResult.OK
 N_GREEDY = 64
@@ -615,7 +617,7 @@ import asyncio, sys, time
 from coordinator import Batch, Coordinator
 c = Coordinator(["local"], n_ctx=512)
 ids = list(range(10, 10 + 384))
-step = asyncio.run_coroutine_threadsafe(c._decode(Batch.single(ids, 0)), c._loop)
+step = asyncio.run_coroutine_threadsafe(c._decoder.decode(Batch.single(ids, 0)), c._loop)
 time.sleep(0.2)
 print("in flight at close:", not step.done(), flush=True)
 c.close()  # what Ctrl-C or SIGTERM in the middle of a step leads to
@@ -659,7 +661,7 @@ def test_cli_unreachable_endpoint_fails_fast():
     assert r.returncode != 0
     assert "127.0.0.1:1" in r.stderr and "unreachable" in r.stderr.lower(), r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert elapsed < 10, elapsed
+    assert elapsed < 10 * SLACK, elapsed
 
 
 def test_greedy_decode_returns_the_argmax_of_the_logits(gemma, reference):
@@ -709,7 +711,7 @@ def test_head_shards_combine_as_one_head(head, daemons, tmp_path):
 def assert_gone(children: list[int], outlived: str) -> None:
     """The local workers `children` exit within 15 s (zombies count as gone);
     any left are killed, and the test fails."""
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 15 * SLACK
     alive = children
     while alive and time.monotonic() < deadline:
         alive = [c for c in children if os.path.exists(f"/proc/{c}") and
@@ -729,7 +731,7 @@ def test_local_workers_die_with_a_killed_coordinator(tmp_path):
                                       "--log-level", "info"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 * SLACK
         for line in proc.stderr:  # bounded by the deadline check below and the process's own output
             if "serving" in line or time.monotonic() > deadline:
                 break

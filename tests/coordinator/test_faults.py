@@ -36,7 +36,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess, free_port
+from conftest import SLACK, DaemonProcess, free_port
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
@@ -46,9 +46,11 @@ from rpc_helpers import N, assert_served, chain_graph
 
 from tiny_models import write_tiny_llama
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 OK, ENDPOINT_FAILED, COMPUTE_FAILED = DecodeResult.OK, DecodeResult.ENDPOINT_FAILED, DecodeResult.COMPUTE_FAILED
 LIVENESS = 1.0  # the matrix's detection bound (the default bound, 2 s, has a test of its own)
-SLACK = 0.5  # scheduling slack on top of a bound: two cores shared with everything else
+AT_ONCE = 0.2  # s: detection of a killed worker or a closed socket (docs: within ms), idle machine
 CONNECT_TIMEOUT = 5.0  # Coordinator's default connect_timeout, which the rig keeps
 PROMPT = "The capital of France is"
 N_GEN = 8
@@ -165,7 +167,7 @@ def check_latched(rig: Rig, pos: int, kind: str) -> None:
     # no wait on the network: a decode that sent to B, or waited for it, would take at least a liveness
     # bound (a stopped B) or put frames on a connection (checked below); a quarter of it leaves room for
     # a loaded machine's scheduling, where 20 returns of a latched code take microseconds each when idle
-    assert statistics.median(times) < LIVENESS / 4, times
+    assert statistics.median(times) < LIVENESS / 4 * SLACK, times
     assert [cl.frames_sent - cl.pings_sent for cl in rig.clients()] == sent, "a latched decode touched the network"
     with pytest.raises(RuntimeError):
         c.logits(-1)
@@ -193,7 +195,7 @@ PHASES = {  # name: fault spec without the action; B's graph requests 4 and 5 ar
 def test_fault_matrix(rig, fault, phase):
     action, kind, bound = FAULTS[fault]
     spec = f"{PHASES[phase]},action={action}"
-    limit = (bound or 0.0) + SLACK
+    limit = (bound or AT_ONCE) * SLACK
     c = rig.c
     for rep in range(REPS):
         rig.restart_b(spec)
@@ -223,7 +225,7 @@ def test_fault_matrix(rig, fault, phase):
             assert c.last_cause == kind and c.last_failed_endpoint == rig.eb
             detected = time.time() - rig.fault_time()
         rig.detections.setdefault(f"{fault}/{phase}", []).append(detected)
-        assert detected <= limit and took <= limit + 0.5, (detected, took, limit)
+        assert detected <= limit and took <= limit + 0.5 * SLACK, (detected, took, limit)
         if bound:  # it was the liveness bound that caught it, not something else
             assert detected >= bound * 0.8, detected
         check_latched(rig, pos, kind)
@@ -353,7 +355,7 @@ def test_sigstop_detected_within_the_default_bound(rig, model):
     rig.restart_b(f"cmd={GRAPH_CMDS},after=2,point=reply,action=delay:5")  # the second decode's layers
     c2 = Coordinator([rig.a.endpoint, rig.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True)
     try:
-        bound = c2._exec_opts["liveness_timeout"]
+        bound = c2.config.liveness_timeout
         assert bound <= 2.0
         rig.arm()
         ids = c2.tokenize(PROMPT)
@@ -375,7 +377,7 @@ def test_sigstop_detected_within_the_default_bound(rig, model):
         assert code is ENDPOINT_FAILED and c2.last_cause == "timeout", c2.last_error
         assert "timed out" in c2.last_error
         # the last pong came at most one ping interval (bound / 4) before the stop
-        assert bound * 0.75 - 0.1 <= detected <= bound + SLACK, detected
+        assert bound * 0.75 - 0.1 <= detected <= bound * SLACK, detected
     finally:
         c2.close()
         rig.restart_b()
@@ -411,8 +413,8 @@ def test_reconnect_to_a_dead_worker_keeps_the_latch(rig):
     t0 = time.perf_counter()
     with pytest.raises(EndpointUnavailable) as info:
         c.reconnect(rig.eb)
-    # refused at once: not a connect timeout (5 s, the coordinator's default) nor retries
-    assert time.perf_counter() - t0 < CONNECT_TIMEOUT / 2
+    # refused at once: not a connect timeout (5 s, the coordinator's default) nor retries, whatever the slack
+    assert time.perf_counter() - t0 < min(CONNECT_TIMEOUT / 2 * SLACK, 0.9 * CONNECT_TIMEOUT)
     assert info.value.kind == "unreachable" and "refused" in str(info.value) and rig.eb in str(info.value)
     [f] = c.failed_endpoints()
     assert f.endpoint == rig.eb and f.kind == "unreachable"
@@ -432,7 +434,7 @@ def test_daemon_never_started(model):
     t0 = time.perf_counter()
     with pytest.raises(ConnectionError) as info:
         Coordinator([endpoint], model=model, n_ctx=N_CTX)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < min(2.0 * SLACK, 0.9 * CONNECT_TIMEOUT)  # not the connect timeout
     assert endpoint in str(info.value) and "refused" in str(info.value)
     assert isinstance(info.value, EndpointUnavailable) and info.value.endpoint == endpoint
 
@@ -498,7 +500,7 @@ def test_wrong_peer_is_a_clear_error(model, mode, fragment, kind):
         t0 = time.perf_counter()
         with pytest.raises(EndpointUnavailable) as info:
             Coordinator([fake.endpoint], model=model, n_ctx=N_CTX, connect_timeout=1.0)
-        assert time.perf_counter() - t0 < 2.5
+        assert time.perf_counter() - t0 < 2.5 * SLACK
         assert fake.endpoint in str(info.value) and fragment in str(info.value), str(info.value)
         assert info.value.kind == kind
     finally:
@@ -582,7 +584,7 @@ def test_stopped_worker_while_sending(start_daemon):
     exc, took = run(scenario())
     d.signal(signal.SIGCONT)
     assert exc.kind == "timeout" and "took nothing" in exc.message, exc.message
-    assert 0.4 <= took <= 0.5 + SLACK, took
+    assert 0.4 <= took <= 0.5 * SLACK, took
     assert_served(d)
 
 
@@ -607,7 +609,7 @@ def test_client_vanishing_mid_request_frees_its_buffers(start_daemon):
         await gone.aclose()
         watcher = await RpcClient.connect(d.endpoint)
         try:
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 15 * SLACK
             while await free_memory(watcher) != cap:
                 assert time.monotonic() < deadline, "the vanished client's buffers were not freed"
                 await asyncio.sleep(0.05)
@@ -726,7 +728,7 @@ def test_reply_with_a_bad_id_fails_the_request(liveness):
 
     exc, took = _first_failure(*_scripted_worker(bad_id), liveness, Command.DEVICE_INFO)
     assert exc.kind == "protocol" and "id [" in exc.message, exc.message
-    assert took < 1.0, took
+    assert took < 1.0 * SLACK, took
 
 
 def test_older_daemon_is_refused_at_connect(model):
@@ -757,7 +759,7 @@ def test_worker_half_close_with_our_request_unsent_fails_at_once():
     exc, took = _first_failure(*_scripted_worker(half_close), None, Command.SET_TENSOR,
                                {"buffer": 1, "offset": 0, "size": 64 << 20}, bytes(64 << 20))
     assert exc.kind == "closed" and "closed the connection" in exc.message, exc.message
-    assert took < 2.0, took
+    assert took < 2.0 * SLACK, took
 
 
 def test_kv_calls_from_another_thread_wait_for_the_step_in_flight(model, start_daemon):
@@ -829,7 +831,7 @@ def test_cancelled_request_keeps_the_connection_and_gives_back_its_buffer(start_
             assert c.failed is None
             h, _ = await c.request(Command.DEVICE_INFO)  # answered after the late ALLOC reply, and not mixed up
             assert "free_memory" in h and "buffer" not in h
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 10 * SLACK
             while (await c.request(Command.DEVICE_INFO))[0]["free_memory"] != cap:
                 assert time.monotonic() < deadline, "the abandoned buffer was not freed"
                 await asyncio.sleep(0.05)
@@ -872,7 +874,8 @@ def test_cancelled_adecode_leaves_every_endpoint_healthy(model, start_daemon):
 # ---------------------------------------------------------------- between decodes
 
 def wait_latched(c: Coordinator, timeout: float = 10.0) -> list:
-    deadline = time.monotonic() + timeout
+    """The latched endpoints, once there are any within `timeout` (times SLACK)."""
+    deadline = time.monotonic() + timeout * SLACK
     while not c.failed_endpoints():
         assert time.monotonic() < deadline, "no endpoint latched"
         time.sleep(0.02)
@@ -910,7 +913,7 @@ def test_worker_lost_between_decodes_is_latched_without_a_decode(model, start_da
         assert c.decode(Batch.single(ids, 0)) is OK
         assert c.failed_endpoints() == []
         b.kill() if fault == signal.SIGKILL else b.signal(fault)
-        failed = wait_latched(c, timeout=0.5 + LIVENESS + 5 * SLACK)
+        failed = wait_latched(c, timeout=0.5 + LIVENESS)  # one keepalive interval, then the liveness bound
         assert [(f.endpoint, f.kind) for f in failed] == [(b.endpoint, kind)], failed
         assert c.health()["status"] == "failed" and c.needs_refeed() == [0]
         if fault == signal.SIGSTOP:

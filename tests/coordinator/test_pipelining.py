@@ -1,4 +1,4 @@
-"""Pipeline parallelism (coordinator/decode/microbatch.py, decode_gate.py): batches cut
+"""Pipeline parallelism (coordinator/decode/microbatch.py, gate.py): batches cut
 into micro-batches that follow each other through the stages, and several
 steps in flight at once. Real daemons on loopback; the reference is the
 unpipelined coordinator (micro_batch=0) decoding the same micro-batches one
@@ -15,6 +15,8 @@ from coordinator import Batch, Coordinator, DecodeResult
 from coordinator.decode.microbatch import plan_cuts
 from coordinator.decode.flow import FlowFailed, flow
 from tiny_models import write_tiny_llama
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 OK = DecodeResult.OK
 N_CTX = 512
@@ -216,7 +218,7 @@ def test_steps_in_flight_at_once_equal_them_one_after_another(pair):
                     pos[s] += len(b.tokens) // len(g)
     finally:
         loop.close()
-    assert on._gate.in_flight == []
+    assert on._decoder.gate.in_flight == []
 
 
 # ---------------------------------------------------------------- failures
@@ -242,7 +244,7 @@ def test_worker_killed_mid_pipeline_is_reported_as_that_worker(model, victim):
             assert [f.endpoint for f in c.failed_endpoints()] == [eps[victim]]
             assert c.decode(Batch.single(ids[:4], 0)) is DecodeResult.ENDPOINT_FAILED
             assert "latched" in c.last_error and c.last_failed_endpoint == eps[victim]
-            assert c._gate.in_flight == []
+            assert c._decoder.gate.in_flight == []
     finally:
         for w in ws:
             w.stop()
@@ -347,7 +349,7 @@ def test_a_prompt_goes_linked_only_if_a_mailbox_holds_all_its_pieces():
     from coordinator.decode.microbatch import MAX_LINKED_BYTES, linkable
 
     def pieces(n, tokens):
-        return [SimpleNamespace(shape=SimpleNamespace(n_tokens=tokens), head_split=False) for _ in range(n)]
+        return [SimpleNamespace(shape=SimpleNamespace(n_tokens=tokens), head_in_shares=False) for _ in range(n)]
 
     assert linkable(pieces(8, 64), 640)  # Gemma 3 270M's 512-token prompt: 1.3 MiB
     assert not linkable(pieces(16, 256), 5120)

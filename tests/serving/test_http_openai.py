@@ -16,7 +16,9 @@ from importlib.metadata import version
 import aiohttp
 import pytest
 
-from conftest import stop_process
+from conftest import SLACK, stop_process
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -124,12 +126,12 @@ def test_version_and_a_taken_port_fails_before_the_model_is_read():
         # no worker to reach and no model file: only the port can be what it reports
         started = time.monotonic()
         r = coordinator("serve", "--port", str(port), "--endpoints", "127.0.0.1:1", "-m", "/nonexistent.gguf")
-    assert r.returncode != 0 and time.monotonic() - started < 20
+    assert r.returncode != 0 and time.monotonic() - started < 20 * SLACK
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
 
 
 def test_model_id_is_derived_without_spaces_or_the_alias():
-    from coordinator.serving.cli import model_id
+    from coordinator.serving.lifecycle import model_id
 
     def fake(name, path="/models/Some Model.Q4.gguf"):
         return type("C", (), {"gguf": {"general.name": name} if name else {}, "model_path": path})()
@@ -283,7 +285,7 @@ def test_request_ids_access_log_and_latency_histograms(server):
     assert re.fullmatch(r"[0-9a-f]{16}", generated)
     # a header that is no sane token is not taken into the logs
     assert request("GET", url + "/health", headers={"X-Request-Id": "a b"})[1]["X-Request-Id"] != "a b"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 5 * SLACK
     while True:
         lines = [json.loads(line) for line in server.text().splitlines() if line.startswith("{")]
         access = {line.get("request_id"): line for line in lines if line.get("event") == "request"}

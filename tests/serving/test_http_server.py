@@ -12,8 +12,10 @@ import time
 
 import pytest
 
-from conftest import DaemonProcess, free_port, stop_process  # noqa: F401
+from conftest import SLACK, DaemonProcess, free_port, stop_process  # noqa: F401
 from http_helpers import Server, get, head_of, post, stream, stream_text, wait_healthy  # noqa: F401
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 PROMPT = "The capital of France is"
 
@@ -36,7 +38,8 @@ def test_completion_and_chat(cluster):
                                     {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}))
     assert status == 200, body
     text = body["choices"][0]["text"]
-    assert "France" in text or "Paris" in text, text
+    # the greedy text depends on the kernels this machine's ggml build runs: a French continuation either way
+    assert any(word in text for word in ("France", "French", "Paris")), text
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
     assert body["choices"][0]["finish_reason"] == "length"
     # streamed: the same greedy text, ending with a finish chunk and [DONE]
@@ -138,7 +141,7 @@ def test_client_disconnect_mid_stream_frees_its_slot(cluster):
     events = asyncio.run(stream(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 200,
                                                                  "temperature": 0}, stop_after=2))
     assert len(events) == 2
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10 * SLACK
     while time.monotonic() < deadline:
         status, body = asyncio.run(get(server.url + "/health"))
         if body["slots_busy"] == 0:
@@ -160,7 +163,7 @@ def test_worker_killed_then_restarted(cluster):
         victim.kill()
         events = await in_flight
         status_after = None
-        while time.monotonic() - killed_at < 5:
+        while time.monotonic() - killed_at < 5 * SLACK:
             status_after, health = await get(server.url + "/health")
             if status_after == 503:
                 break
@@ -169,7 +172,7 @@ def test_worker_killed_then_restarted(cluster):
 
     events, detected_after, status, health = asyncio.run(scenario())
     assert status == 503, health
-    assert detected_after < 2.0, detected_after
+    assert detected_after < 2.0 * SLACK, detected_after
     failed = [e for e in health["endpoints"] if e["failed"]]
     assert [e["endpoint"] for e in failed] == [victim.endpoint] and failed[0]["cause"]
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
@@ -188,7 +191,7 @@ def test_worker_killed_then_restarted(cluster):
     status, body = asyncio.run(post(server.url + "/v1/completions",
                                     {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}))
     assert status == 200, body
-    assert "France" in body["choices"][0]["text"] or "Paris" in body["choices"][0]["text"]
+    assert any(word in body["choices"][0]["text"] for word in ("France", "French", "Paris")), body
     status, text = asyncio.run(get(server.url + "/metrics"))
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
@@ -208,12 +211,12 @@ def test_worker_killed_while_idle_shows_in_health_without_a_request(cluster):
     killed_at = time.monotonic()
     victim.kill()
     health = None
-    while time.monotonic() - killed_at < 5:
+    while time.monotonic() - killed_at < 5 * SLACK:
         status, health = asyncio.run(get(server.url + "/health"))
         if status == 503:
             break
         time.sleep(0.05)
-    assert status == 503 and time.monotonic() - killed_at < 2.0, health
+    assert status == 503 and time.monotonic() - killed_at < 2.0 * SLACK, health
     assert [e["endpoint"] for e in health["endpoints"] if e["failed"]] == [victim.endpoint], health
     workers[0] = DaemonProcess("-t", "1", port=victim.port)
     wait_healthy(server)
@@ -290,7 +293,7 @@ def test_sigterm_ends_requests_in_flight_with_an_answer(cluster):
             return await streaming, await waiting
 
         events, (status, body) = asyncio.run(asyncio.wait_for(scenario(), 60))
-        assert server.proc.wait(timeout=20) == 0
+        assert server.proc.wait(timeout=20 * SLACK) == 0
     finally:
         server.stop()
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
@@ -319,14 +322,14 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
         children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
         victim = children[0]
         os.killpg(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10 * SLACK
         status, body = 200, {"status": "ok"}
         while body["status"] == "ok" and time.monotonic() < deadline:
             status, body = asyncio.run(get(url + "/health"))
             time.sleep(0.05)
         # resuming (serve's default): a request would pause, not fail, so still 200
         assert status == 200 and body["status"] == "degraded", ("the dead worker did not show", body)
-        while body["status"] != "ok" and time.monotonic() < deadline + 60:
+        while body["status"] != "ok" and time.monotonic() < deadline + 60 * SLACK:
             status, body = asyncio.run(get(url + "/health"))
             time.sleep(0.05)
         assert status == 200 and body["status"] == "ok", body
@@ -336,7 +339,7 @@ def test_serve_restarts_a_local_worker_that_dies(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            assert proc.wait(timeout=30) == 0
+            assert proc.wait(timeout=30 * SLACK) == 0
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from ggml_ffi import NULL, lib, type_traits
-from rpc_daemon.validation.graph import WEIGHT_TYPES  # what the workers' matmul and get_rows accept
+from rpc_daemon.wire.graph_limits import WEIGHT_TYPES  # what the workers' matmul and get_rows accept
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
 ROPE_NORMAL, ROPE_NEOX = 0, 2
@@ -67,7 +67,7 @@ class StepShape:
     argmax: bool = False  # the last stage returns each output row's argmax token, not its logits
     # the last stage computes the whole output head in its layer graph although the head is split
     # (coordinator/decode/head_placement.py chose it for this step); a stage without the whole head ignores it
-    head_whole: bool = False
+    head_on_last: bool = False
 
     @property
     def head_key(self) -> tuple:

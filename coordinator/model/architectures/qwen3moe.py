@@ -11,13 +11,13 @@ from ggml_ffi import lib
 from coordinator.model.architectures import qwen3
 from coordinator.model.architectures.common import ROPE_NEOX, GraphBuilder, HParams, check_tensors, standard_hparams
 from coordinator.model.architectures.common import CHATML_TEMPLATE, embed, no_extra_weights  # noqa: F401 (this module's embed)
+from rpc_daemon.wire.graph_limits import MAX_EXPERTS  # what a worker accepts
 
 LAYER_TENSORS = (qwen3.LAYER_TENSORS - {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}) | {
     "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}
 GLOBAL_TENSORS = qwen3.GLOBAL_TENSORS
 FALLBACK_CHAT_TEMPLATE = CHATML_TEMPLATE  # when the GGUF carries no tokenizer.chat_template
 extra_weights = no_extra_weights
-MAX_EXPERTS = 1024  # what a worker accepts (rpc_daemon/validation/graph.py)
 
 
 def hparams(g) -> HParams:

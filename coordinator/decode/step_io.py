@@ -1,0 +1,90 @@
+"""What a decode step's two paths share (pipeline.py relays the activations,
+step_links.py sends them worker to worker): a step with its inputs fixed,
+the failure a step raises, a stage's inputs, and a stage's reply read back
+and checked."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.cluster.failures import StageFailed
+from coordinator.decode.values import FailureKind
+from coordinator.model.architectures.common import StepShape
+from coordinator.model.stage import StageOutput
+
+
+@dataclass
+class PreparedStep:
+    """One step (a micro-batch, or a whole batch) with the inputs fixed when its KV rows were assigned."""
+    tokens: object  # the token ids (a sequence of int)
+    rows: np.ndarray  # int64: the KV rows it writes
+    pos: np.ndarray  # int64 positions
+    seqs: np.ndarray  # uint64 sequence masks
+    out_rows: np.ndarray  # int32: the rows the last stage returns (one dropped row if none is wanted)
+    wanted: bool  # some row wants logits (else the KV rows are all it is for)
+    head_in_shares: bool  # its head runs in shares at once, on `head_places` (else whole on the last stage, or not at all)
+    shape: StepShape
+    common: dict  # the inputs every stage takes: positions, kv_rows, masks
+    mask: np.ndarray
+    mask_swa: np.ndarray
+    head_places: tuple = ()  # the places whose shares compute its head (HeadPlacement's "split" or "here")
+
+
+class StepFailed(Exception):
+    """`reported`: what the decode reports (a StageFailed, or any other
+    exception: a bug of ours); `lost`: the failures of connections, to latch."""
+
+    def __init__(self, reported: BaseException, lost: list[StageFailed]):
+        super().__init__(str(reported))
+        self.reported, self.lost = reported, lost
+
+
+def read_output(p, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
+    """Stage `p`'s reply taken apart, if it has the size its layout says."""
+    expect = p.stage.output_size(shape, head)
+    if len(data) != expect:
+        raise StageFailed(FailureKind.COMPUTE, p.endpoint, f"compute failed on worker {p.endpoint}: it returned "
+                                                 f"{len(data)} bytes, expected {expect}")
+    return p.stage.read_output(data, shape, head)
+
+
+def checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarray:
+    if ((tokens < 0) | (tokens >= n_vocab)).any():
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: argmax token id out of range")
+    return tokens
+
+
+def checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
+    if not np.isfinite(logits).all():
+        raise StageFailed(FailureKind.COMPUTE, endpoint,
+                          f"compute failed on worker {endpoint}: logits contain NaN or infinity")
+    return logits
+
+
+def stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
+    """Stage `p`'s graph inputs: the step's common ones, and the tokens (first
+    stage) or the hidden state from the stage before, and the output rows (last)."""
+    inputs = dict(common)
+    if p.stage.first:
+        inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
+    else:
+        inputs["hidden"] = hidden
+    if p.stage.last:
+        inputs["out_rows"] = out_rows
+    return inputs
+
+
+def step_failed(failures: list[BaseException]) -> StepFailed:
+    """Several failures of one step as the one it reports, in the order given
+    (micro-batch, then stage or endpoint): a bug of ours first, else the first
+    lost connection (ENDPOINT_FAILED before COMPUTE_FAILED), else the first;
+    every lost connection, to latch."""
+    flat: list[BaseException] = []
+    for exc in failures:
+        flat.extend([exc.reported, *(e for e in exc.lost if e is not exc.reported)]
+                    if isinstance(exc, StepFailed) else [exc])
+    lost = [exc for exc in flat if isinstance(exc, StageFailed) and exc.lost_connection]
+    bug = next((exc for exc in flat if not isinstance(exc, StageFailed)), None)
+    return StepFailed(bug or (lost or flat)[0], lost)

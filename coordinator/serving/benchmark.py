@@ -1,0 +1,180 @@
+"""`ggml-coordinator bench`: pp/tg tokens/s in process and over the workers,
+side by side, interleaved repetitions so every row sees the same machine
+load, with llama.cpp's llama-bench on the same model as the reference rows
+(llama_cpp_reference.py) when it is built."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from coordinator.api import Coordinator
+from coordinator.serving.cluster_setup import endpoints_for, security_options
+
+
+def setups(endpoints: list[str], threads: int, split, head_split: str, step_links: str) -> dict:
+    """{row name: (endpoints, Coordinator options)}: in process with one worker's threads, with all the
+    workers' threads, and over the workers as --head-split and --step-links ask."""
+    rpc = f"rpc x{len(endpoints)}"
+    rows = {"local": (["local"], {})}
+    total = threads * len(endpoints)
+    if total > threads:  # the workers' cores, all in one process: what one machine alone would do
+        rows[f"local -t {total}"] = (["local"], {"threads": total})
+    for links in (("on", True), ("off", False)):
+        if step_links not in (links[0], "both"):
+            continue
+        name, opts = rpc + ("" if links[1] else " relayed"), {"split": split, "step_links": links[1]}
+        if head_split in ("on", "both") or len(endpoints) == 1:
+            rows[name] = (endpoints, dict(opts, head_split=True))
+        if head_split in ("off", "both") and len(endpoints) > 1:
+            rows[name + " head whole"] = (endpoints, dict(opts, head_split=False))
+    return rows
+
+
+def measure(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
+    """pp tokens/s; tg tokens/s reading full logits (llama-bench's measure);
+    tg tokens/s with greedy=True (what generate does at temperature 0)."""
+    from coordinator import Batch, DecodeError
+
+    rng = __import__("numpy").random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(10, 1000, n_pp)]
+    rates = []
+    for greedy in (None, False, True):
+        c.kv_clear()
+        t = time.perf_counter()
+        code = c.decode(Batch.single(prompt, 0))
+        if greedy is None:
+            rates.append(n_pp / (time.perf_counter() - t))
+            continue
+        if code != 0:
+            raise DecodeError(code, None, "prompt decode failed")
+        tok, pos = c.token(-1), n_pp
+        t = time.perf_counter()
+        for _ in range(n_tg):
+            code = c.decode(Batch.single([tok], pos), greedy=greedy)
+            if code != 0:
+                raise DecodeError(code, None, "decode failed")
+            tok, pos = c.token(-1), pos + 1
+        rates.append(n_tg / (time.perf_counter() - t))
+    return tuple(rates)
+
+
+def reference_runner(args, n_workers: int):
+    """llama.cpp's llama-bench on the same model, threads, pp and tg, in process and over as
+    many of its rpc-servers: (a function measuring one repetition of those rows -> ({row:
+    {"pp", "tg"}}, notes), None) or (None, why the rows are skipped)."""
+    from coordinator.serving import llama_cpp_reference as ref
+
+    why = ref.missing()
+    if why:
+        return None, f"llama.cpp reference skipped: {why}"
+    from coordinator.model.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    return (lambda: ref.reference_rows(model, args.threads, args.pp, args.tg, 1, n_workers)), None
+
+
+def cmd_bench(args) -> int:
+    load_before = os.getloadavg()[0]  # printed with the results: other jobs on the cores move every row
+    results, ref_results = {}, {}
+    with endpoints_for(args) as endpoints:
+        rows = setups(endpoints, args.threads, args.split, args.head_split, args.step_links)
+        coords = {}
+        try:
+            for name, (eps, opts) in rows.items():
+                opts = {"threads": args.threads, "micro_batch": args.micro_batch, **opts}
+                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
+                                           **opts, **security_options(args))
+        except BaseException:
+            for c in coords.values():
+                c.close()
+            raise
+        reference_run, notes = reference_runner(args, len(endpoints)) if args.reference else (None, None)
+        notes = [notes] if notes else []
+        try:
+            for c in coords.values():
+                # warm up with the measured shapes, as llama-bench does: the pp graph sent, built and
+                # placed once, compute processes started (else the first repetition pays for it)
+                measure(c, args.pp, 2)
+            for _ in range(args.reps):  # interleaved, so all see the same machine load
+                for name, c in coords.items():
+                    results.setdefault(name, []).append(measure(c, args.pp, args.tg))
+                if reference_run is not None:
+                    try:
+                        ref_rows, ref_notes = reference_run()
+                    except (RuntimeError, OSError, ValueError, KeyError) as exc:
+                        notes.append(f"llama.cpp reference failed: {exc}")
+                        reference_run = None
+                        continue
+                    for name, r in ref_rows.items():
+                        ref_results.setdefault(name, []).append(r)
+                    notes += [n for n in ref_notes if n not in notes]
+        finally:
+            for c in coords.values():
+                c.close()
+    for line in report(results, ref_results, notes, f"rpc x{len(endpoints)}", args.pp, args.tg,
+                       (load_before, os.getloadavg()[0]), os.cpu_count()):
+        print(line)
+    return 0
+
+
+def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], notes: list[str], rpc: str,
+           n_pp: int, n_tg: int, load: tuple[float, float], n_cores: int | None) -> list[str]:
+    """The lines bench prints: per row the medians of `results` (its repetitions' measure())
+    and of `ref_results` (llama.cpp's {"pp", "tg"}), the ratios, the targets, `notes`, and
+    what the columns mean. `rpc`: the name of the row over the workers; `load`: the 1 minute
+    load average before and after."""
+    lines = []
+    reference = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
+                 for name, rs in ref_results.items()}
+    notes = list(notes)
+    if reference:
+        notes.append("llama.cpp: llama-bench --repack 0 (-ngl 99 --rpc over its rpc-servers), the same model, "
+                     "threads, pp and tg, one repetition after each of ours")
+        notes.append("both sides: ggml 0.25.3 from the same pinned source built -march=native, plain CPU buffers "
+                     "(no repacked weights: llama.cpp's --repack 1 also turns on AMX, which dies on VMs that list "
+                     "it; CPU_REPACK made no measurable difference to ours), flash attention, f16 KV cache, the "
+                     "last layer's FFN for the output rows only, llamafile's tinyBLAS (ours: for quantized "
+                     "weights only, as this model's are; docs/architecture.md, \"Kernels\")")
+    cols = [f"pp{n_pp} t/s", f"tg{n_tg} t/s", f"tg{n_tg} greedy"]
+    width = max(len(name) for name in results) + 20
+    lines.append(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
+    med = {}
+    for name, rs in results.items():
+        med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
+        lines.append(f"{name:<{width}}" + "".join(f"{v:>14.1f}" for v in med[name]))
+    baselines = [name for name in med if name.startswith("local")]
+    for base in baselines:
+        for name in med:
+            if name not in baselines:
+                label = f"ratio {name}" + (f" / {base}" if base != "local" else "")
+                lines.append(f"{label:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med[base])))
+    for name, r in reference.items():
+        lines.append(f"{name:<{width}}{r['pp']:>14.1f}{r['tg']:>14.1f}{'-':>14}")
+    for ours, theirs in (("local", "llama.cpp"), (rpc, f"llama.cpp {rpc}")):
+        if ours in med and theirs in reference:
+            label = f"ratio {ours} / {theirs}"
+            lines.append(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
+                         f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
+    targets = []  # issue #14's speed targets, as ratios to llama.cpp measured in this same run
+    for ours, theirs, col, goal in (("local", "llama.cpp", 0, 0.95), (rpc, f"llama.cpp {rpc}", 0, 0.95),
+                                    (rpc, f"llama.cpp {rpc}", 1, 1.4)):
+        if ours in med and theirs in reference:
+            ratio = med[ours][col] / reference[theirs]["pp" if col == 0 else "tg"]
+            what = f"pp{n_pp}" if col == 0 else f"tg{n_tg}"
+            targets.append(f"{ours} {what} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
+    if targets:
+        lines.append("targets vs llama.cpp: " + " | ".join(targets))
+    lines += notes
+    lines.append(f"load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {n_cores} "
+                 f"cores: other jobs share them with every row, so on a busy machine run this more than once")
+    lines.append("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all "
+                 "the workers' threads")
+    lines.append("tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax")
+    if any(name.endswith("head whole") for name in med):
+        lines.append("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
+                     "split it over the workers, computed at the same time")
+    if any(" relayed" in name for name in med):
+        lines.append("relayed: hidden states come back through the coordinator between stages (--step-links off); "
+                     "the other rpc rows send them worker to worker")
+    return lines

@@ -1,0 +1,49 @@
+"""`ggml-coordinator generate`: one prompt's text to stdout as it is
+generated, then a summary (tokens/s, each worker's share) to stderr."""
+from __future__ import annotations
+
+import sys
+import time
+
+from coordinator.api import Coordinator
+from coordinator.serving.cluster_setup import cannot_start, endpoints_for, resume_options, security_options
+from rpc_daemon.service.logs import say
+
+EXIT_DECODE_FAILED = 2
+
+
+def cmd_generate(args) -> int:
+    from coordinator import DecodeError
+
+    with endpoints_for(args) as endpoints:
+        try:
+            c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size,
+                            **security_options(args), threads=args.threads, progress=sys.stderr.isatty(),
+                            head_split=args.head_split, step_links=args.step_links,
+                            micro_batch=args.micro_batch, **resume_options(args))
+        except (ConnectionError, OSError, ValueError) as exc:
+            return cannot_start(exc)
+        with c:
+            started, n = time.perf_counter(), 0
+            generated0 = c.stats["generated"]
+            try:
+                for piece in c.stream(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except DecodeError as exc:
+                say(f"generation failed: {exc}", "error", new_line=True)
+                return EXIT_DECODE_FAILED
+            elapsed = time.perf_counter() - started
+            n = c.stats["generated"] - generated0
+            n_layer = c.hp.n_layer
+            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1} "
+                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
+                              + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
+                                 if e["head_rows"] else "") for e in c.endpoints())
+            if args.log_format == "json":
+                say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
+                    endpoints=c.endpoints())
+            else:
+                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
+    return 0

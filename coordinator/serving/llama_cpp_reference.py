@@ -1,0 +1,102 @@
+"""llama.cpp's own llama-bench, and its rpc-server, as the reference
+`ggml-coordinator bench` measures our speed against: llama.cpp built from the
+same pinned source as our ggml, in the cache (`$GGML_DISTRIBUTED_CACHE/
+llama.cpp-<sdist version>/build/bin`). `python bench/llama_cpp_reference.py
+build` builds it (the product never does); without it the reference rows are
+skipped, saying why."""
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import socket
+import subprocess
+import time
+
+from ggml_ffi import ggml_build
+
+# llama.cpp's rpc-server target and binary are named ggml-rpc-server in this tree (tools/rpc)
+RPC_SERVER = "ggml-rpc-server"
+
+
+def root() -> pathlib.Path:
+    return ggml_build.cache_root() / f"llama.cpp-{ggml_build.PIN_SDIST_VERSION}"
+
+
+def bin_dir() -> pathlib.Path:
+    return root() / "build" / "bin"
+
+
+def missing(*tools: str) -> str | None:
+    """Why these reference tools cannot run here, or None."""
+    absent = [t for t in tools or ("llama-bench",) if not (bin_dir() / t).is_file()]
+    if absent:
+        return f"llama.cpp reference not built ({', '.join(absent)} missing in {bin_dir()}): " \
+               f"python bench/llama_cpp_reference.py build"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rpc_servers(n: int, threads: int):
+    procs, endpoints = [], []
+    try:
+        for _ in range(n):
+            port = _free_port()
+            procs.append(subprocess.Popen([str(bin_dir() / RPC_SERVER), "-H", "127.0.0.1", "-p", str(port),
+                                           "-t", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            endpoints.append(f"127.0.0.1:{port}")
+        for ep in endpoints:  # bounded wait for each to listen
+            host, port = ep.split(":")
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"llama.cpp rpc-server on {ep} did not start")
+                    time.sleep(0.1)
+        yield endpoints
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def llama_bench(model: str, threads: int, pp: int, tg: int, reps: int, rpc: list[str] | None = None) -> dict:
+    """{'pp': t/s, 'tg': t/s} from llama-bench's JSON (the mean over reps)."""
+    cmd = [str(bin_dir() / "llama-bench"), "-m", model, "-t", str(threads), "-p", str(pp), "-n", str(tg),
+           "-r", str(reps), "--repack", "0", "-o", "json"]
+    if rpc:
+        cmd += ["-ngl", "99", "--rpc", ",".join(rpc)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({run.returncode}): {run.stderr[-2000:]}")
+    out = {}
+    for row in json.loads(run.stdout):
+        out["pp" if row["n_prompt"] else "tg"] = row["avg_ts"]
+    return out
+
+
+def reference_rows(model: str, threads: int, pp: int, tg: int, reps: int,
+                   n_rpc: int) -> tuple[dict[str, dict], list[str]]:
+    """({row: {"pp", "tg"}}, notes): in process, and over n_rpc rpc-servers when built."""
+    rows, notes = {"llama.cpp": llama_bench(model, threads, pp, tg, reps)}, []
+    if n_rpc > 1:
+        why = missing(RPC_SERVER)
+        if why:
+            notes.append(f"llama.cpp rpc row skipped: {why}")
+        else:
+            with rpc_servers(n_rpc, threads) as eps:
+                rows[f"llama.cpp rpc x{n_rpc}"] = llama_bench(model, threads, pp, tg, reps, eps)
+    return rows, notes
