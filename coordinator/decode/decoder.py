@@ -177,10 +177,10 @@ class Decoder:
     # ------------------------------------------------------------ the KV cell table, between steps
     def forget_kv(self) -> set[int]:
         """Clear the KV table; the sequences it held, to re-feed. The last
-        outcome's outputs go too: they continued sequences that are gone."""
+        outcome stays readable: an OK decode's outputs are right whatever
+        latches after it (docs/failure-semantics.md, "OK means readable")."""
         lost = self.kv.seqs_present()
         self.kv.clear()
-        self.last = DecodeOutcome(self.last.code, NO_OUTPUT, self.last.error, self.last.cause, self.last.endpoint)
         self.endpoints.needs_refeed |= lost
         return lost
 
