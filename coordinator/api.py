@@ -60,7 +60,7 @@ class Coordinator:
         """`Coordinator(endpoints, model, **options)`: the options are
         CoordinatorConfig's fields (config.py documents each); an unknown one
         is a TypeError, a bad value a ValueError, before anything starts."""
-        self.config = config = CoordinatorConfig(endpoints, model, **options).checked()
+        self.config = config = CoordinatorConfig.of(endpoints, model, options)
         self.stats = {"decodes": 0, "tokens": 0, "decode_seconds": 0.0, "generated": 0, "reconnects": 0,
                       "micro_batches": 0, "linked_steps": 0}
         self._resume = Resumer(config.resume_within, config.spares, self.stats, config.spare_after)
@@ -82,8 +82,8 @@ class Coordinator:
         self._io = LoopThread()
         # decode steps in flight at once (pipelined); `async with` it: latching, reconnects and KV edits between steps
         gate = DecodeGate()
-        self.gguf = GGUFFile(self.model_path)
         try:
+            self.gguf = GGUFFile(self.model_path)
             self.arch = architecture(self.gguf.architecture)
             self.hp = self.arch.hparams(self.gguf)
             self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.get)
@@ -105,7 +105,8 @@ class Coordinator:
             raise
 
     async def _close_all(self) -> None:
-        await self._endpoints.close_all()
+        if hasattr(self, "_endpoints"):  # else the constructor failed before connecting anything
+            await self._endpoints.close_all()
         here = getattr(self, "_pipeline", None) and self._pipeline.here
         if here is not None:
             await here.executor.close()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -130,6 +130,16 @@ class CoordinatorConfig:
     spare_after: float | None = None
     micro_batch: int = DEFAULT_MICRO_BATCH
     step_links: bool = True
+
+    @classmethod
+    def of(cls, endpoints, model, options: dict) -> "CoordinatorConfig":
+        """Coordinator(endpoints, model, **options) as a checked configuration: an
+        unknown option is a TypeError naming it, a bad value a ValueError."""
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"Coordinator has no option {', '.join(map(repr, unknown))}; its options are "
+                            f"{', '.join(f.name for f in fields(cls) if f.name not in ('endpoints', 'model'))}")
+        return cls(endpoints, model, **options).checked()
 
     def checked(self) -> "CoordinatorConfig":
         """This configuration with its endpoints and split as lists, or ValueError
