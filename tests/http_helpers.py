@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 
-from conftest import free_port, stop_process
+from conftest import SLACK, free_port, stop_process
 
 
 class Server:
@@ -91,8 +91,8 @@ def stream_text(events: list, chat: bool = False) -> str:
 
 
 def wait_healthy(server, timeout: float = 30.0) -> None:
-    """/health answers 200 within `timeout` (e.g. once a worker is back)."""
-    deadline = time.monotonic() + timeout
+    """/health answers 200 within `timeout` (times SLACK; e.g. once a worker is back)."""
+    deadline = time.monotonic() + timeout * SLACK
     status = health = None
     while time.monotonic() < deadline:
         try:

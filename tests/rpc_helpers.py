@@ -10,6 +10,7 @@ import urllib.request
 
 import numpy as np
 
+from conftest import SLACK
 from ggml_ffi import Context, lib
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
@@ -98,8 +99,9 @@ class RawConn:
 
     def wait_closed(self, timeout: float = 5.0) -> list[dict]:
         """Read until the daemon closes the connection; returns the frames read.
-        Fails if it is still open after `timeout` seconds."""
+        Fails if it is still open after `timeout` seconds (times SLACK)."""
         frames = []
+        timeout *= SLACK
         deadline = time.monotonic() + timeout
         self.sock.settimeout(timeout)
         while time.monotonic() < deadline:
@@ -250,3 +252,100 @@ def metric(metrics_port: int, name: str) -> float:
 
 def bytes_in(metrics_port: int) -> float:
     return metric(metrics_port, "ggml_rpc_bytes_in_total")
+
+
+# ---------------------------------------------------------------- a scripted worker
+
+class FakeWorker:
+    """A scripted worker on 127.0.0.1: a real listening socket served by a
+    thread, one connection at a time. It answers HELLO as a protocol-2 daemon
+    without a secret does, PING at once, and every other request with
+    `answer(header, blob)`: a dict (the reply's fields, status SUCCESS unless
+    they say otherwise, no blob), raw bytes (written as they are: a lie), or
+    None (no answer). The default answers like a daemon with no tensor cache
+    and room for anything (DEVICE_INFO lists every op, ALLOC_BUFFER hands out
+    buffers, the rest succeed with no data). `requests` records every request
+    header after HELLO, PINGs excepted."""
+
+    def __init__(self, answer=None, ops=()):
+        import threading
+        self.answer = answer or self.default_answer
+        self.ops = list(ops)
+        self.requests: list[dict] = []
+        self._buffers = 0
+        self._stop = threading.Event()
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(4)
+        self.lsock.settimeout(0.2)
+        self.endpoint = f"127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def default_answer(self, h: dict, blob: bytes):
+        cmd = h.get("cmd")
+        if cmd == Command.DEVICE_INFO:
+            return {"name": "CPU", "free_memory": 1 << 34, "total_memory": 1 << 34, "alignment": 64,
+                    "threads": 1, "tensor_cache": False, "ops": self.ops}
+        if cmd == Command.ALLOC_BUFFER:
+            self._buffers += 1
+            return {"buffer": self._buffers, "size": h["size"], "alignment": 64}
+        return {}
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                s, _ = self.lsock.accept()
+            except OSError:
+                continue
+            try:
+                self._client(s)
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    def _client(self, s: socket.socket) -> None:
+        s.settimeout(0.2)
+        pending = b""
+
+        def take(n: int) -> bytes:
+            nonlocal pending
+            while len(pending) < n:
+                try:
+                    chunk = s.recv(1 << 20)
+                except TimeoutError:
+                    if self._stop.is_set():
+                        raise OSError("stopped")
+                    continue
+                if not chunk:
+                    raise OSError("closed")
+                pending += chunk
+            out, pending = pending[:n], pending[n:]
+            return out
+
+        while True:
+            header_len, blob_len = F.PREFIX.unpack(take(F.PREFIX.size))
+            h = F.decode_header(take(header_len), P.Limits())
+            blob = take(blob_len)
+            if h.get("cmd") == Command.HELLO:
+                reply = {"version": P.PROTOCOL_VERSION, "features": [], "server": "fake", "max_blob": 1 << 30,
+                         "idle_timeout": 300}
+            elif h.get("cmd") == Command.PING:
+                reply = {"time": time.time()}
+            else:
+                self.requests.append(h)
+                reply = self.answer(h, blob)
+            if reply is None:
+                continue
+            if isinstance(reply, (bytes, bytearray)):
+                s.sendall(reply)
+                continue
+            reply = dict(reply)
+            status, error = reply.pop("status", Status.SUCCESS), reply.pop("error", "")
+            s.sendall(F.encode_frame(P.reply_header(h.get("id"), status, error, **reply)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.lsock.close()

@@ -8,9 +8,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from conftest import SLACK
 from coordinator import Batch, Coordinator, DecodeResult
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 
 def wait_latched(c: Coordinator, endpoint: str, bound: float) -> None:

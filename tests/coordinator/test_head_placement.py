@@ -17,6 +17,8 @@ from bench.delay_proxy import Link, ProxyThread  # noqa: E402
 from coordinator.api import Batch, Coordinator, DecodeResult, default_model_path  # noqa: E402
 from coordinator.decode.head_placement import HeadPlacement, checked_mode  # noqa: E402
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 PROMPT = "The capital of France is"
 STEPS = 6  # decode steps after the prompt
 # one-way delay that the head's saving must lose to: on a quiet machine a Gemma head shard takes ~5 ms

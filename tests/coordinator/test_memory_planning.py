@@ -15,6 +15,8 @@ from coordinator.model.split_plan import fit_split
 from rpc_helpers import bytes_in
 from tiny_models import Dims, write_plain_llama
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 N_CTX, N_BATCH, N_LAYER = 64, 16, 8
 MiB = 1 << 20
 

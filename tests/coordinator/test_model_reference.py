@@ -78,7 +78,7 @@ def run(c: Coordinator, tokens, n_continue: int):
     return logits, cont, np.array(after)
 
 
-@pytest.mark.parametrize("where", ["local", "2 workers"])
+@pytest.mark.parametrize("where", ["local", pytest.param("2 workers", marks=pytest.mark.system)])
 @pytest.mark.parametrize("name", list(REFERENCE_CASES))
 def test_logits_match_llama_cpp(name, where, tmp_path, request):
     ref, gguf = load_case(name, tmp_path)

@@ -14,6 +14,8 @@ from coordinator.model.gguf_file import GGUFFile
 from coordinator.model.architectures import architecture
 from tiny_models import MODELS, N_EXPERT, N_EXPERT_USED, write_gguf, write_tiny_model
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 N_CTX, N_GREEDY = 128, 24
 PROMPT = "the capital of france is paris and the"
 

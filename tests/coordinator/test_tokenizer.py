@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SLACK
 from coordinator.text.tokenizer import (
     SPACE_ESCAPE,
     TOKEN_TYPE_BYTE,
@@ -145,7 +146,7 @@ def test_gemma3_vocab_facts(tok, meta):
 def test_construction_is_fast(meta):
     start = time.perf_counter()
     Tokenizer.from_gguf_fields(meta.get)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 1.0 * SLACK
 
 
 def test_encoding_1000_chars_is_fast(tok):
@@ -158,7 +159,7 @@ def test_encoding_1000_chars_is_fast(tok):
         start = time.perf_counter()
         tok.encode(text, parse_special=True)  # the slower mode: scans all control tokens
         timings.append(time.perf_counter() - start)
-    assert statistics.median(timings) < 0.050
+    assert statistics.median(timings) < 0.050 * SLACK
 
 
 # ---------------------------------------------------------------- exact tokenizations

@@ -19,12 +19,15 @@ import re
 import time
 
 import numpy as np
+import pytest
 
 from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, RawConn, assert_served, chain_graph, check_compute, checked_session, expect_error
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -13,11 +13,14 @@ import time
 import numpy as np
 import pytest
 
+from conftest import SLACK
 from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import N, RawConn, chain_graph, expect_error, normal_session
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 A_OFF, B_OFF, BUF_SIZE = 0, 256, 4096
 
@@ -91,8 +94,8 @@ async def check_mul_mat(c: RpcClient, tensors, iz, expect, graph_id: int = 0, re
 
 
 def eventually(cond, timeout: float = 3.0) -> bool:
-    """Poll `cond` (e.g. over log lines, read by a thread) until true or `timeout`."""
-    deadline = time.monotonic() + timeout
+    """Poll `cond` (e.g. over log lines, read by a thread) until true or `timeout` (times SLACK)."""
+    deadline = time.monotonic() + timeout * SLACK
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.02)
     return cond()
@@ -256,8 +259,8 @@ def test_sigterm_exits_promptly(start_daemon):
     half.send_raw(b"\x10\x00")  # and someone is in the middle of a frame
     t0 = time.monotonic()
     d.signal(signal.SIGTERM)
-    assert d.proc.wait(timeout=10) == 0
-    assert time.monotonic() - t0 < 3
+    assert d.proc.wait(timeout=10 * SLACK) == 0
+    assert time.monotonic() - t0 < 3 * SLACK
     assert conn.wait_closed(timeout=2) == []
     half.close()
     conn.close()
@@ -278,8 +281,8 @@ def test_sigterm_during_long_compute(start_daemon):
     time.sleep(0.3)
     t0 = time.monotonic()
     d.signal(signal.SIGTERM)
-    assert d.proc.wait(timeout=30) == 0
-    assert time.monotonic() - t0 < 2
+    assert d.proc.wait(timeout=30 * SLACK) == 0
+    assert time.monotonic() - t0 < 2 * SLACK
     conn.close()
     assert compute_pids(d)
     assert eventually(lambda: all(_gone(p) for p in compute_pids(d))), "compute process outlived the daemon"
@@ -317,7 +320,7 @@ def test_daemon_whose_log_reader_is_gone_serves_and_stops(tmp_path):
 
         run(three_clients(), timeout=30)
         proc.terminate()
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=10 * SLACK) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

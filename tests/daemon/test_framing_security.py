@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
+from conftest import SLACK, DaemonProcess
 from ggml_ffi import Context, lib
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
@@ -29,6 +29,8 @@ from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.tls import client_context
 from rpc_helpers import SECRET, RawConn, assert_served, encode_prefix, rss
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PREAUTH_MAX_HEADER = getattr(P.Limits(), "max_preauth_header", 4096)
@@ -45,7 +47,8 @@ def _open(d: DaemonProcess, tls_ca: str | None) -> socket.socket:
 
 
 def _frames_until_close(sock: socket.socket, timeout: float = 5.0) -> list[dict] | None:
-    """Frames the daemon sent before closing; None if it did not close in time."""
+    """Frames the daemon sent before closing; None if it did not close in time (`timeout` times SLACK)."""
+    timeout *= SLACK
     sock.settimeout(timeout)
     data = b""
     deadline = time.monotonic() + timeout

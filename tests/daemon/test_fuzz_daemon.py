@@ -14,12 +14,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conftest import DaemonProcess
+from conftest import SLACK, DaemonProcess
 from fuzz_protocol import (SEEDS, FuzzClient, command_messages, graph_messages, lying_prefixes, raw_messages,
                            tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command
 from rpc_helpers import assert_served, rss
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 MEM_MIB = 32
 # cases per family; the first three add up to more than 2,000
@@ -43,8 +45,8 @@ async def device_info(endpoint: str) -> dict:
 
 def free_memory_settled(endpoint: str, want: int, timeout: float = 10.0) -> int:
     """free_memory once it reads `want` (a departed client's graphs are dropped by the compute process
-    just after it leaves), or what it reads at the deadline."""
-    deadline = time.monotonic() + timeout
+    just after it leaves), or what it reads at the deadline (`timeout` times SLACK)."""
+    deadline = time.monotonic() + timeout * SLACK
     while True:
         free = asyncio.run(device_info(endpoint))["free_memory"]
         if free == want or time.monotonic() > deadline:

@@ -20,8 +20,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import extents_fuzz as F
+from conftest import SLACK
 from ggml_ffi import lib
 from rpc_daemon.validation import graph as G
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 N_CASES = 3200  # about three quarters are accepted: >= 2,000 computed
 MIN_ACCEPTED = 2000
@@ -29,7 +32,7 @@ MIN_ACCEPTED = 2000
 
 @pytest.fixture(scope="module")
 def harness():
-    h = F.Harness(threads=1)
+    h = F.Harness(threads=1, timeout=20.0 * SLACK)  # a case's compute: a hang past this fails it
     yield h
     h.close()
 

@@ -20,6 +20,9 @@ from rpc_daemon.wire.protocol import Limits, ProtocolError
 from graph_helpers import (COMPUTE, F16, F32, I32, I64, INPUT, KiB, OUTPUT, Q8_0, VICTIM_FILL, Session, T, f32s,  # noqa: F401
                            i32s, lost)
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
+
 @pytest.fixture
 def s(d):
     sess = Session(d)

@@ -6,7 +6,7 @@ range before compute: ids sent inline are checked against the expert count on
 every request, ids computed by the graph must be a TOP_K over exactly one score
 per expert; anything else is refused.
 
-Every refusal runs as tests/daemon/test_graph_validation_findings.py's do: INVALID_REQUEST with
+Every refusal runs as tests/daemon/test_graph_validation_refusals.py's do: INVALID_REQUEST with
 the reason, the compute process alive, a victim client's buffer unchanged and
 never in a reply; and the refused request changes nothing (a cached graph
 still computes the right result afterwards).
@@ -19,6 +19,8 @@ import pytest
 from ggml_ffi import lib
 from rpc_daemon.wire.protocol import Command, Status
 from graph_helpers import COMPUTE, F32, I32, INPUT, OUTPUT, Session, T, i32s
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 MUL_MAT_ID, TOP_K, VIEW = lib.GGML_OP_MUL_MAT_ID, lib.GGML_OP_TOP_K, lib.GGML_OP_VIEW
 K, M, N_AS, TOKENS, N_USED = 8, 4, 3, 2, 2

@@ -21,14 +21,17 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on sy
     sys.path.insert(0, str(ROOT))
 
 from bench.delay_proxy import Link, ProxyThread  # noqa: E402
+from conftest import SLACK  # noqa: E402
 from coordinator.api import Batch, Coordinator, DecodeResult  # noqa: E402
 from rpc_daemon.client import PeerFailed, RpcClient, RpcError  # noqa: E402
 from rpc_daemon.request_window import HEADER_ALLOWANCE, RequestWindow  # noqa: E402
 from rpc_daemon.wire.protocol import Command, Status  # noqa: E402
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 SLOW = Link(0.1, 0.03)  # the far case: 100 +- 30 ms one way
 LAN = Link(0.02, 0.005)
-SLACK = 0.5  # scheduling slack on top of a bound: two cores shared with everything else
+AT_ONCE = 0.2  # s: a killed worker's socket closing, seen on loopback (docs: within ms), idle machine
 PROMPT = "The capital of France is"
 CHUNK = 128 << 10
 
@@ -140,7 +143,7 @@ def test_worker_killed_mid_windowed_upload_is_that_worker_closed(start_daemon):
     with ProxyThread(d.endpoint, SLOW) as proxy:
         failure, seen = run(go())
     assert failure.kind == "closed" and proxy.endpoint in failure.message, failure.message
-    assert seen - killed[0] <= SLOW.delay + SLOW.jitter + SLACK, seen - killed[0]
+    assert seen - killed[0] <= (SLOW.delay + SLOW.jitter + AT_ONCE) * SLACK, seen - killed[0]
 
 
 @pytest.fixture
@@ -177,7 +180,7 @@ def test_worker_killed_behind_100ms_is_that_worker_within_the_bound(tiny_model, 
         assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
         killed = time.monotonic()
         b.kill()
-        deadline = killed + SLOW.delay + SLOW.jitter + 0.25 + SLACK  # + one stall
+        deadline = killed + (SLOW.delay + SLOW.jitter + 0.25 + AT_ONCE) * SLACK  # + one stall
         while not c.failed_endpoints() and time.monotonic() < deadline + 5:
             time.sleep(0.01)
         latched = time.monotonic()
@@ -217,4 +220,4 @@ def test_worker_stopped_behind_100ms_times_out_within_the_bound_plus_the_delay(t
             stopper.join(35)
         assert code is DecodeResult.ENDPOINT_FAILED and c.last_cause == "timeout", c.last_error
         assert c.last_failed_endpoint == pb.endpoint
-        assert bound * 0.75 - 0.1 <= detected <= bound + SLOW.delay + SLOW.jitter + 0.25 + SLACK, detected
+        assert bound * 0.75 - 0.1 <= detected <= (bound + SLOW.delay + SLOW.jitter + 0.25) * SLACK, detected

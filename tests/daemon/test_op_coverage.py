@@ -38,6 +38,8 @@ from rpc_daemon.validation.graph import OP_RULES
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
 Q8_0, Q5_0, Q4_0 = lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q5_0, lib.GGML_TYPE_Q4_0
 Q4_K, Q6_K = lib.GGML_TYPE_Q4_K, lib.GGML_TYPE_Q6_K

@@ -17,6 +17,8 @@ from rpc_helpers import bytes_in, metric, raw_session
 from rpc_daemon.client import RpcClient, RpcError
 from rpc_daemon.wire.protocol import Command, Status
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 SIZE = 2 << 20
 
 

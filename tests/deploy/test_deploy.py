@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from conftest import DaemonProcess, free_port
+from conftest import SLACK, DaemonProcess, free_port
+
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
 BIN = pathlib.Path(sys.executable).parent
@@ -122,6 +124,7 @@ class NotifySocket:
         return out
 
     def wait_for(self, message: str, seconds: float) -> float:
+        seconds *= SLACK
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
@@ -137,7 +140,7 @@ class NotifySocket:
 
 def _check_watchdog(notify: NotifySocket, pid: int) -> None:
     notify.wait_for("READY=1", 60)
-    beats = [m for _, m in notify.messages(1.0) if m == "WATCHDOG=1"]
+    beats = [m for _, m in notify.messages(1.0 * SLACK) if m == "WATCHDOG=1"]
     assert len(beats) >= 3, beats  # WATCHDOG_USEC=200000: a beat every 0.1 s
     os.kill(pid, signal.SIGSTOP)  # a wedged process must stop petting
     try:
@@ -223,8 +226,8 @@ def test_ctrl_c_in_a_terminal_stops_the_daemon_without_a_traceback(start_daemon)
         os.kill(pid, signal.SIGINT)
     time.sleep(0.5)
     os.killpg(d.proc.pid, signal.SIGINT)  # the daemon leads its own process group, as a shell's job would
-    assert d.proc.wait(timeout=20) == 0
-    deadline = time.monotonic() + 5
+    assert d.proc.wait(timeout=20 * SLACK) == 0
+    deadline = time.monotonic() + 5 * SLACK
     while "stopped" not in "".join(d.log_lines) and time.monotonic() < deadline:
         time.sleep(0.05)
     log = "".join(d.log_lines)
@@ -263,7 +266,7 @@ def test_the_first_compute_process_starts_before_the_daemon_code_loads(tmp_path)
                             start_new_session=True)
     seen: dict[str, float] = {}
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 * SLACK
         while "listening" not in seen and time.monotonic() < deadline:
             line = proc.stderr.readline()
             if not line:
@@ -311,7 +314,7 @@ def test_coordinator_extends_start_timeout_while_uploading(tmp_path, secret_file
                              "--port", "0", "--parallel", "1", "--ctx-per-slot", "64"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        messages, deadline = [], time.monotonic() + 120
+        messages, deadline = [], time.monotonic() + 120 * SLACK
         while not any("READY=1" in m.split("\n") for m in messages) and time.monotonic() < deadline:
             messages += [m for _, m in notify.messages(0.2)]
             assert proc.poll() is None, f"coordinator exited {proc.returncode}: {messages}"

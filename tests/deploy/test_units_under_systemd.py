@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from conftest import free_port
+from conftest import SLACK, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -32,10 +32,10 @@ BIN = pathlib.Path(sys.executable).parent
 SYSTEMD = "/lib/systemd/systemd"
 CGROUPS = pathlib.Path("/sys/fs/cgroup")
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.system, pytest.mark.skipif(
     os.environ.get("GGML_TEST_REAL_SYSTEMD") != "1" or os.geteuid() != 0 or not os.path.exists(SYSTEMD)
     or shutil.which("unshare") is None or shutil.which("nsenter") is None or os.path.exists("/run/systemd/system"),
-    reason="opt-in (GGML_TEST_REAL_SYSTEMD=1): needs root, unshare/nsenter, systemd installed but not running")
+    reason="opt-in (GGML_TEST_REAL_SYSTEMD=1): needs root, unshare/nsenter, systemd installed but not running")]
 
 INNER = """#!/bin/sh
 set -e
@@ -90,7 +90,7 @@ class Systemd:
         self.unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--mount-proc",
                                          str(root / "inner.sh")], start_new_session=True)
         self.pid = None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30 * SLACK
         while time.monotonic() < deadline:
             children = pathlib.Path(f"/proc/{self.unshare.pid}/task/{self.unshare.pid}/children")
             if self.pid is None and children.exists() and children.read_text().split():

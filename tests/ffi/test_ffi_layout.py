@@ -34,6 +34,8 @@ from ggml_ffi._loader import ffi as loaded_ffi  # noqa: E402
 
 import cffi  # noqa: E402
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 CDEF_TEXT = _CDEF.read_text()
 # The loaded ffi is usually cffi's out-of-line form of the cdef (ggml_ffi/_loader.py), whose struct
 # types cannot be introspected (`.fields` of an opaque one trips an assertion in cffi): the checks

@@ -14,6 +14,8 @@ import pytest
 from ggml_ffi import ORIGIN, CpuBackend, describe, ggml_build, ggml_identity
 from rpc_daemon.client import PeerFailed, RpcClient
 
+pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILT = ggml_build.find_build() is not None
 needs_build = pytest.mark.skipif(not BUILT, reason="the pinned ggml is not built here (python -m ggml_ffi.ggml_build)")

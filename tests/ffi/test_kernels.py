@@ -109,6 +109,7 @@ def test_the_build_has_the_fast_kernels():
 
 
 @needs_build
+@pytest.mark.system  # a child process
 def test_extra_buffer_types_are_probed_in_a_child_and_remembered(tmp_path):
     """CPU_REPACK, AMX, ...: each is tried in a child process, so a kernel the CPU or the OS
     does not really allow (AMX on a VM that lists it) is a line in the answer, never a crash;
