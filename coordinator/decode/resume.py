@@ -17,9 +17,13 @@ docs/failure-semantics.md, "Resuming", states the behaviour and the guarantee.
   through the stages that lost their KV cache (under the decode lock, before
   any new step), in the step shapes first decoded: the rows get the same bits.
 * `decode` is decode() plus waiting: a step that failed with ENDPOINT_FAILED
-  waits (up to `resume_within` from the failure; woken by the reconnect that
-  clears the last latch) until every endpoint is serving again and is retried; it decodes the same batch on the same KV
-  table, so it gives the same logits. Past the bound it returns the original
+  waits (woken by the reconnect that clears the last latch) until every
+  endpoint is serving again and is retried; it decodes the same batch on the
+  same KV table, so it gives the same logits. The wait is bounded by the
+  outage's deadline (outages.py: the endpoint's first failure plus
+  `resume_within`), not by when this decode came to it: every decode waiting
+  on one outage gives up at the same moment, and one that meets an outage
+  past its deadline fails at once. Giving up returns the outage's first
   failure, as decode() would have.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 import structlog
 
 from coordinator.decode.kv_journal import StepJournal
+from coordinator.decode.outages import Outage, Outages
 from coordinator.decode.step_io import StepFailed
 from coordinator.decode.values import NO_OUTPUT, DecodeOutcome, DecodeResult
 
@@ -60,7 +65,9 @@ class Resumer:
                             else spare_after)
         self.journal = StepJournal() if self.enabled else None
         self.lost: set[int] = set()  # stages whose worker lost our KV rows, to rebuild
-        self.first_failures: dict[str, tuple] = {}  # endpoint -> (cause, kind) of its latest latch's first failure
+        # each latched stage's outage (its first failure, its deadline): what decode(), health() and the HTTP
+        # server's admission all read
+        self.outages = Outages(self.resume_within) if self.enabled else None
         self._serving = asyncio.Event()  # set when a reconnect leaves no endpoint latched: paused decodes go on
         self.stats = stats if stats is not None else {}  # the coordinator's, shared with its metrics
         self.stats.update({"resumes": 0, "resume_seconds": 0.0, "kv_rebuilds": 0, "replayed_steps": 0,
@@ -78,11 +85,12 @@ class Resumer:
     # ------------------------------------------------------------ hooks of the EndpointSet
     def kv_lost(self, index: int, failure=None) -> None:
         """Stage `index`'s worker freed our buffers (its endpoint latched:
-        `failure`, the first of that latch; a failed reconnect attempt then
-        replaces the latch's cause, which is not the one to report)."""
+        `failure`, the first of that latch, begins its outage; a failed
+        reconnect attempt then replaces the latch's cause, which is not the
+        one to report, and does not move the outage's deadline)."""
         self.lost.add(index)
         if failure is not None:
-            self.first_failures[failure.endpoint] = (failure.cause, failure.kind)
+            self.outages.begin(index, failure.endpoint, failure.cause, failure.kind, time.monotonic())
 
     def candidates(self, p) -> list[str]:
         """The endpoints to try, in order, in one reconnect attempt for `p`."""
@@ -127,7 +135,12 @@ class Resumer:
         """Under the decode lock, after a reconnect cleared a latch: once no
         endpoint is latched, rebuild the KV rows the reconnected stages lost.
         `latch(exc)` latches an endpoint whose connection fails meanwhile."""
-        if not self.enabled or any(p.failure is not None for p in places):
+        if not self.enabled:
+            return
+        for index, p in enumerate(places):  # before any await: a latch cleared is an outage ended
+            if p.failure is None:
+                self.outages.end(index)
+        if any(p.failure is not None for p in places):
             return
         try:
             if self.lost:
@@ -166,32 +179,33 @@ class Resumer:
 
     # ------------------------------------------------------------ decoding through a failure
     async def decode(self, batch, greedy: bool = False, group: bool = True) -> DecodeOutcome:
-        """Decoder.decode, waiting through endpoint failures for at most
-        resume_within seconds from the first; on the coordinator's loop."""
+        """Decoder.decode, waiting through endpoint failures until every stage
+        is back, at most until the outage's deadline (its first failure plus
+        resume_within, however late this decode came to it); on the
+        coordinator's loop. Giving up returns the outage's first failure."""
         decoder = self.decoder
         outcome = await decoder.decode(batch, greedy, group)
         if outcome.code != DecodeResult.ENDPOINT_FAILED or not self.enabled:
             return outcome
-        first = outcome
-        if first.endpoint in self.first_failures:  # the failure itself: not a fast-fail's "[latched ...]" form,
-            cause, kind = self.first_failures[first.endpoint]  # nor a reconnect attempt's that replaced the latch's
-            first = DecodeOutcome(first.code, NO_OUTPUT, cause, kind, first.endpoint)
         paused = time.monotonic()
-        deadline = paused + self.resume_within
-        log.warning("decode paused: waiting for the stage to resume", endpoint=first.endpoint, cause=first.error,
-                    within=self.resume_within)
+        waited_on = None  # the outage this decode paused for (logged once)
         while outcome.code == DecodeResult.ENDPOINT_FAILED:
             while self.endpoints.failed():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    decoder.last = first
-                    log.error("resume gave up: the stage did not come back in time", endpoint=first.endpoint,
-                              cause=first.error, waited=round(time.monotonic() - paused, 3))
-                    return first
+                now = time.monotonic()
+                outage = self.outages.first()
+                if outage is None:  # every latch begins an outage (kv_lost): not expected; then this decode's own
+                    outage = Outage(-1, outcome.endpoint, outcome.error, outcome.cause, paused,
+                                    paused + self.resume_within)
+                if outage.given_up(now):
+                    return self._gave_up(outage, now)
+                if waited_on is not outage:
+                    log.warning("decode paused: waiting for the stage to resume", endpoint=outage.endpoint,
+                                cause=outage.cause, within=self.resume_within, left=round(outage.left(now), 3))
+                    waited_on = outage
                 # no await between the look and the clear: a reconnect that ends meanwhile sets it again
                 self._serving.clear()
                 try:
-                    await asyncio.wait_for(self._serving.wait(), left)
+                    await asyncio.wait_for(self._serving.wait(), outage.left(now))
                 except TimeoutError:
                     pass
             outcome = await decoder.decode(batch, greedy, group)
@@ -199,14 +213,25 @@ class Resumer:
         if outcome.code == DecodeResult.OK:
             self.stats["resumes"] += 1
             self.stats["resume_seconds"] += seconds
-            log.info("decode resumed", endpoint=first.endpoint, paused_seconds=round(seconds, 3))
+            log.info("decode resumed", endpoint=waited_on and waited_on.endpoint, paused_seconds=round(seconds, 3))
         return outcome
+
+    def _gave_up(self, outage: Outage, now: float) -> DecodeOutcome:
+        """A decode waiting on `outage`, past its deadline: the outage's first failure (not a fast-fail's
+        "[latched ...]" form, nor a reconnect attempt's that replaced the latch's cause)."""
+        failure = DecodeOutcome(DecodeResult.ENDPOINT_FAILED, NO_OUTPUT, outage.cause, outage.kind, outage.endpoint)
+        self.decoder.last = failure
+        if not outage.reported:  # once an outage, however many decodes wait on it
+            outage.reported = True
+            log.error("resume gave up: the stage did not come back in time", endpoint=outage.endpoint,
+                      cause=outage.cause, down=round(now - outage.since, 3), within=self.resume_within)
+        return failure
 
     # ------------------------------------------------------------ health
     def health(self, health: dict, places: list) -> dict:
         """The EndpointSet's health with what resuming adds: status
-        "resuming" while decodes pause for a latched endpoint (younger than
-        resume_within), "degraded" while a spare holds a stage; each endpoint's
+        "resuming" while decodes pause for a latched endpoint (no outage past
+        its deadline), "degraded" while a spare holds a stage; each endpoint's
         `spare_for` (the endpoint whose stage it holds)."""
         if not self.enabled:
             return health
@@ -214,7 +239,7 @@ class Resumer:
         for entry, p in zip(health["endpoints"], places):
             if p.endpoint != p.home:
                 entry["spare_for"] = p.home
-        if failures and time.time() - min(f.since for f in failures) < self.resume_within:
+        if failures and self.outages.given_up(time.monotonic()) is None:  # the rule decode() waits by
             health["status"] = "resuming"
         elif not failures and any(p.endpoint != p.home for p in places):
             health["status"] = "degraded"

@@ -14,6 +14,20 @@ from __future__ import annotations
 import time
 
 DECODE_STALL_SECONDS = 10.0  # a step in flight longer than this makes /health say so
+# the library's health() states in which requests are served: "resuming" too (they wait for the stage, at most
+# until its outage's deadline: coordinator/decode/outages.py); any other (an outage past it, or resuming off and
+# an endpoint latched) makes /health 503 and refuses new requests with 503
+SERVING = ("ok", "degraded", "resuming")
+
+
+def refused_for(health: dict) -> dict | None:
+    """The failed endpoint (its entry in the library's `health`) a new request
+    is refused for with 503, or None: the one rule of /health's "endpoints
+    failed" and of the server's admission, so no request is refused for a
+    failed worker while /health says 200."""
+    if health["status"] in SERVING:
+        return None
+    return next((e for e in health["endpoints"] if not e["ok"]), None)
 
 
 def decode_loop_problems(alive: bool, decode_started: float | None, resuming: bool, now: float) -> list[str]:
@@ -36,7 +50,7 @@ def health_answer(health: dict, endpoints: list[dict], head: dict, loaded: bool,
     if health["status"] == "resuming":
         degraded += [f"stage on {e['endpoint']} resuming: requests pause" for e in health["endpoints"]
                      if not e["ok"]]
-    elif health["status"] not in ("ok", "degraded"):
+    elif health["status"] not in SERVING:
         reasons.append("endpoints failed")
         if health["status"] == "reconnecting":
             reasons.append("reconnecting")
@@ -86,3 +100,7 @@ class ServerHealth:
 
     def retry_after(self) -> float:
         return retry_after(self.coord.failed_endpoints(), time.time())
+
+    def refused_for(self) -> dict | None:
+        """The failed endpoint a new request gets 503 for now (refused_for), or None."""
+        return refused_for(self.coord.health())

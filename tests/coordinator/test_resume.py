@@ -144,8 +144,8 @@ def test_not_back_within_resume_within_fails_with_the_original_cause(model, clus
             for i, piece in enumerate(c.stream(PROMPT, max_tokens=N_GEN)):
                 got.append(piece)
                 if i == 3:
+                    killed = time.monotonic()  # before kill(): the bound counts from the failure, which it may see first
                     w.kill(1)
-                    killed = time.monotonic()
         waited = time.monotonic() - killed
         assert err.value.code == ENDPOINT_FAILED and err.value.endpoint == w.endpoint(1)
         assert err.value.cause == "closed" and KILLED.search(err.value.message), err.value.message

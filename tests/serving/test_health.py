@@ -86,3 +86,17 @@ def test_retry_after_is_the_next_reconnect():
     assert health.retry_after([failure(next_attempt=None)], 100.0) == 1.0
     assert health.retry_after([failure(next_attempt=107.5), failure(next_attempt=103.0)], 100.0) == 3.0
     assert health.retry_after([failure(next_attempt=100.2)], 100.0) == 1.0  # at least a second
+
+
+@pytest.mark.parametrize("status, refused", [("ok", False), ("degraded", False), ("resuming", False),
+                                             ("reconnecting", True), ("failed", True)])
+def test_a_request_is_refused_for_a_worker_exactly_when_health_is_503_for_it(status, refused):
+    """One rule for /health and admission (issue #29): while a stage resumes
+    (/health 200) a new request is taken and waits; past its outage's deadline
+    ("reconnecting") it gets 503 naming the failed worker."""
+    lib = {"status": status, "endpoints": [lib_entry(A), lib_entry(B, ok=status in ("ok", "degraded"))]}
+    code, body = health_answer(lib, [endpoint(A), endpoint(B)], HEAD, True, [], 1, 4)
+    failed = health.refused_for(lib)
+    assert (failed is not None) == refused == (code == 503), (status, body)
+    if refused:
+        assert failed["endpoint"] == B and failed["cause"] == "connection closed"
