@@ -18,18 +18,29 @@ def needs_key(path: str) -> bool:
 
 
 class ApiKey:
-    def __init__(self, key: str):
-        self._key = key.encode("utf-8", "surrogateescape")
+    def __init__(self, key: str | list[str]):
+        """One key, or several (--api-key a,b and --api-key-file): any of them is let in."""
+        keys = [key] if isinstance(key, str) else list(key)
+        if not keys or not all(keys):
+            raise ValueError("an API key must not be empty")
+        self._keys = [k.encode("utf-8", "surrogateescape") for k in keys]
 
     def check(self, authorization: str) -> None:
         """ApiError 401 unless `authorization` (the header's value, "" when
-        absent) is 'Bearer <the key>' (the scheme in any case)."""
+        absent) is 'Bearer <a key>' (the scheme in any case)."""
         scheme, _, key = authorization.partition(" ")
-        # compare_digest: the time taken does not tell how much of the key was right
-        if not (hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self._key)
-                and scheme.lower() == "bearer"):
+        given = key.strip().encode("utf-8", "surrogateescape")
+        # compare_digest, against every key: the time taken does not tell how much of a key was right, or which
+        matched = [hmac.compare_digest(given, k) for k in self._keys]
+        if not (any(matched) and scheme.lower() == "bearer"):
             raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def keys_in(text: str) -> list[str]:
+    """The keys an --api-key-file holds: one a line; blank lines and lines starting with '#' are skipped
+    (llama-server's format)."""
+    return [s for s in (line.strip() for line in text.splitlines()) if s and not s.startswith("#")]
 
 
 def preflight_headers(requested_headers: str | None) -> dict:

@@ -22,10 +22,12 @@ import structlog
 
 from coordinator.decode.values import Batch, DecodeResult
 from coordinator.decode.kv_cells import MAX_SEQ
-from coordinator.text.sampling import Sampler
+from coordinator.text.sampling import Sampler, TokenLogprob, token_logprobs
 from coordinator.text.stream import TextStream
 
 log = structlog.get_logger("batching")
+
+PROMPT_LOGPROBS_CHUNK = 64  # a prompt whose logprobs are asked is fed in steps of at most this many rows of logits
 
 
 class ShuttingDown(Exception):
@@ -48,6 +50,8 @@ class SlotEvent:
     code: DecodeResult | None = None
     message: str = ""
     endpoint: str | None = None
+    # "text"/"done": the logprobs of the tokens sampled since the last event; "prompt": the prompt's
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -64,6 +68,11 @@ class Slot:
     generated: int = 0
     cancelled: bool = False
     group: int = 0  # the loop that steps it
+    logprobs: int | None = None  # alternatives per sampled token's logprob; None: no logprobs
+    echo: bool = False  # a "prompt" event once the prompt is decoded (with its logprobs if asked)
+    leader: "Slot | None" = None  # another choice of the same request whose prompt KV rows this one will share
+    prompt_lp: list[TokenLogprob] | None = None  # the prompt's logprobs (echo with logprobs), as they are decoded
+    pending_lp: list[TokenLogprob] = field(default_factory=list)  # sampled tokens' logprobs not yet in an event
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -141,10 +150,15 @@ class Scheduler:
     def busy(self) -> int:
         return len(self.active)
 
-    async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str]) -> Slot:
+    async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str], *,
+                     logprobs: int | None = None, echo: bool = False, share_from: Slot | None = None) -> Slot:
         """A slot for this request, once one is free; ShuttingDown if the
         server stops first; QueueFull at once if it would have to wait
-        behind max_queue others."""
+        behind max_queue others. `logprobs`: alternatives per token (None: no
+        logprobs); `echo`: a "prompt" event once the prompt is decoded, with its
+        logprobs if asked. `share_from`: another choice of the same prompt; if it
+        is still feeding the prompt, this slot waits and shares its KV rows
+        (kv_seq_cp) and last logits instead of decoding the prompt again."""
         if self.closing:
             raise ShuttingDown()
         if self.free.empty() and self.max_queue is not None and self.waiting >= self.max_queue:
@@ -159,7 +173,13 @@ class Scheduler:
             raise ShuttingDown()
         sizes = [sum(s.group == g for s in self.active) for g in range(self.n_groups)]
         slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
-                    pending=list(prompt), group=sizes.index(min(sizes)))
+                    pending=list(prompt), group=sizes.index(min(sizes)), logprobs=logprobs, echo=echo)
+        sampler.accept(prompt)  # the penalties look back at the prompt too, as llama-server's
+        if echo and logprobs is not None:
+            slot.prompt_lp = [TokenLogprob(prompt[0], None)]  # nothing predicts the first token
+        if share_from is not None and share_from in self.active and share_from.first_token_at is None \
+                and share_from.prompt == slot.prompt:
+            slot.leader = share_from
         self.active.append(slot)
         self._wake[slot.group].set()
         return slot
@@ -173,6 +193,7 @@ class Scheduler:
         if slot not in self.active:
             return
         self.active.remove(slot)
+        self._orphan_followers(slot)
         try:
             self.coord.kv_seq_rm(slot.seq)
         except Exception:  # it runs in the loop's error handling too: never let it end the loop
@@ -184,9 +205,47 @@ class Scheduler:
         slot.finished_at = time.monotonic()
         piece += slot.text.finish()
         if piece:
-            slot.events.put_nowait(SlotEvent("text", piece))
-        slot.events.put_nowait(SlotEvent("done", finish_reason=reason))
+            slot.events.put_nowait(SlotEvent("text", piece, logprobs=self._take_logprobs(slot)))
+        slot.events.put_nowait(SlotEvent("done", finish_reason=reason, logprobs=self._take_logprobs(slot)))
         self._release(slot)
+
+    @staticmethod
+    def _take_logprobs(slot: Slot) -> list[TokenLogprob] | None:
+        if slot.logprobs is None:
+            return None
+        taken, slot.pending_lp = slot.pending_lp, []
+        return taken
+
+    def _orphan_followers(self, leader: Slot) -> None:
+        """`leader` is gone before its prompt was decoded: the choices waiting for it decode the prompt themselves."""
+        for slot in self.active:
+            if slot.leader is leader:
+                slot.leader = None
+                self._wake[slot.group].set()
+
+    def _adopt(self, slot: Slot, leader: Slot, logits) -> None:
+        """`leader` has just decoded the prompt `slot` waits for: `slot` shares its KV rows
+        (nothing is copied on the workers) and samples from the same logits."""
+        slot.leader = None
+        self.coord.kv_seq_cp(leader.seq, slot.seq)  # the leader has the prompt's positions alone so far
+        slot.pos, slot.pending = leader.pos, []
+        if leader.prompt_lp is not None and slot.prompt_lp is not None:
+            slot.prompt_lp = list(leader.prompt_lp)
+        self._prompt_done(slot)
+        self._sample(slot, logits)
+        self._wake[slot.group].set()
+
+    def _prompt_done(self, slot: Slot) -> None:
+        """Echo: the "prompt" event, with the prompt's logprobs (their text offsets now known) if asked."""
+        if not slot.echo:
+            return
+        entries = None
+        if slot.prompt_lp is not None:
+            detok, offset, entries = self.coord.tokenizer.detokenizer(), 0, []
+            for e in slot.prompt_lp:
+                entries.append(TokenLogprob(e.token, e.logprob, e.top, offset))
+                offset += len(detok.feed(e.token))
+        slot.events.put_nowait(SlotEvent("prompt", logprobs=entries))
 
     async def _run(self, group: int) -> None:
         while True:
@@ -205,23 +264,28 @@ class Scheduler:
         n_batch = self.coord.n_batch
         for slot in [s for s in self.active if s.cancelled and s.group == group]:
             self._release(slot)
-        mine = [s for s in self.active if s.group == group]
+        mine = [s for s in self.active if s.group == group and s.leader is None]  # not those waiting for a leader
         if not mine:
             self._wake[group].clear()
             await self._wake[group].wait()
             return
         tokens, pos, seqs, want, rows = [], [], [], [], []
+        prompt_rows: list[tuple[int, Slot, int]] = []  # (row, slot, position) of a prompt whose logprobs are asked
         in_batch: list[Slot] = []
         for slot in step_slots(mine):
-            chunk = slot.pending[: n_batch - len(tokens)]
+            scored = slot.prompt_lp is not None and slot.first_token_at is None
+            chunk = slot.pending[: min(n_batch - len(tokens), PROMPT_LOGPROBS_CHUNK if scored else n_batch)]
             if not chunk:
                 break
             completes = len(chunk) == len(slot.pending)  # logits only after the last pending token
             for k, tok in enumerate(chunk):
+                last = completes and k == len(chunk) - 1
+                if scored and not last:
+                    prompt_rows.append((len(tokens), slot, slot.pos + k))
                 tokens.append(tok)
                 pos.append(slot.pos + k)
                 seqs.append([slot.seq])
-                want.append(completes and k == len(chunk) - 1)
+                want.append(last or scored)
             if completes:
                 rows.append((len(tokens) - 1, slot))
             slot.fed = len(chunk)
@@ -251,9 +315,17 @@ class Scheduler:
             slot.pos += slot.fed
             del slot.pending[: slot.fed]
             slot.fed = 0
+        for row, slot, p in prompt_rows:  # row p predicts the prompt's token p + 1
+            lp, top = token_logprobs(outcome.logits(row), slot.prompt[p + 1], slot.logprobs)
+            slot.prompt_lp.append(TokenLogprob(slot.prompt[p + 1], lp, tuple(top)))
         for row, slot in rows:
             if not slot.cancelled:
-                self._sample(slot, outcome.logits(row))
+                logits = outcome.logits(row)
+                if slot.first_token_at is None:  # its prompt is decoded
+                    for follower in [s for s in self.active if s.leader is slot and not s.cancelled]:
+                        self._adopt(follower, slot, logits)
+                    self._prompt_done(slot)
+                self._sample(slot, logits)
 
     def _sample(self, slot: Slot, logits) -> None:
         token = slot.sampler.sample(logits)
@@ -265,11 +337,14 @@ class Scheduler:
         self.generated += 1
         if self.metrics:
             self.metrics.tokens_generated.inc()
+        if slot.logprobs is not None:
+            lp, top = token_logprobs(logits, token, slot.logprobs)
+            slot.pending_lp.append(TokenLogprob(token, lp, tuple(top), slot.text.decoded))
         piece = slot.text.feed(token)
         if slot.text.stopped:
             return self._finish(slot, "stop", piece)
         if piece:
-            slot.events.put_nowait(SlotEvent("text", piece))
+            slot.events.put_nowait(SlotEvent("text", piece, logprobs=self._take_logprobs(slot)))
         if slot.generated >= slot.max_tokens or slot.pos + 1 >= self.n_ctx_slot:
             return self._finish(slot, "length")
         slot.pending = [token]

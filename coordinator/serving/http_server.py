@@ -52,10 +52,13 @@ def error_response(error: ApiError) -> web.Response:
 class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
                  api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None,
-                 chat_template: str | None = None, metrics_endpoint: bool = True):
+                 chat_template: str | None = None, metrics_endpoint: bool = True, n_predict: int | None = None,
+                 slots_endpoint: bool = True):
         """`chat_template`: a built-in template's name or a Jinja file (--chat-template;
         ChatTemplateError if it is neither); default the model's own, else a generic fallback.
-        `metrics_endpoint`: serve /metrics (--metrics/--no-metrics)."""
+        `metrics_endpoint`: serve /metrics (--metrics/--no-metrics). `n_predict`: the most tokens a
+        request generates, and what it gets when it asks no number (-n); None: no limit.
+        `slots_endpoint`: serve llama-server's /slots (--slots/--no-slots). `api_key`: one key or a list."""
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
@@ -65,6 +68,8 @@ class CompletionServer:
         self.api_key = access.ApiKey(api_key) if api_key else None
         self.cors_origin = cors_origin
         self.metrics_endpoint = metrics_endpoint
+        self.n_predict = n_predict
+        self.slots_endpoint = slots_endpoint
         self.created = int(time.time())
         tok = coord.tokenizer
         self.n_vocab = min(coord.hp.n_vocab, len(tok.tokens))  # an id beyond either is refused
@@ -95,6 +100,8 @@ class CompletionServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/props", self.props)
+        if self.slots_endpoint:
+            app.router.add_get("/slots", self.slots)
         app.router.add_get("/cluster", self.cluster.handle_snapshot)
         app.router.add_get("/cluster/events", self.cluster.handle_stream)
         web_page.add_routes(app, auth_required=self.api_key is not None)
@@ -190,6 +197,11 @@ class CompletionServer:
         return web.json_response(llama_server_api.props(self.model_name, self.scheduler.n_slots, self.n_ctx_slot,
                                                         self.chat, package_version()))
 
+    async def slots(self, request) -> web.Response:
+        busy = {slot.seq: {"n_prompt_tokens": len(slot.prompt), "n_decoded": slot.generated,
+                           "n_remain": slot.max_tokens - slot.generated} for slot in self.scheduler.active}
+        return web.json_response(llama_server_api.slots(self.scheduler.n_slots, self.n_ctx_slot, busy))
+
     # ------------------------------------------------------------ tokens
     async def tokenize(self, request) -> web.Response:
         """llama-server's /tokenize: {content, add_special (default false),
@@ -215,10 +227,14 @@ class CompletionServer:
         return openai_api.request_body(text)
 
     async def completions(self, request) -> web.StreamResponse:
-        req = openai_api.parse_completion(await self._body(request), self.n_vocab, self.n_ctx_slot)
+        req = openai_api.parse_completion(await self._body(request), self.n_vocab, self.n_ctx_slot, self.n_predict)
         gen = req.generation
-        ids = await self._tokenize(req.prompt, gen.max_tokens) if isinstance(req.prompt, str) else req.prompt
-        return await self._serve(request, ids, gen.max_tokens, gen, False)
+        if isinstance(req.prompt, str):
+            ids, echo = await self._tokenize(req.prompt, gen.max_tokens or 1), req.prompt
+        else:
+            ids, echo = req.prompt, self.coord.detokenize(req.prompt) if gen.echo else ""
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else self.n_ctx_slot - len(ids)
+        return await self._serve(request, ids, max_tokens, gen, False, echo if gen.echo else None)
 
     async def _tokenize(self, text: str, max_tokens: int, chat: bool = False) -> list[int]:
         """Off the event loop (a megabyte prompt takes seconds; /health and the
@@ -231,70 +247,144 @@ class CompletionServer:
         return ids
 
     async def chat_completions(self, request) -> web.StreamResponse:
-        req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot)
+        req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot, self.n_vocab, self.n_predict)
         gen = req.generation
-        text = openai_api.chat_prompt(self.chat, req.messages, self.bos_token, self.eos_token)
+        text = openai_api.chat_prompt(self.chat, req.messages, self.bos_token, self.eos_token, req.template_kwargs)
         ids = await self._tokenize(text, gen.max_tokens or 1, chat=True)
         max_tokens = gen.max_tokens if gen.max_tokens is not None else self.n_ctx_slot - len(ids)
         return await self._serve(request, ids, max_tokens, gen, True)
 
     async def _serve(self, request, ids: list[int], max_tokens: int, gen: openai_api.Generation,
-                     chat: bool) -> web.StreamResponse:
+                     chat: bool, echo: str | None = None) -> web.StreamResponse:
+        """One slot per choice (gen.n): the first decodes the prompt, the others
+        share its KV rows when they get their slots before it is done
+        (Scheduler.submit's share_from). `echo`: the prompt's text, before the completion."""
         if self.scheduler.closing:
             raise openai_api.shutting_down()
         if not self.scheduler.alive:
             raise openai_api.decode_loop_stopped()
-        if self.coord.failed_endpoints():
-            f = self.coord.failed_endpoints()[0]
-            raise openai_api.worker_unavailable(f.endpoint, f.cause, self.health_check.retry_after())
+        self._refuse_for_outage()
         reply = CompletionReply(openai_api.new_completion_id(chat), int(time.time()), self.model_name, chat)
+        slots = []
         try:
-            slot = await self.scheduler.submit(ids, max_tokens, gen.sampler, gen.stop)
-        except ShuttingDown:
-            raise openai_api.shutting_down() from None
-        except QueueFull as exc:
-            raise openai_api.server_busy(self.scheduler.n_slots, exc.waiting, self.scheduler.max_queue,
-                                         QUEUE_FULL_RETRY_SECONDS) from None
-        try:
+            try:
+                for sampler in gen.samplers(self.coord.tokenizer.eog_ids):
+                    slots.append(await self.scheduler.submit(ids, max_tokens, sampler, gen.stop, logprobs=gen.logprobs,
+                                                             echo=echo is not None,
+                                                             share_from=slots[0] if slots else None))
+            except ShuttingDown:
+                raise openai_api.shutting_down() from None
+            except QueueFull as exc:
+                raise openai_api.server_busy(self.scheduler.n_slots, exc.waiting, self.scheduler.max_queue,
+                                             QUEUE_FULL_RETRY_SECONDS) from None
+            self._refuse_for_outage()  # it waited for a slot while an outage gave up: it ends now, with the others
+            answer = _Answer(reply, gen, chat, echo, len(ids), self._piece)
             if gen.stream:
-                return await self._stream(request, slot, reply, len(ids), gen.include_usage)
-            return await self._collect(slot, reply, len(ids))
+                return await self._stream(request, slots, answer)
+            return await self._collect(slots, answer)
         finally:
-            self.scheduler.cancel(slot)
-            self.metrics.observe_latency(request["started"], slot)
+            for slot in slots:
+                self.scheduler.cancel(slot)
+            if slots:
+                self.metrics.observe_latency(request["started"], slots[0])
 
-    async def _collect(self, slot, reply: CompletionReply, n_prompt: int) -> web.Response:
-        parts = []
-        while True:
-            ev = await slot.events.get()
-            if ev.kind == "text":
-                parts.append(ev.text)
-            elif ev.kind == "done":
-                return web.json_response(reply.completion("".join(parts), ev.finish_reason, n_prompt,
-                                                          slot.generated))
-            else:
-                raise openai_api.decode_failed(ev.message, ev.code, self.health_check.retry_after())
+    def _piece(self, token: int) -> bytes:
+        """A token's bytes in logprobs (special tokens as their text)."""
+        return self.coord.tokenizer.token_to_piece(token, special=True)
 
-    async def _stream(self, request, slot, reply: CompletionReply, n_prompt: int,
-                      include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        try:
+    def _refuse_for_outage(self) -> None:
+        """503 for a failed worker exactly when /health says 503 for it (health.refused_for): resuming off,
+        or its outage past --resume-within. While its stage resumes a request is taken, and waits like
+        those in flight (at most until the outage's deadline)."""
+        failed = self.health_check.refused_for()
+        if failed is not None:
+            raise openai_api.worker_unavailable(failed["endpoint"], failed["cause"], self.health_check.retry_after())
+
+    async def _collect(self, slots, answer: "_Answer") -> web.Response:
+        """Each choice's events in turn (a slot's queue holds them until read)."""
+        choices = []
+        for index, slot in enumerate(slots):
+            parts, entries, prompt_entries = [], [], None
             while True:
                 ev = await slot.events.get()
-                if ev.kind == "text":
-                    await resp.write(_sse_data(reply.chunk(ev.text, None, include_usage)))
-                elif ev.kind == "done":
-                    await resp.write(_sse_data(reply.chunk("", ev.finish_reason, include_usage)))
-                    if include_usage:
-                        await resp.write(_sse_data(reply.usage_chunk(n_prompt, slot.generated)))
-                    break
+                if ev.kind == "prompt":
+                    prompt_entries = ev.logprobs
+                elif ev.kind in ("text", "done"):
+                    parts.append(ev.text)
+                    entries += ev.logprobs or []
+                    if ev.kind == "done":
+                        break
                 else:
+                    raise openai_api.decode_failed(ev.message, ev.code, self.health_check.retry_after())
+            choices.append(answer.choice(index, "".join(parts), ev.finish_reason, entries, prompt_entries))
+        return web.json_response(answer.reply.completions(choices, answer.n_prompt, sum(s.generated for s in slots)))
+
+    async def _stream(self, request, slots, answer: "_Answer") -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        events: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
+
+        async def forward(index: int, slot) -> None:
+            while True:
+                ev = await slot.events.get()
+                events.put_nowait((index, ev))
+                if ev.kind in ("done", "error"):
+                    return
+
+        forwarders = [asyncio.create_task(forward(i, slot)) for i, slot in enumerate(slots)]
+        include_usage = answer.gen.include_usage
+        try:
+            running = len(slots)
+            while running:
+                index, ev = await events.get()
+                if ev.kind == "error":
                     await resp.write(_sse_data(openai_api.stream_error(ev.message, ev.code, ev.endpoint)))
                     break
+                await resp.write(_sse_data(answer.chunk(index, ev)))
+                if ev.kind == "done":
+                    running -= 1
+            else:
+                if include_usage:
+                    await resp.write(_sse_data(answer.reply.usage_chunk(answer.n_prompt,
+                                                                        sum(s.generated for s in slots))))
             await resp.write(SSE_DONE)
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
-            log.info("client disconnected mid-stream; slot freed", seq=slot.seq)
+            log.info("client disconnected mid-stream; slot freed", seq=[slot.seq for slot in slots])
             raise
+        finally:
+            for task in forwarders:
+                task.cancel()
         return resp
+
+
+class _Answer:
+    """How one request's choices are shown: its reply's objects, with the echoed
+    prompt and the logprobs in the endpoint's shape."""
+
+    def __init__(self, reply: CompletionReply, gen: openai_api.Generation, chat: bool, echo: str | None,
+                 n_prompt: int, piece):
+        self.reply, self.gen, self.chat, self.echo, self.n_prompt, self.piece = reply, gen, chat, echo, n_prompt, piece
+        self.base = len(echo) if echo is not None else 0  # the completion's text offsets start after the echo
+
+    def logprobs(self, entries, prompt=(), base: int = 0, whole: bool = False) -> dict | None:
+        """The logprobs object of these entries; None without logprobs, or for a chunk of no token."""
+        if self.gen.logprobs is None or (not whole and not entries and not prompt):
+            return None
+        if self.chat:
+            return openai_api.chat_logprobs(entries, self.piece)
+        return openai_api.completion_logprobs(entries, self.piece, base, prompt)
+
+    def choice(self, index: int, text: str, finish_reason: str, entries, prompt_entries) -> dict:
+        """A whole choice: the echo first, then the completion."""
+        logprobs = self.logprobs(entries, prompt_entries or (), self.base, whole=True)
+        return openai_api.choice((self.echo or "") + text, finish_reason, self.chat, False, index, logprobs)
+
+    def chunk(self, index: int, ev) -> dict:
+        """A stream's chunk for a "prompt", "text" or "done" event of choice `index`."""
+        if ev.kind == "prompt":
+            return self.reply.chunk(self.echo or "", None, self.gen.include_usage, index,
+                                    self.logprobs((), ev.logprobs or ()))
+        finish = ev.finish_reason if ev.kind == "done" else None
+        return self.reply.chunk(ev.text, finish, self.gen.include_usage, index,
+                                self.logprobs(ev.logprobs or [], (), self.base))

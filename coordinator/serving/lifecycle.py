@@ -50,10 +50,11 @@ def listen_sockets(host: str, port: int) -> list:
     return socks
 
 
-def serving_url(host: str, sock) -> str:
+def serving_url(host: str, sock, https: bool = False) -> str:
     port = sock.getsockname()[1]
     shown = host or "0.0.0.0"
-    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{shown}]:{port}" if ":" in shown else f"{scheme}://{shown}:{port}"
 
 
 def model_id(c, alias: str | None) -> str:
@@ -70,7 +71,8 @@ def model_id(c, alias: str | None) -> str:
 def server_options(args) -> dict:
     """CompletionServer's options from serve's flags."""
     return {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
-            "chat_template": args.chat_template, "metrics_endpoint": args.metrics}
+            "chat_template": args.chat_template, "metrics_endpoint": args.metrics,
+            "n_predict": args.n_predict if args.n_predict > 0 else None, "slots_endpoint": args.slots}
 
 
 def cmd_serve(args) -> int:
@@ -106,25 +108,26 @@ def _serve(args, socks) -> int:
 
             def announce() -> None:
                 slots = f"{args.parallel} slot{'s' if args.parallel != 1 else ''}"
-                url = serving_url(args.host, socks[0])
+                url = serving_url(args.host, socks[0], https=args.ssl_context is not None)
                 say(f"serving {url} (model {name}, {slots} x {args.ctx_per_slot} tokens)", url=url, model=name)
 
             run_async(serve_http(c, socks, args.parallel, args.ctx_per_slot, name, announce=announce,
-                                 **server_options(args)))
+                                 ssl_context=args.ssl_context, **server_options(args)))
     return 0
 
 
 async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: str,
-                     ready: asyncio.Event | None = None, announce=None, **options) -> None:
+                     ready: asyncio.Event | None = None, announce=None, ssl_context=None, **options) -> None:
     """Serve on `socks` (bound, listening sockets: listen_sockets) until
-    SIGTERM/SIGINT. `announce()` is called once requests are answered;
-    `options`: CompletionServer's api_key, cors_origin, max_queue, chat_template, metrics_endpoint."""
+    SIGTERM/SIGINT, HTTPS with `ssl_context` (--ssl-cert-file, --ssl-key-file).
+    `announce()` is called once requests are answered; `options`: CompletionServer's
+    api_key, cors_origin, max_queue, chat_template, metrics_endpoint, n_predict, slots_endpoint."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     for sock in socks:
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     log.info("serving", addresses=[sock.getsockname()[:2] for sock in socks], slots=n_slots,
              ctx_per_slot=n_ctx_slot, model=model_name)
 

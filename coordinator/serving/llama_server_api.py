@@ -1,5 +1,5 @@
 """llama-server's own endpoints that llama.cpp clients call next to the OpenAI
-API (/tokenize, /detokenize, /props): their bodies, without I/O, errors
+API (/tokenize, /detokenize, /props, /slots): their bodies, without I/O, errors
 OpenAI-shaped as openai_api.py's."""
 from __future__ import annotations
 
@@ -35,3 +35,16 @@ def props(model: str, n_slots: int, n_ctx_slot: int, chat: ChatTemplate, version
     return {"model_alias": model, "total_slots": n_slots, "default_generation_settings": {"n_ctx": n_ctx_slot},
             "chat_template": chat.text, "chat_template_name": chat.name, "chat_template_source": chat.source,
             "build_info": f"ggml-distributed {version}"}
+
+
+def slots(n_slots: int, n_ctx_slot: int, busy: dict[int, dict]) -> list[dict]:
+    """llama-server's /slots (the fields that apply here): one entry per slot, `busy`
+    mapping the id of a slot decoding a request to its n_prompt_tokens, n_decoded, n_remain."""
+    out = []
+    for i in range(n_slots):
+        state = busy.get(i)
+        out.append({"id": i, "n_ctx": n_ctx_slot, "is_processing": state is not None,
+                    "n_prompt_tokens": state["n_prompt_tokens"] if state else 0,
+                    "next_token": {"n_decoded": state["n_decoded"] if state else 0,
+                                   "n_remain": state["n_remain"] if state else 0}})
+    return out

@@ -1,6 +1,8 @@
 """The OpenAI API's bodies, without I/O: a request body in, a typed request
 out (or an ApiError naming the field, as OpenAI words it), and the objects a
-reply is sent as (completion objects, stream chunks, usage, error bodies).
+reply is sent as (completion objects, stream chunks, usage, logprobs, error
+bodies). FIELDS is the one table of every request field OpenAI or
+llama-server documents and what is done with it (docs/operations.md shows it).
 
 Nothing here reads a socket, the model or the clock (but new_completion_id's
 random id): http_server.py moves the bytes, tokenizes and decodes.
@@ -10,19 +12,192 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import jinja2
 
 from coordinator.decode.values import DecodeResult
 from coordinator.serving.chat_templates import ChatTemplate
-from coordinator.text.sampling import Sampler
+from coordinator.text.sampling import Sampler, TokenLogprob
 
-UNSUPPORTED = {  # OpenAI parameters this server does not implement: refused, not silently ignored
-    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "logit_bias": None,
-    "suffix": None, "tools": None, "tool_choice": None, "functions": None, "presence_penalty": 0,
-    "frequency_penalty": 0,
-}
+# ------------------------------------------------------------ the request fields
+CHAT, COMPLETIONS, BOTH = "chat", "completions", "both"  # the endpoints a field belongs to
+HONOURED, ACCEPTED, REFUSED = "honoured", "accepted", "refused"
+
+
+@dataclass(frozen=True)
+class Field:
+    """A request field OpenAI or llama-server documents, and what this server
+    does with it: `honoured` (it does what the field asks), `accepted` (a hint
+    that changes nothing here, for the reason given; type-checked), or `refused`
+    (a 400 naming it and the reason, unless its value is null or one of
+    `neutral`, which ask for nothing). docs/operations.md's request-field table
+    is `field_table()`, line for line (tests/serving/test_request_fields.py)."""
+    name: str
+    endpoints: str  # CHAT, COMPLETIONS or BOTH
+    status: str  # HONOURED, ACCEPTED or REFUSED
+    note: str  # what it does here, or why it is refused
+    neutral: tuple = ()  # REFUSED: values that ask for nothing and are taken
+    kind: type | tuple | None = None  # ACCEPTED: the JSON type its value must have
+
+    def endpoint_text(self) -> str:
+        return {CHAT: "chat", COMPLETIONS: "completions", BOTH: "both"}[self.endpoints]
+
+    def status_text(self) -> str:
+        if self.status != REFUSED or not self.neutral:
+            return self.status
+        return "refused unless " + " or ".join(f"`{json.dumps(v)}`" for v in self.neutral)
+
+
+def _fields(*fields: Field) -> dict[str, Field]:
+    return {f.name: f for f in fields}
+
+
+FIELDS = _fields(
+    # ---- what a request is
+    Field("model", BOTH, HONOURED, "any name: the one model served answers, and the reply's `model` names it"),
+    Field("prompt", COMPLETIONS, HONOURED, "a string, a list of token ids, or a list holding one of those"),
+    Field("messages", CHAT, HONOURED, "rendered by the chat template; `content` a string or text parts"),
+    Field("stream", BOTH, HONOURED, "Server-Sent Events, `data: [DONE]` last"),
+    Field("stream_options", BOTH, HONOURED, "`include_usage`: a last chunk with `usage` and no choices"),
+    # ---- how much
+    Field("max_tokens", BOTH, HONOURED, "completions default 16, chat the rest of the slot's context"),
+    Field("max_completion_tokens", BOTH, HONOURED, "`max_tokens` under its newer name"),
+    Field("n_predict", BOTH, HONOURED, "llama-server's `max_tokens`; -1: the rest of the slot's context"),
+    Field("stop", BOTH, HONOURED, "up to 4 strings; the text ends before the first"),
+    Field("ignore_eos", BOTH, HONOURED, "the end-of-generation tokens are never drawn (a -inf bias)"),
+    # ---- sampling (coordinator/text/sampling.py: llama.cpp's samplers and order)
+    Field("temperature", BOTH, HONOURED, "0..2, default 1; 0 takes the most likely token (after bias and penalties)"),
+    Field("top_k", BOTH, HONOURED, "default 0: no limit"),
+    Field("top_p", BOTH, HONOURED, "default 1"),
+    Field("min_p", BOTH, HONOURED, "default 0"),
+    Field("typical_p", BOTH, HONOURED, "default 1"),
+    Field("min_keep", BOTH, HONOURED, "the least each filter keeps (at least 1)"),
+    Field("repeat_penalty", BOTH, HONOURED, "default 1 (off)"),
+    Field("repeat_last_n", BOTH, HONOURED, "the tokens the penalties look back at, prompt included; default 64, "
+                                           "-1 all, 0 none"),
+    Field("frequency_penalty", BOTH, HONOURED, "-2..2, default 0"),
+    Field("presence_penalty", BOTH, HONOURED, "-2..2, default 0"),
+    Field("logit_bias", BOTH, HONOURED, "`{\"id\": bias}` or llama-server's `[[id, bias], ...]`; `false` bans a "
+                                        "token; token ids only"),
+    Field("seed", BOTH, HONOURED, "the same seed, the same text; choice i of `n` draws with seed + i"),
+    # ---- what comes back
+    Field("n", BOTH, HONOURED, "1..64 choices; they share the prompt's KV rows when they start together"),
+    Field("n_cmpl", BOTH, HONOURED, "llama-server's `n`"),
+    Field("logprobs", BOTH, HONOURED, "chat: `true`; completions: 0..20 alternatives; `false`/null: none. The "
+                                      "model's own log-probabilities (before bias, penalties and temperature)"),
+    Field("top_logprobs", CHAT, HONOURED, "0..20 alternatives per token; needs `logprobs: true`"),
+    Field("echo", COMPLETIONS, HONOURED, "the prompt before the completion, with its logprobs when asked"),
+    Field("best_of", COMPLETIONS, REFUSED, "ranking choices by their logprobs is not done: ask `n` and rank them",
+          neutral=(1,)),
+    Field("suffix", COMPLETIONS, REFUSED, "no insertion (fill-in-the-middle)", neutral=("",)),
+    Field("response_format", BOTH, REFUSED, "no constrained (JSON) output", neutral=({"type": "text"},)),
+    # ---- tools, modalities, reasoning
+    Field("tools", CHAT, REFUSED, "no tool calls", neutral=([],)),
+    Field("tool_choice", CHAT, REFUSED, "no tool calls", neutral=("none",)),
+    Field("functions", CHAT, REFUSED, "no tool calls", neutral=([],)),
+    Field("function_call", CHAT, REFUSED, "no tool calls", neutral=("none",)),
+    Field("parallel_tool_calls", CHAT, ACCEPTED, "no tool is ever called", kind=bool),
+    Field("parse_tool_calls", CHAT, REFUSED, "no tool calls", neutral=(False,)),
+    Field("audio", CHAT, REFUSED, "text only"),
+    Field("modalities", CHAT, REFUSED, "text only", neutral=(["text"],)),
+    Field("prediction", CHAT, REFUSED, "no predicted outputs"),
+    Field("web_search_options", CHAT, REFUSED, "no web search"),
+    Field("reasoning_effort", CHAT, REFUSED, "no reasoning controls; a template's own switch goes in "
+                                             "`chat_template_kwargs`"),
+    Field("reasoning_format", CHAT, REFUSED, "reasoning is never parsed out of the text", neutral=("none",)),
+    Field("reasoning_control", CHAT, REFUSED, "no reasoning controls", neutral=(False,)),
+    Field("verbosity", CHAT, REFUSED, "no reasoning controls"),
+    Field("moderation", CHAT, REFUSED, "no moderation"),
+    Field("chat_template_kwargs", CHAT, HONOURED, "extra variables for the chat template, e.g. "
+                                                 "`{\"enable_thinking\": false}`"),
+    # ---- OpenAI's account features
+    Field("user", BOTH, ACCEPTED, "an end-user id for OpenAI's abuse monitoring; nothing to monitor here", kind=str),
+    Field("safety_identifier", CHAT, ACCEPTED, "as `user`", kind=str),
+    Field("metadata", CHAT, ACCEPTED, "tags for stored completions; none are stored", kind=dict),
+    Field("store", CHAT, REFUSED, "completions are not stored", neutral=(False,)),
+    Field("service_tier", CHAT, REFUSED, "one tier", neutral=("auto", "default")),
+    Field("prompt_cache_key", CHAT, ACCEPTED, "a caching hint; no prompt is cached across requests", kind=str),
+    Field("prompt_cache_retention", CHAT, ACCEPTED, "as `prompt_cache_key`", kind=str),
+    Field("prompt_cache_options", CHAT, ACCEPTED, "as `prompt_cache_key`", kind=dict),
+    # ---- llama-server's /completion options
+    Field("cache_prompt", BOTH, ACCEPTED, "every request decodes its prompt; the text is the same", kind=bool),
+    Field("n_cache_reuse", BOTH, ACCEPTED, "as `cache_prompt`", kind=int),
+    Field("n_keep", BOTH, ACCEPTED, "tokens kept by a context shift, which is never done (a request that does not "
+                                    "fit is refused)", kind=int),
+    Field("id_slot", BOTH, REFUSED, "the scheduler picks the slot", neutral=(-1,)),
+    Field("n_indent", BOTH, REFUSED, "no indentation stop", neutral=(0,)),
+    Field("t_max_predict_ms", BOTH, REFUSED, "no time limit", neutral=(0,)),
+    Field("dynatemp_range", BOTH, REFUSED, "no dynamic temperature", neutral=(0,)),
+    Field("dynatemp_exponent", BOTH, ACCEPTED, "no effect while `dynatemp_range` is 0", kind=(int, float)),
+    Field("mirostat", BOTH, REFUSED, "no Mirostat", neutral=(0,)),
+    Field("mirostat_tau", BOTH, ACCEPTED, "no effect while `mirostat` is 0", kind=(int, float)),
+    Field("mirostat_eta", BOTH, ACCEPTED, "no effect while `mirostat` is 0", kind=(int, float)),
+    Field("dry_multiplier", BOTH, REFUSED, "no DRY", neutral=(0,)),
+    Field("dry_base", BOTH, ACCEPTED, "no effect while `dry_multiplier` is 0", kind=(int, float)),
+    Field("dry_allowed_length", BOTH, ACCEPTED, "no effect while `dry_multiplier` is 0", kind=int),
+    Field("dry_penalty_last_n", BOTH, ACCEPTED, "no effect while `dry_multiplier` is 0", kind=int),
+    Field("dry_sequence_breakers", BOTH, ACCEPTED, "no effect while `dry_multiplier` is 0", kind=list),
+    Field("xtc_probability", BOTH, REFUSED, "no XTC", neutral=(0,)),
+    Field("xtc_threshold", BOTH, ACCEPTED, "no effect while `xtc_probability` is 0", kind=(int, float)),
+    Field("top_n_sigma", BOTH, REFUSED, "no top-n-sigma", neutral=(-1,)),
+    Field("samplers", BOTH, REFUSED, "the order is fixed: penalties, top_k, typical_p, top_p, min_p, temperature"),
+    Field("grammar", BOTH, REFUSED, "no constrained output", neutral=("",)),
+    Field("json_schema", BOTH, REFUSED, "no constrained output"),
+    Field("n_probs", BOTH, REFUSED, "llama-server's /completion shape; ask `logprobs` (and `top_logprobs`)",
+          neutral=(0,)),
+    Field("post_sampling_probs", BOTH, REFUSED, "logprobs are the model's own", neutral=(False,)),
+    Field("return_tokens", BOTH, REFUSED, "/completion's `tokens` field is not in these replies", neutral=(False,)),
+    Field("timings_per_token", BOTH, REFUSED, "no timings in replies", neutral=(False,)),
+    Field("return_progress", BOTH, REFUSED, "no prompt progress events", neutral=(False,)),
+    Field("sse_ping_interval", BOTH, REFUSED, "no SSE pings"),
+    Field("response_fields", BOTH, REFUSED, "replies have OpenAI's shape", neutral=([],)),
+    Field("lora", BOTH, REFUSED, "no LoRA adapters", neutral=([],)),
+)
+MAX_CHOICES = 64  # n: at most this many choices (OpenAI allows 128)
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound)
+# what chat_template_kwargs may not set: the server does
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def field_table() -> list[str]:
+    """docs/operations.md's request-field table, as Markdown lines."""
+    lines = ["| field | endpoint | status | here |", "| --- | --- | --- | --- |"]
+    for f in FIELDS.values():
+        lines.append(f"| `{f.name}` | {f.endpoint_text()} | {f.status_text()} | {f.note} |")
+    return lines
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Every field of `body` is one this endpoint knows, and not one it refuses
+    (null is as absent). The first offending field, in the body's order, is named."""
+    path = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
+    for name, value in body.items():
+        f = FIELDS.get(name)
+        if f is None:
+            raise ApiError(400, f"unrecognized request argument supplied: {name!r} (docs/operations.md lists "
+                                f"the fields this server knows)", param=name)
+        if value is None:
+            continue
+        if f.endpoints not in (BOTH, endpoint):
+            other = "/v1/completions" if endpoint == CHAT else "/v1/chat/completions"
+            raise ApiError(400, f"'{name}' is a field of {other}, not of {path}", param=name)
+        if f.status == REFUSED and not any(_same(value, v) for v in f.neutral):
+            raise ApiError(400, f"'{name}' is not supported by this server: {f.note}", param=name)
+        if f.status == ACCEPTED and f.kind is not None and (
+                not isinstance(value, f.kind) or (isinstance(value, bool) and f.kind is not bool)):
+            kinds = f.kind if isinstance(f.kind, tuple) else (f.kind,)
+            raise ApiError(400, f"'{name}' must be of type {' or '.join(k.__name__ for k in kinds)}", param=name)
+
+
+def _same(value, neutral) -> bool:
+    """JSON equality: 0 is 0.0, but false is not 0."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return isinstance(value, bool) and isinstance(neutral, bool) and value == neutral
+    return value == neutral
+
+
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is up to the slot's context
 BYTES_PER_TOKEN_BOUND = 64  # no vocabulary packs more bytes into one token: a longer text cannot fit
 DECODE_FAILURE_STATUS = {DecodeResult.ENDPOINT_FAILED: 503, DecodeResult.ABORTED: 503,
@@ -54,11 +229,22 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class Generation:
     """What a completion or chat request asks besides its prompt."""
-    max_tokens: int | None  # None (chat only): up to the slot's context
-    sampler: Sampler
+    max_tokens: int | None  # None: up to the slot's context (chat's default, n_predict -1)
+    sampler: Sampler  # the settings, validated; each choice draws with a fork of it (samplers())
     stop: list[str]
     stream: bool
     include_usage: bool  # a stream's last chunk carries `usage` (stream_options.include_usage)
+    n: int = 1  # choices
+    logprobs: int | None = None  # alternatives shown per token (0: the chosen token's alone); None: no logprobs
+    echo: bool = False  # completions: the prompt comes first in the text (and its logprobs)
+    ignore_eos: bool = False
+
+    def samplers(self, eog_ids=()) -> list[Sampler]:
+        """One sampler per choice: choice i draws with seed + i (a random seed each
+        without one); with ignore_eos the end-of-generation tokens `eog_ids` are banned."""
+        seed = self.sampler.seed
+        ban = tuple(eog_ids) if self.ignore_eos else ()
+        return [self.sampler.fork(None if seed is None else seed + i, ban) for i in range(self.n)]
 
 
 @dataclass(frozen=True)
@@ -71,6 +257,7 @@ class CompletionRequest:
 class ChatRequest:
     messages: list[dict]  # each with a string `role` and a string `content` (text parts joined)
     generation: Generation
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs: more variables for the template
 
 
 # ------------------------------------------------------------ parsing
@@ -100,7 +287,8 @@ def typed_param(body: dict, name: str, kind: type, default, lo=None, hi=None):
     if not ok:
         raise ApiError(400, f"'{name}' must be of type {kind.__name__}", param=name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"'{name}' must be between {lo} and {hi}", param=name)
+        span = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise ApiError(400, f"'{name}' must be {span}", param=name)
     return v
 
 
@@ -127,17 +315,11 @@ def check_text_fits(text: str, n_ctx_slot: int, param: str = "prompt") -> None:
                             f"per slot", param=param, code="context_length_exceeded")
 
 
-def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int) -> Generation:
-    for name, neutral in UNSUPPORTED.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
-                       param="response_format")
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        body = dict(body, max_tokens=body["max_completion_tokens"])
-    max_tokens = typed_param(body, "max_tokens", int, default_max_tokens, 1, n_ctx_slot)
+def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int, endpoint: str = COMPLETIONS,
+                     n_vocab: int | None = None, limit: int | None = None) -> Generation:
+    """The generation fields of a body whose fields check_fields has passed. `limit`: serve's
+    -n/--n-predict, the most tokens a request generates and what it gets when it asks no number."""
+    max_tokens = _max_tokens(body, default_max_tokens, n_ctx_slot, limit)
     temperature = typed_param(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = typed_param(body, "top_p", float, 1.0, 1e-6, 1.0)
     top_k = typed_param(body, "top_k", int, 0, 0, 1 << 20)
@@ -150,11 +332,106 @@ def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int
         raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, "'seed' must be between 0 and 2**63 - 1", param="seed")
+    settings = dict(
+        min_p=typed_param(body, "min_p", float, 0.0, 0.0, 1.0),
+        typical_p=typed_param(body, "typical_p", float, 1.0, 0.0, 1.0),
+        repeat_penalty=typed_param(body, "repeat_penalty", float, 1.0, 1e-6),
+        repeat_last_n=typed_param(body, "repeat_last_n", int, 64, -1, 1 << 20),
+        frequency_penalty=typed_param(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
+        presence_penalty=typed_param(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+        min_keep=typed_param(body, "min_keep", int, 0, 0, 1 << 20),
+        logit_bias=parse_logit_bias(body.get("logit_bias"), n_vocab))
+    ignore_eos = typed_param(body, "ignore_eos", bool, False)
+    n = typed_param(body, "n", int, None, 1, MAX_CHOICES)
+    n_cmpl = typed_param(body, "n_cmpl", int, None, 1, MAX_CHOICES)
+    if n is not None and n_cmpl is not None and n != n_cmpl:
+        raise ApiError(400, f"'n' ({n}) and 'n_cmpl' ({n_cmpl}) disagree: give one", param="n_cmpl")
+    logprobs = _logprobs(body, endpoint)
+    echo = typed_param(body, "echo", bool, False)
     try:
-        sampler = Sampler(temperature, top_k, top_p, seed)
+        sampler = Sampler(temperature, top_k, top_p, seed, **settings)
     except ValueError as exc:  # NaN, and whatever else the sampler refuses
         raise ApiError(400, str(exc)) from None
-    return Generation(max_tokens, sampler, stop, stream, _include_usage(body, stream))
+    return Generation(max_tokens, sampler, stop, stream, _include_usage(body, stream), n or n_cmpl or 1, logprobs,
+                      echo, ignore_eos)
+
+
+def _max_tokens(body: dict, default: int | None, n_ctx_slot: int, limit: int | None = None) -> int | None:
+    """max_tokens, else max_completion_tokens, else llama-server's n_predict (-1: no limit, None);
+    at most `limit`, and `limit` when none is given (llama-server's -n)."""
+    wanted = _wanted_tokens(body, default, n_ctx_slot)
+    if limit is None:
+        return wanted
+    asked = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens", "n_predict"))
+    return limit if wanted is None or not asked else min(wanted, limit)
+
+
+def _wanted_tokens(body: dict, default: int | None, n_ctx_slot: int) -> int | None:
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body = dict(body, max_tokens=body["max_completion_tokens"])
+    max_tokens = typed_param(body, "max_tokens", int, None, 1, n_ctx_slot)
+    n_predict = typed_param(body, "n_predict", int, None, -1, n_ctx_slot)
+    if n_predict == 0:
+        raise ApiError(400, f"'n_predict' must be -1 (no limit) or between 1 and {n_ctx_slot}", param="n_predict")
+    if n_predict is None:
+        return default if max_tokens is None else max_tokens
+    if max_tokens is not None and max_tokens != n_predict:
+        raise ApiError(400, f"'n_predict' ({n_predict}) and 'max_tokens' ({max_tokens}) disagree: give one",
+                       param="n_predict")
+    return None if n_predict == -1 else n_predict
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """Alternatives shown per token, or None for no logprobs. Chat: logprobs true,
+    top_logprobs 0..20; completions: logprobs 0..20. `false` is no logprobs."""
+    value = body.get("logprobs")
+    if endpoint == CHAT:
+        wanted = typed_param(body, "logprobs", bool, False)
+        top = typed_param(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, "'logprobs' must be an integer (alternatives per token, 0..20) on /v1/completions",
+                       param="logprobs")
+    return typed_param(body, "logprobs", int, None, 0, MAX_LOGPROBS)
+
+
+def parse_logit_bias(value, n_vocab: int | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} or llama-server's [[id, bias], ...]; a bias of
+    false bans the token (-inf). Token ids only: a token's text is refused."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise ApiError(400, "'logit_bias' must be an object {\"token id\": bias} or a list [[token id, bias], ...]",
+                       param="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        token = key
+        if isinstance(key, str):
+            try:
+                token = int(key)
+            except ValueError:
+                token = None
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ApiError(400, f"'logit_bias': {key!r} is not a token id (token texts are not taken: give ids, "
+                                f"e.g. from /tokenize)", param="logit_bias")
+        if not 0 <= token < (n_vocab if n_vocab is not None else 2**31):
+            raise ApiError(400, f"token id {token} in 'logit_bias' is outside the vocabulary "
+                                f"(0..{(n_vocab or 2**31) - 1})", param="logit_bias")
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ApiError(400, f"'logit_bias': the bias of token {token} must be a number, or false to ban it",
+                           param="logit_bias")
+        out[token] = out.get(token, 0.0) + float(bias)
+    return out
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
@@ -184,13 +461,15 @@ def parse_prompt(prompt, n_vocab: int) -> str | list[int]:
                    param="prompt")
 
 
-def parse_completion(body: dict, n_vocab: int, n_ctx_slot: int) -> CompletionRequest:
+def parse_completion(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = None) -> CompletionRequest:
     """A /v1/completions body (from request_body). A prompt of token ids is
-    checked to fit here; a text prompt once tokenized (check_text_fits, check_fits)."""
+    checked to fit here; a text prompt once tokenized (check_text_fits, check_fits).
+    `limit`: serve's -n (parse_generation)."""
     prompt = parse_prompt(body.get("prompt"), n_vocab)
-    generation = parse_generation(body, COMPLETION_MAX_TOKENS, n_ctx_slot)
+    check_fields(body, COMPLETIONS)
+    generation = parse_generation(body, COMPLETION_MAX_TOKENS, n_ctx_slot, COMPLETIONS, n_vocab, limit)
     if not isinstance(prompt, str):
-        check_fits(len(prompt), generation.max_tokens, n_ctx_slot)
+        check_fits(len(prompt), generation.max_tokens or 1, n_ctx_slot)
     return CompletionRequest(prompt, generation)
 
 
@@ -221,18 +500,29 @@ def parse_messages(messages) -> list[dict]:
     return messages
 
 
-def parse_chat(body: dict, n_ctx_slot: int) -> ChatRequest:
+def parse_chat(body: dict, n_ctx_slot: int, n_vocab: int | None = None, limit: int | None = None) -> ChatRequest:
     """A /v1/chat/completions body (from request_body). Chat clients leave
     max_tokens out expecting the whole answer: then it is None, up to the slot's context."""
     messages = parse_messages(body.get("messages"))
-    return ChatRequest(messages, parse_generation(body, None, n_ctx_slot))
+    check_fields(body, CHAT)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    taken = [k for k in TEMPLATE_VARIABLES if k in kwargs]
+    if taken:
+        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(taken)}: the server does",
+                       param="chat_template_kwargs")
+    return ChatRequest(messages, parse_generation(body, None, n_ctx_slot, CHAT, n_vocab, limit), kwargs)
 
 
-def chat_prompt(chat: ChatTemplate, messages: list[dict], bos_token: str, eos_token: str) -> str:
+def chat_prompt(chat: ChatTemplate, messages: list[dict], bos_token: str, eos_token: str,
+                template_kwargs: dict | None = None) -> str:
     """The messages rendered by the chat template, ready for the assistant's answer."""
     try:
-        return chat.template.render(messages=messages, add_generation_prompt=True, bos_token=bos_token,
-                                    eos_token=eos_token)
+        return chat.template.render(**(template_kwargs or {}), messages=messages, add_generation_prompt=True,
+                                    bos_token=bos_token, eos_token=eos_token)
     except jinja2.TemplateError as exc:  # e.g. the template's raise_exception("roles must alternate")
         raise ApiError(400, f"the chat template ({chat.name}) refused the messages: {exc}",
                        param="messages") from None
@@ -279,11 +569,47 @@ def usage(n_prompt: int, n_completion: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
-def choice(text: str, finish_reason: str | None, chat: bool, stream: bool) -> dict:
+def choice(text: str, finish_reason: str | None, chat: bool, stream: bool, index: int = 0,
+           logprobs: dict | None = None) -> dict:
     if chat:
         key = "delta" if stream else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def token_text(piece: bytes) -> str:
+    """A token's text as OpenAI shows it: its UTF-8, or `bytes:\\xNN...` for part of a character."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], piece: Callable[[int], bytes]) -> dict:
+    """choices[].logprobs of a chat reply or chunk: `content`, one entry per token.
+    `piece(id)`: a token's bytes."""
+    def one(token: int, logprob: float) -> dict:
+        p = piece(token)
+        return {"token": token_text(p), "logprob": logprob, "bytes": list(p)}
+    return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], piece: Callable[[int], bytes], base: int = 0,
+                        prompt: Sequence[TokenLogprob] = ()) -> dict:
+    """choices[].logprobs of a completion: tokens, token_logprobs, top_logprobs
+    (text -> logprob; null where there is no logprob: a prompt's first token) and
+    text_offset (characters of the choice's text before the token). `prompt`: the
+    echoed prompt's entries, first; `base` is added to the offsets of `entries`
+    (the echoed prompt's length)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e, shift in [(e, 0) for e in prompt] + [(e, base) for e in entries]:
+        tokens.append(token_text(piece(e.token)))
+        lps.append(e.logprob)
+        tops.append(None if e.logprob is None else {token_text(piece(t)): lp for t, lp in e.top})
+        offsets.append(e.offset + shift)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 @dataclass(frozen=True)
@@ -298,16 +624,23 @@ class CompletionReply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, finish_reason: str | None, n_prompt: int, n_completion: int) -> dict:
-        """The whole answer (not streamed)."""
-        return dict(self._head("chat.completion" if self.chat else "text_completion"),
-                    choices=[choice(text, finish_reason, self.chat, False)], usage=usage(n_prompt, n_completion))
+    def completion(self, text: str, finish_reason: str | None, n_prompt: int, n_completion: int,
+                   logprobs: dict | None = None) -> dict:
+        """The whole answer (not streamed), one choice."""
+        return self.completions([choice(text, finish_reason, self.chat, False, 0, logprobs)], n_prompt, n_completion)
 
-    def chunk(self, text: str, finish_reason: str | None = None, include_usage: bool = False) -> dict:
+    def completions(self, choices: list[dict], n_prompt: int, n_completion: int) -> dict:
+        """The whole answer with these choices (`choice(..., stream=False, index=i)`);
+        n_completion counts the tokens of them all."""
+        return dict(self._head("chat.completion" if self.chat else "text_completion"), choices=choices,
+                    usage=usage(n_prompt, n_completion))
+
+    def chunk(self, text: str, finish_reason: str | None = None, include_usage: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
         """A stream's chunk: a piece of text, or (with a finish_reason) the end. Under
         include_usage every chunk but the usage chunk has `usage` null, as OpenAI's."""
         body = dict(self._head("chat.completion.chunk" if self.chat else "text_completion"),
-                    choices=[choice(text, finish_reason, self.chat, True)])
+                    choices=[choice(text, finish_reason, self.chat, True, index, logprobs)])
         if include_usage:
             body["usage"] = None
         return body

@@ -23,6 +23,11 @@ class TextStream:
         self._hold = max((len(s) - 1 for s in self.stop), default=0)
         self._text, self._emitted = "", 0
 
+    @property
+    def decoded(self) -> int:
+        """Characters decoded so far, those held back included: where the next token's text starts."""
+        return len(self._text)
+
     def feed(self, token: int) -> str:
         """The text that became safe to show with `token` (maybe "")."""
         self._text += self._detok.feed(token)

@@ -86,7 +86,7 @@ class Serve:
                                      env=dict(os.environ, **(env or {})))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            m = re.search(r"serving (http://\S+) \(model (.+?), ", self.text())
+            m = re.search(r"serving (https?://\S+) \(model (.+?), ", self.text())
             if m:
                 self.url, self.model = m.group(1), m.group(2)
                 return

@@ -1,0 +1,108 @@
+"""The flags a llama-server user types, parsed by ggml-coordinator's command
+line without starting anything: each one is taken, or refused with exit 2 and
+a message naming it; none is abbreviated or read as short flags run together."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.serving.cli import parse_args
+
+MODEL = ("-m", "/models/none.gguf")  # never read by parse_args
+
+
+def parsed(*argv: str):
+    return parse_args(["serve", *MODEL, *argv])
+
+
+def refused(capsys, *argv: str, command: str = "serve") -> str:
+    with pytest.raises(SystemExit) as info:
+        parse_args([command, *MODEL, *argv])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults():
+    a = parsed()
+    assert (a.n_predict, a.slots, a.api_key, a.ssl_context, a.jinja, a.cache_type_k, a.cache_type_v) == (
+        -1, True, None, None, False, "f16", "f16")
+
+
+def test_n_predict():
+    assert parsed("-n", "12").n_predict == 12
+    assert parsed("--n-predict", "-1").n_predict == -1  # a negative number is a value, not a flag
+
+
+def test_n_predict_zero_and_below_are_refused(capsys):
+    assert "argument -n/--n-predict: must be -1 (no limit) or at least 1, not 0" in refused(capsys, "-n", "0")
+    assert "argument -n/--n-predict: must be at least -1, not -2" in refused(capsys, "-n", "-2")
+    assert parse_args(["generate", *MODEL, "-p", "x", "-n", "5"]).n_predict == 5  # generate's own -n, as before
+
+
+def test_slots():
+    assert parsed("--slots").slots is True
+    assert parsed("--no-slots").slots is False
+
+
+def test_api_keys_comma_separated_and_from_a_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GGML_COORDINATOR_API_KEY", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nkey-one\n\n  key-two  \n#key-old\n")
+    assert parsed("--api-key-file", str(keys)).api_key == ["key-one", "key-two"]
+    assert parsed("--api-key", "a,b", "--api-key-file", str(keys)).api_key == ["a", "b", "key-one", "key-two"]
+    assert parsed("--api-key", "solo").api_key == ["solo"]
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n\n")
+    assert f"--api-key-file {empty} holds no key" in refused(capsys, "--api-key-file", str(empty))
+    assert "cannot read --api-key-file /nonexistent/keys" in refused(capsys, "--api-key-file", "/nonexistent/keys")
+
+
+def test_ssl_files(tmp_path, capsys):
+    from tls_certs import make_tls_files
+    tls = make_tls_files(tmp_path / "tls")
+    a = parsed("--ssl-cert-file", tls.cert, "--ssl-key-file", tls.key)
+    assert a.ssl_context is not None
+    assert "--ssl-cert-file and --ssl-key-file go together: give both" in refused(capsys, "--ssl-cert-file", tls.cert)
+    assert "--ssl-cert-file and --ssl-key-file go together" in refused(capsys, "--ssl-key-file", tls.key)
+    err = refused(capsys, "--ssl-cert-file", tls.cert, "--ssl-key-file", tls.self_signed_key)  # not its key
+    assert "cannot serve HTTPS with --ssl-cert-file" in err, err
+    assert "cannot serve HTTPS" in refused(capsys, "--ssl-cert-file", "/nonexistent.pem", "--ssl-key-file", tls.key)
+
+
+def test_jinja_and_no_context_shift_are_taken():
+    assert parsed("--jinja").jinja is True
+    assert parsed("--no-context-shift").no_context_shift is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--no-jinja",), "--no-jinja: chat templates are always Jinja here"),
+    (("--context-shift",), "--context-shift: not supported yet"),
+    (("--embeddings",), "--embeddings: not supported yet: there is no embeddings endpoint"),
+    (("--embedding",), "--embedding: not supported yet"),
+    (("-ctk", "q8_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q8_0' is not supported yet"),
+    (("--cache-type-k", "q4_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q4_0' is not supported yet"),
+    (("-ctv", "q8_0"), "argument -ctv/--cache-type-v: a KV cache of type 'q8_0' is not supported yet"),
+    (("-hf", "ggml-org/gemma-3-270m-GGUF"), "-hf: downloading a model is not supported: give its GGUF file with -m"),
+    (("--hf-repo", "x/y"), "--hf-repo: downloading a model is not supported"),
+    (("-xyz",), "unrecognized argument: -xyz (ggml-coordinator serve --help lists the flags)"),
+    (("-npx", "3"), "unrecognized argument: -npx"),  # not -np x
+    (("-cb",), "unrecognized argument: -cb"),  # llama-server's continuous batching: not -c b
+    (("--ctx", "512"), "unrecognized arguments: --ctx 512"),  # no abbreviation of --ctx-per-slot
+    (("--api", "k"), "unrecognized arguments: --api k"),  # nor of --api-key
+    (("--par", "2"), "unrecognized arguments: --par 2"),  # nor of --parallel
+])
+def test_llama_server_flags_that_are_refused_say_so(capsys, argv, message):
+    err = refused(capsys, *argv)
+    assert message in err, err
+
+
+def test_ctk_is_not_c_and_hf_is_not_help(capsys):
+    """-ctk f16 is the KV type (taken), never -c with 'tk'; -hf never prints the help and exits 0."""
+    a = parsed("-ctk", "f16", "-ctv", "f16")
+    assert (a.cache_type_k, a.cache_type_v) == ("f16", "f16")
+    err = refused(capsys, "-hf", "repo")
+    assert "usage:" in err and "-hf:" in err
+    for command in ("generate", "bench"):  # every command has them
+        argv = ("-p", "x") if command == "generate" else ()
+        assert "KV cache of type 'q8_0' is not supported yet" in refused(capsys, *argv, "-ctk", "q8_0",
+                                                                           command=command)
+        assert "-hf: downloading a model is not supported" in refused(capsys, *argv, "-hf", "r", command=command)
