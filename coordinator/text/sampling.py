@@ -92,6 +92,8 @@ class Sampler:
             self.logit_bias[int(token)] = self.logit_bias.get(int(token), 0.0) + float(bias)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        # structured output (coordinator/text/constrained.py): tokens it does not allow are -inf before the chain
+        self.constraint = None
         self._recent: deque[int] = deque()
         self._counts: Counter[int] = Counter()
 
@@ -114,7 +116,8 @@ class Sampler:
     @property
     def needs_logits(self) -> bool:
         """False when the highest raw logit is the answer (a worker's argmax would do)."""
-        return self.temperature > 0 or bool(self.logit_bias) or self.penalizes or self.typical_p < 1.0
+        return self.temperature > 0 or bool(self.logit_bias) or self.penalizes or self.typical_p < 1.0 \
+            or self.constraint is not None
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Tokens the penalties look back at: the prompt's, then each one drawn."""
@@ -195,8 +198,12 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token (and the penalties remember it)."""
+        if self.constraint is not None:
+            logits = self.constraint.logits(logits)
         token = self._draw(self.adjusted(logits))
         self.accept((token,))
+        if self.constraint is not None:
+            self.constraint.advance(token)  # and the next mask is computed while the workers decode
         return token
 
     def _draw(self, z: np.ndarray) -> int:
