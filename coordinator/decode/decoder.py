@@ -144,11 +144,11 @@ class Decoder:
         if problem:
             return failed(DecodeResult.INVALID_BATCH, problem, FailureKind.INVALID_BATCH)
         n = len(batch.tokens)
-        rows = self.kv.find_slot(n)
+        tok_pos, tok_seq = np.asarray(batch.pos, dtype=np.int64), seq_masks(seq_ids_of(batch))
+        rows = self.kv.find_slot(n, tok_seq)  # each sequence's rows in the order of its positions
         if rows is None:
             return failed(DecodeResult.NO_KV_SLOT, f"context full: no room for {n} tokens in the KV cache "
                           f"({self.kv.used()} of {self.kv.n_ctx} cells used)", FailureKind.CONTEXT_FULL)
-        tok_pos, tok_seq = np.asarray(batch.pos, dtype=np.int64), seq_masks(seq_ids_of(batch))
         want = list(batch.logits) if batch.logits is not None else [i == n - 1 for i in range(n)]
         out_rows = np.array([i for i, w in enumerate(want) if w], dtype=np.int32)
         return rows, tok_pos, tok_seq, out_rows, time.perf_counter()

@@ -33,12 +33,40 @@ class KVCells:
         return int(self.pos[mine].max()) if mine.any() else -1
 
     # ---------------------------------------------------------------- writes
-    def find_slot(self, n_tokens: int) -> np.ndarray | None:
-        """Rows for a batch of n_tokens (lowest free rows first), or None if full."""
+    def find_slot(self, n_tokens: int, seq_masks: np.ndarray | None = None) -> np.ndarray | None:
+        """Rows for a batch of n_tokens (lowest free rows first), or None if full.
+        With the tokens' `seq_masks`: each token's row is the lowest free row above
+        every row of its sequences (those of the tokens before it in the batch
+        too) where there is one, else the lowest free row. So a sequence's rows
+        are in the order of its positions, and attention (which sums the visible
+        rows in row order) sums them in the same order whatever rows other
+        sequences hold or held: two sequences sharing a prefix (n choices, the
+        server's prompt cache) compute the same bits for the same tokens."""
         free = np.flatnonzero(self.pos < 0)
         if free.size < n_tokens:
             return None
-        return free[:n_tokens]
+        if seq_masks is None or n_tokens == 0:
+            return free[:n_tokens]
+        seq_masks = np.asarray(seq_masks, dtype=np.uint64)
+        seqs = self.seqs.copy()  # with the rows picked so far in this batch
+        is_free = self.pos < 0
+        out = np.empty(n_tokens, dtype=np.int64)
+        i = 0
+        while i < n_tokens:
+            m = seq_masks[i]
+            j = i + 1
+            while j < n_tokens and seq_masks[j] == m:  # a run of one sequence set: its rows together
+                j += 1
+            mine = np.flatnonzero((seqs & m) != 0)
+            floor = int(mine[-1]) if mine.size else -1
+            avail = np.flatnonzero(is_free)
+            above = avail[avail > floor]
+            rows = above[: j - i] if above.size >= j - i else avail[: j - i]
+            out[i:j] = rows
+            is_free[rows] = False
+            seqs[rows] |= m
+            i = j
+        return out
 
     def assign(self, rows: np.ndarray, pos: np.ndarray, seq_masks: np.ndarray) -> tuple:
         """Claim rows; returns the previous contents, for rollback()."""

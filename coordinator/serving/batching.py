@@ -10,13 +10,23 @@ joins the group with the fewest, and the groups' steps are in flight at once,
 so worker A computes one group's step while worker B computes another's
 (coordinator/decode/gate.py). A failed step ends every slot that was in it
 with the error; no token from that step reaches anybody.
+
+The prompt cache: a slot that ends keeps its KV rows, and the scheduler
+remembers the tokens they hold. A new request takes the free slot whose
+rows share the longest prefix with its prompt (ties: the least recently
+used; `choose_slot`), removes that slot's rows past the common prefix
+(kv_seq_rm) and decodes only the rest of its prompt, at least its last
+token (its logits are sampled). Nothing moves on the workers: the rows stay
+where they are, and the KV journal keeps the steps they depend on (they are
+live rows), so a resume rebuilds them too.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import structlog
 
@@ -76,6 +86,32 @@ class Slot:
     first_token_at: float | None = None
     finished_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
+    cache_prompt: bool = True  # reuse the rows of the prompt's prefix the slot's KV cache already holds
+    cached: int = 0  # prompt tokens whose KV rows were reused, not decoded (usage.prompt_tokens_details)
+    kv: list[int] | None = None  # the tokens its sequence's KV rows hold (positions 0..); None: not set up yet
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` share from the start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def choose_slot(prompt: Sequence[int], free: Mapping[int, float], cached: Mapping[int, Sequence[int]]) -> int:
+    """The free sequence for `prompt`: the one whose cached tokens share the longest prefix with it;
+    among equals the least recently used. `free`: sequence -> when it was freed; `cached`: sequence ->
+    the tokens its KV rows hold. An empty `prompt` (no cache wanted): the least recently used."""
+    return max(free, key=lambda seq: (common_prefix(cached.get(seq, ()), prompt), -free[seq], -seq))
+
+
+def reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """The tokens of `prompt` whose KV rows can be kept: the common prefix, but never the whole prompt
+    (its last token is decoded again, for logits to sample from)."""
+    return min(common_prefix(cached, prompt), len(prompt) - 1)
 
 
 def step_slots(slots: list[Slot]) -> list[Slot]:
@@ -99,9 +135,9 @@ class Scheduler:
         self.metrics = metrics
         self.max_queue = max_queue  # requests allowed to wait for a slot; None: any number
         self.waiting = 0
-        self.free = asyncio.Queue()
-        for seq in range(n_slots):
-            self.free.put_nowait(seq)
+        self.free: dict[int, float] = {seq: 0.0 for seq in range(n_slots)}  # free sequence -> when it was freed
+        self.cache: dict[int, list[int]] = {}  # sequence -> the tokens its KV rows hold (positions 0..)
+        self._waiters: collections.deque = collections.deque()  # (prompt, future of a sequence), first come first
         self.active: list[Slot] = []
         # one group of slots per stage when steps are pipelined, each stepped by its own loop
         pipelined = getattr(coord, "pipelined", False)
@@ -140,7 +176,7 @@ class Scheduler:
         await self.stop()
         for slot in list(self.active):
             slot.events.put_nowait(SlotEvent("error", code=DecodeResult.ABORTED, message=message))
-            self._release(slot)
+            self._release(slot, keep=False)
 
     @property
     def alive(self) -> bool:
@@ -151,29 +187,34 @@ class Scheduler:
         return len(self.active)
 
     async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str], *,
-                     logprobs: int | None = None, echo: bool = False, share_from: Slot | None = None) -> Slot:
+                     logprobs: int | None = None, echo: bool = False, share_from: Slot | None = None,
+                     cache_prompt: bool = True) -> Slot:
         """A slot for this request, once one is free; ShuttingDown if the
         server stops first; QueueFull at once if it would have to wait
         behind max_queue others. `logprobs`: alternatives per token (None: no
         logprobs); `echo`: a "prompt" event once the prompt is decoded, with its
         logprobs if asked. `share_from`: another choice of the same prompt; if it
         is still feeding the prompt, this slot waits and shares its KV rows
-        (kv_seq_cp) and last logits instead of decoding the prompt again."""
+        (kv_seq_cp) and last logits instead of decoding the prompt again.
+        `cache_prompt`: reuse the KV rows of the longest prefix of the prompt a
+        free slot holds (the slot is chosen for it); without, the prompt is
+        decoded whole."""
         if self.closing:
             raise ShuttingDown()
-        if self.free.empty() and self.max_queue is not None and self.waiting >= self.max_queue:
+        if not self.free and self.max_queue is not None and self.waiting >= self.max_queue:
             raise QueueFull(self.waiting)
         self.waiting += 1
         try:
-            seq = await self.free.get()  # a free sequence holds no KV rows: _release removed them
+            seq = await self._take(prompt if cache_prompt else [])
         finally:
             self.waiting -= 1
         if self.closing:
-            self.free.put_nowait(seq)
+            self._give_back(seq)
             raise ShuttingDown()
         sizes = [sum(s.group == g for s in self.active) for g in range(self.n_groups)]
         slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
-                    pending=list(prompt), group=sizes.index(min(sizes)), logprobs=logprobs, echo=echo)
+                    pending=list(prompt), group=sizes.index(min(sizes)), logprobs=logprobs, echo=echo,
+                    cache_prompt=cache_prompt)
         sampler.accept(prompt)  # the penalties look back at the prompt too, as llama-server's
         if echo and logprobs is not None:
             slot.prompt_lp = [TokenLogprob(prompt[0], None)]  # nothing predicts the first token
@@ -184,22 +225,71 @@ class Scheduler:
         self._wake[slot.group].set()
         return slot
 
+    async def _take(self, prompt: list[int]) -> int:
+        """A free sequence, chosen for `prompt` (choose_slot), at once or when one is freed (first come first)."""
+        if self.free and not self._waiters:
+            return self._pick(prompt)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((prompt, fut))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # given a sequence as it was cancelled: it goes back
+                self._give_back(fut.result())
+            elif (prompt, fut) in self._waiters:  # (a sequence freed meanwhile may have passed it over already)
+                self._waiters.remove((prompt, fut))
+            raise
+
+    def _pick(self, prompt: list[int]) -> int:
+        seq = choose_slot(prompt, self.free, self.cache)
+        del self.free[seq]
+        return seq
+
+    def _give_back(self, seq: int) -> None:
+        """`seq` is free (its KV rows are what self.cache says): to the first request waiting, if any."""
+        self.free[seq] = time.monotonic()
+        while self._waiters and self.free:
+            prompt, fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(self._pick(prompt))
+
+    def _set_up(self, slot: Slot) -> None:
+        """Before the slot's first step: keep the KV rows of the prompt's prefix its sequence holds
+        (the rest removed) and feed only what follows; all removed without cache_prompt, for a
+        choice that shares another's rows, or where the prompt's logprobs are asked."""
+        cached = self.cache.pop(slot.seq, [])
+        keep = reusable(cached, slot.prompt) if slot.cache_prompt and slot.prompt_lp is None else 0
+        if cached and self.coord.kv_seq_pos_max(slot.seq) != len(cached) - 1:
+            keep = 0  # the table was cleared behind us (a worker's KV cache lost): nothing to reuse
+        if keep == 0 and cached:
+            self.coord.kv_seq_rm(slot.seq)  # the whole sequence (and nothing of it left to re-feed)
+        elif keep < len(cached):
+            self.coord.kv_seq_rm(slot.seq, keep)
+        slot.kv, slot.cached = list(slot.prompt[:keep]), keep
+        slot.pos, slot.pending = keep, list(slot.prompt[keep:])
+
     def cancel(self, slot: Slot) -> None:
         """The client went away: the loop frees the slot before its next step."""
         slot.cancelled = True
         self._wake[slot.group].set()
 
-    def _release(self, slot: Slot) -> None:
+    def _release(self, slot: Slot, keep: bool = True) -> None:
+        """`slot` ends; its sequence is free again. `keep`: its KV rows stay, the prompt cache of the next
+        request that takes it (a slot ended by a failed step, or by a drain, drops them)."""
         if slot not in self.active:
             return
         self.active.remove(slot)
         self._orphan_followers(slot)
-        try:
-            self.coord.kv_seq_rm(slot.seq)
-        except Exception:  # it runs in the loop's error handling too: never let it end the loop
-            log.exception("freeing a slot's KV rows failed; its sequence is retired", seq=slot.seq)
-            return
-        self.free.put_nowait(slot.seq)
+        if keep and slot.kv is not None:
+            self.cache[slot.seq] = slot.kv
+        elif not keep:
+            self.cache.pop(slot.seq, None)
+            try:
+                self.coord.kv_seq_rm(slot.seq)
+            except Exception:  # it runs in the loop's error handling too: never let it end the loop
+                log.exception("freeing a slot's KV rows failed; its sequence is retired", seq=slot.seq)
+                return
+        self._give_back(slot.seq)
 
     def _finish(self, slot: Slot, reason: str, piece: str = "") -> None:
         slot.finished_at = time.monotonic()
@@ -227,8 +317,10 @@ class Scheduler:
         """`leader` has just decoded the prompt `slot` waits for: `slot` shares its KV rows
         (nothing is copied on the workers) and samples from the same logits."""
         slot.leader = None
+        if self.cache.pop(slot.seq, None):  # its own cached rows go: it takes the leader's
+            self.coord.kv_seq_rm(slot.seq)
         self.coord.kv_seq_cp(leader.seq, slot.seq)  # the leader has the prompt's positions alone so far
-        slot.pos, slot.pending = leader.pos, []
+        slot.pos, slot.pending, slot.kv, slot.cached = leader.pos, [], list(leader.kv), leader.cached
         if leader.prompt_lp is not None and slot.prompt_lp is not None:
             slot.prompt_lp = list(leader.prompt_lp)
         self._prompt_done(slot)
@@ -258,13 +350,16 @@ class Scheduler:
                 for slot in [s for s in self.active if s.group == group]:
                     slot.events.put_nowait(SlotEvent("error", code=DecodeResult.COMPUTE_FAILED,
                                                      message=f"internal error: {type(exc).__name__}: {exc}"))
-                    self._release(slot)
+                    self._release(slot, keep=False)
 
     async def _step(self, group: int) -> None:
         n_batch = self.coord.n_batch
         for slot in [s for s in self.active if s.cancelled and s.group == group]:
             self._release(slot)
         mine = [s for s in self.active if s.group == group and s.leader is None]  # not those waiting for a leader
+        for slot in mine:
+            if slot.kv is None:
+                self._set_up(slot)
         if not mine:
             self._wake[group].clear()
             await self._wake[group].wait()
@@ -307,12 +402,13 @@ class Scheduler:
             log.error("decode step failed", code=code.name, error=err, slots=len(in_batch))
             for slot in in_batch:
                 slot.events.put_nowait(SlotEvent("error", code=code, message=err, endpoint=endpoint))
-                self._release(slot)
+                self._release(slot, keep=False)
             return
         for slot in in_batch:
             if self.metrics and slot.generated == 0:
                 self.metrics.prompt_tokens.inc(slot.fed)
             slot.pos += slot.fed
+            slot.kv += slot.pending[: slot.fed]
             del slot.pending[: slot.fed]
             slot.fed = 0
         for row, slot, p in prompt_rows:  # row p predicts the prompt's token p + 1

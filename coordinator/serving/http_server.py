@@ -21,7 +21,7 @@ import uuid
 import structlog
 from aiohttp import web
 
-from coordinator.serving import access, chat_templates, llama_server_api, openai_api, web_page
+from coordinator.serving import access, chat_templates, llama_server_api, openai_api, structured_output, web_page
 from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
 from coordinator.serving.cluster_view import ClusterView
 from coordinator.serving.health import ServerHealth
@@ -268,10 +268,14 @@ class CompletionServer:
         slots = []
         try:
             try:
-                for sampler in gen.samplers(self.coord.tokenizer.eog_ids):
+                samplers = gen.samplers(self.coord.tokenizer.eog_ids)
+                if gen.grammar is not None:  # a matcher per choice (the first builds the vocabulary's table: ~4 s)
+                    await asyncio.to_thread(structured_output.constrain, samplers, self.coord.tokenizer, gen.grammar)
+                for sampler in samplers:
                     slots.append(await self.scheduler.submit(ids, max_tokens, sampler, gen.stop, logprobs=gen.logprobs,
                                                              echo=echo is not None,
-                                                             share_from=slots[0] if slots else None))
+                                                             share_from=slots[0] if slots else None,
+                                                             cache_prompt=gen.cache_prompt))
             except ShuttingDown:
                 raise openai_api.shutting_down() from None
             except QueueFull as exc:
@@ -317,7 +321,8 @@ class CompletionServer:
                 else:
                     raise openai_api.decode_failed(ev.message, ev.code, self.health_check.retry_after())
             choices.append(answer.choice(index, "".join(parts), ev.finish_reason, entries, prompt_entries))
-        return web.json_response(answer.reply.completions(choices, answer.n_prompt, sum(s.generated for s in slots)))
+        return web.json_response(answer.reply.completions(choices, answer.n_prompt, sum(s.generated for s in slots),
+                                                          slots[0].cached))
 
     async def _stream(self, request, slots, answer: "_Answer") -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -346,7 +351,8 @@ class CompletionServer:
             else:
                 if include_usage:
                     await resp.write(_sse_data(answer.reply.usage_chunk(answer.n_prompt,
-                                                                        sum(s.generated for s in slots))))
+                                                                        sum(s.generated for s in slots),
+                                                                        slots[0].cached)))
             await resp.write(SSE_DONE)
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):

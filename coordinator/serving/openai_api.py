@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import jinja2
 
 from coordinator.decode.values import DecodeResult
+from coordinator.serving import structured_output
 from coordinator.serving.chat_templates import ChatTemplate
 from coordinator.text.sampling import Sampler, TokenLogprob
 
@@ -92,7 +93,8 @@ FIELDS = _fields(
     Field("best_of", COMPLETIONS, REFUSED, "ranking choices by their logprobs is not done: ask `n` and rank them",
           neutral=(1,)),
     Field("suffix", COMPLETIONS, REFUSED, "no insertion (fill-in-the-middle)", neutral=("",)),
-    Field("response_format", BOTH, REFUSED, "no constrained (JSON) output", neutral=({"type": "text"},)),
+    Field("response_format", BOTH, HONOURED, "`text`, `json_object`, or `json_schema` (`json_schema.schema`; "
+                                             "always strict): the output parses and conforms (llguidance)"),
     # ---- tools, modalities, reasoning
     Field("tools", CHAT, REFUSED, "no tool calls", neutral=([],)),
     Field("tool_choice", CHAT, REFUSED, "no tool calls", neutral=("none",)),
@@ -118,12 +120,16 @@ FIELDS = _fields(
     Field("metadata", CHAT, ACCEPTED, "tags for stored completions; none are stored", kind=dict),
     Field("store", CHAT, REFUSED, "completions are not stored", neutral=(False,)),
     Field("service_tier", CHAT, REFUSED, "one tier", neutral=("auto", "default")),
-    Field("prompt_cache_key", CHAT, ACCEPTED, "a caching hint; no prompt is cached across requests", kind=str),
+    Field("prompt_cache_key", CHAT, ACCEPTED, "a caching hint; the prompt cache (`cache_prompt`) needs none: a free slot sharing "
+                                                "the longest prefix is chosen", kind=str),
     Field("prompt_cache_retention", CHAT, ACCEPTED, "as `prompt_cache_key`", kind=str),
     Field("prompt_cache_options", CHAT, ACCEPTED, "as `prompt_cache_key`", kind=dict),
     # ---- llama-server's /completion options
-    Field("cache_prompt", BOTH, ACCEPTED, "every request decodes its prompt; the text is the same", kind=bool),
-    Field("n_cache_reuse", BOTH, ACCEPTED, "as `cache_prompt`", kind=int),
+    Field("cache_prompt", BOTH, HONOURED, "default true: the KV rows of the prompt's longest prefix a free slot "
+                                          "holds are reused, the rest decoded (`usage.prompt_tokens_details."
+                                          "cached_tokens`); false: the whole prompt is decoded"),
+    Field("n_cache_reuse", BOTH, ACCEPTED, "no reuse of chunks past the common prefix (KV shifting); "
+                                           "`cache_prompt` reuses the prefix", kind=int),
     Field("n_keep", BOTH, ACCEPTED, "tokens kept by a context shift, which is never done (a request that does not "
                                     "fit is refused)", kind=int),
     Field("id_slot", BOTH, REFUSED, "the scheduler picks the slot", neutral=(-1,)),
@@ -143,8 +149,8 @@ FIELDS = _fields(
     Field("xtc_threshold", BOTH, ACCEPTED, "no effect while `xtc_probability` is 0", kind=(int, float)),
     Field("top_n_sigma", BOTH, REFUSED, "no top-n-sigma", neutral=(-1,)),
     Field("samplers", BOTH, REFUSED, "the order is fixed: penalties, top_k, typical_p, top_p, min_p, temperature"),
-    Field("grammar", BOTH, REFUSED, "no constrained output", neutral=("",)),
-    Field("json_schema", BOTH, REFUSED, "no constrained output"),
+    Field("grammar", BOTH, HONOURED, "a GBNF grammar the output follows (llguidance); `\"\"`: none"),
+    Field("json_schema", BOTH, HONOURED, "a JSON schema the output conforms to (llguidance)"),
     Field("n_probs", BOTH, REFUSED, "llama-server's /completion shape; ask `logprobs` (and `top_logprobs`)",
           neutral=(0,)),
     Field("post_sampling_probs", BOTH, REFUSED, "logprobs are the model's own", neutral=(False,)),
@@ -238,6 +244,8 @@ class Generation:
     logprobs: int | None = None  # alternatives shown per token (0: the chosen token's alone); None: no logprobs
     echo: bool = False  # completions: the prompt comes first in the text (and its logprobs)
     ignore_eos: bool = False
+    cache_prompt: bool = True  # reuse the KV rows of the prompt's prefix a slot holds (llama-server's default)
+    grammar: str | None = None  # structured output: the llguidance grammar (serving/structured_output.py)
 
     def samplers(self, eog_ids=()) -> list[Sampler]:
         """One sampler per choice: choice i draws with seed + i (a random seed each
@@ -342,6 +350,7 @@ def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int
         min_keep=typed_param(body, "min_keep", int, 0, 0, 1 << 20),
         logit_bias=parse_logit_bias(body.get("logit_bias"), n_vocab))
     ignore_eos = typed_param(body, "ignore_eos", bool, False)
+    cache_prompt = typed_param(body, "cache_prompt", bool, True)
     n = typed_param(body, "n", int, None, 1, MAX_CHOICES)
     n_cmpl = typed_param(body, "n_cmpl", int, None, 1, MAX_CHOICES)
     if n is not None and n_cmpl is not None and n != n_cmpl:
@@ -349,11 +358,15 @@ def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int
     logprobs = _logprobs(body, endpoint)
     echo = typed_param(body, "echo", bool, False)
     try:
+        grammar = structured_output.grammar_of(body, ignore_eos)
+    except structured_output.Refused as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    try:
         sampler = Sampler(temperature, top_k, top_p, seed, **settings)
     except ValueError as exc:  # NaN, and whatever else the sampler refuses
         raise ApiError(400, str(exc)) from None
     return Generation(max_tokens, sampler, stop, stream, _include_usage(body, stream), n or n_cmpl or 1, logprobs,
-                      echo, ignore_eos)
+                      echo, ignore_eos, cache_prompt, grammar)
 
 
 def _max_tokens(body: dict, default: int | None, n_ctx_slot: int, limit: int | None = None) -> int | None:
@@ -565,8 +578,10 @@ def new_completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def usage(n_prompt: int, n_completion: int, n_cached: int = 0) -> dict:
+    """`n_cached`: prompt tokens whose KV rows a slot already held (the prompt cache), counted in n_prompt too."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
 
 
 def choice(text: str, finish_reason: str | None, chat: bool, stream: bool, index: int = 0,
@@ -625,15 +640,16 @@ class CompletionReply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def completion(self, text: str, finish_reason: str | None, n_prompt: int, n_completion: int,
-                   logprobs: dict | None = None) -> dict:
+                   logprobs: dict | None = None, n_cached: int = 0) -> dict:
         """The whole answer (not streamed), one choice."""
-        return self.completions([choice(text, finish_reason, self.chat, False, 0, logprobs)], n_prompt, n_completion)
+        return self.completions([choice(text, finish_reason, self.chat, False, 0, logprobs)], n_prompt, n_completion,
+                                n_cached)
 
-    def completions(self, choices: list[dict], n_prompt: int, n_completion: int) -> dict:
+    def completions(self, choices: list[dict], n_prompt: int, n_completion: int, n_cached: int = 0) -> dict:
         """The whole answer with these choices (`choice(..., stream=False, index=i)`);
-        n_completion counts the tokens of them all."""
+        n_completion counts the tokens of them all; n_cached, the prompt's tokens taken from the cache."""
         return dict(self._head("chat.completion" if self.chat else "text_completion"), choices=choices,
-                    usage=usage(n_prompt, n_completion))
+                    usage=usage(n_prompt, n_completion, n_cached))
 
     def chunk(self, text: str, finish_reason: str | None = None, include_usage: bool = False, index: int = 0,
               logprobs: dict | None = None) -> dict:
@@ -645,10 +661,10 @@ class CompletionReply:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, n_prompt: int, n_completion: int) -> dict:
+    def usage_chunk(self, n_prompt: int, n_completion: int, n_cached: int = 0) -> dict:
         """The last chunk under include_usage: no choices, the usage."""
         return dict(self._head("chat.completion.chunk" if self.chat else "text_completion"), choices=[],
-                    usage=usage(n_prompt, n_completion))
+                    usage=usage(n_prompt, n_completion, n_cached))
 
 
 def stream_error(message: str, code: DecodeResult | None, endpoint: str | None) -> dict:

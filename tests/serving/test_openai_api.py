@@ -90,8 +90,8 @@ def test_typed_param_types_ranges_and_defaults():
 
 
 @pytest.mark.parametrize("body, message, param", [
-    ({"response_format": {"type": "json_object"}},
-     "'response_format' is not supported by this server: no constrained (JSON) output", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "'response_format': invalid JSON schema: Invalid type: nope", "response_format"),
     ({"max_tokens": "ten"}, "'max_tokens' must be of type int", "max_tokens"),
     ({"max_tokens": 0}, f"'max_tokens' must be between 1 and {N_CTX}", "max_tokens"),
     ({"max_tokens": N_CTX + 1}, f"'max_tokens' must be between 1 and {N_CTX}", "max_tokens"),
@@ -309,13 +309,15 @@ def test_completion_objects():
     assert text.completion("Paris.", "stop", 6, 2) == {
         "id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m",
         "choices": [{"index": 0, "text": "Paris.", "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}}
+        "usage": {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8,
+                  "prompt_tokens_details": {"cached_tokens": 0}}}
     chat_reply = CompletionReply("chatcmpl-1", 1700000000, "m", chat=True)
     assert chat_reply.completion("Hi!", "length", 10, 16) == {
         "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"}, "logprobs": None,
                      "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}}
+        "usage": {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26,
+                  "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_stream_chunks():
@@ -334,7 +336,8 @@ def test_stream_chunks():
     assert chat_reply.usage_chunk(3, 4) == {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5,
                                             "model": "m", "choices": [],
                                             "usage": {"prompt_tokens": 3, "completion_tokens": 4,
-                                                      "total_tokens": 7}}
+                                                      "total_tokens": 7,
+                                                      "prompt_tokens_details": {"cached_tokens": 0}}}
     assert text.usage_chunk(1, 0)["object"] == "text_completion"
 
 

@@ -72,7 +72,8 @@ EXAMPLES = {
     "top_logprobs": (4, lambda r: r.generation.logprobs == 4),
     "echo": (True, lambda r: r.generation.echo),
     "chat_template_kwargs": ({"enable_thinking": False}, lambda r: r.template_kwargs == {"enable_thinking": False}),
-    "best_of": 3, "suffix": "end", "response_format": {"type": "json_object"},
+    "best_of": 3, "suffix": "end",
+    "response_format": ({"type": "json_object"}, lambda r: r.generation.grammar is not None),
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "parallel_tool_calls": True, "parse_tool_calls": True,
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
@@ -80,11 +81,13 @@ EXAMPLES = {
     "reasoning_format": "deepseek", "reasoning_control": True, "verbosity": "low", "moderation": {},
     "user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"}, "store": True, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {},
-    "cache_prompt": True, "n_cache_reuse": 256, "n_keep": -1, "id_slot": 2, "n_indent": 4,
+    "cache_prompt": (False, lambda r: r.generation.cache_prompt is False), "n_cache_reuse": 256, "n_keep": -1, "id_slot": 2, "n_indent": 4,
     "t_max_predict_ms": 500, "dynatemp_range": 0.5, "dynatemp_exponent": 1.0, "mirostat": 2, "mirostat_tau": 5.0,
     "mirostat_eta": 0.1, "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
     "dry_sequence_breakers": ["\n"], "xtc_probability": 0.5, "xtc_threshold": 0.1, "top_n_sigma": 1.0,
-    "samplers": ["top_k", "temperature"], "grammar": "root ::= \"a\"", "json_schema": {}, "n_probs": 5,
+    "samplers": ["top_k", "temperature"], "n_probs": 5,
+    "grammar": ("root ::= \"a\"", lambda r: r.generation.grammar is not None),
+    "json_schema": ({"type": "integer"}, lambda r: r.generation.grammar is not None),
     "post_sampling_probs": True, "return_tokens": True, "timings_per_token": True, "return_progress": True,
     "sse_ping_interval": 5, "response_fields": ["content"], "lora": [{"id": 0, "scale": 0.5}],
 }
@@ -310,7 +313,8 @@ def test_replies_with_several_choices_and_logprobs():
                               openai_api.choice("b", "stop", False, False, 1)], 3, 2)
     assert body["choices"] == [{"index": 0, "text": "a", "logprobs": lp, "finish_reason": "length"},
                                {"index": 1, "text": "b", "logprobs": None, "finish_reason": "stop"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     chunk = openai_api.CompletionReply("chatcmpl-1", 5, "m", chat=True).chunk("Hi", None, False, 1,
                                                                              {"content": [], "refusal": None})
     assert chunk["choices"] == [{"index": 1, "delta": {"role": "assistant", "content": "Hi"},
