@@ -460,6 +460,69 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0, head: str = "own") 
     return write_tiny_model(path, "llama", seed, head=head)
 
 
+
+# ---------------------------------------------------------------- a 1B-class llama for benches
+TINYLLAMA_1B = Dims(n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632)  # TinyLlama 1.1B's shape
+
+
+def filler_spm_vocab(n_vocab: int) -> Vocab:
+    """A SentencePiece-style vocabulary of any size up to about 480k: spm_vocab(300)'s entries,
+    then "▁" + every 2-, 3-, 4-letter string in order, as normal pieces of falling score."""
+    import itertools
+
+    v = spm_vocab(300)
+    known, letters = set(v.tokens), "etaoinshrdlucmfwypvbgkqjxz"
+    pieces = (SPACE + "".join(p) for k in (2, 3, 4) for p in itertools.product(letters, repeat=k))
+    for piece in pieces:
+        if len(v.tokens) >= n_vocab:
+            break
+        if piece not in known:
+            v.tokens.append(piece)
+            v.types.append(TOKEN_TYPE_NORMAL)
+            v.scores.append(-20.0 - len(v.tokens) * 1e-4)
+    if len(v.tokens) != n_vocab:
+        raise ValueError(f"n_vocab {n_vocab} is not between 300 and the pieces there are")
+    return v
+
+
+def _nbytes(t: W) -> tuple[int, int]:
+    """(bytes, GGML type) of tensor `t` as _tensor_data stores it."""
+    qtype = gguf.GGMLQuantizationType[t.kind.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return math.prod(t.shape[:-1]) * (t.shape[-1] // block) * size, qtype
+
+
+def write_llama_1b(path: str | os.PathLike, wtype: str = "f16", seed: int = 0, d: Dims = TINYLLAMA_1B,
+                   n_vocab: int = 32000, n_ctx: int = 2048, layer_std: float = 0.02) -> str:
+    """A random-weight llama of TinyLlama 1.1B's shape (d; n_vocab tokens, an own output head), every
+    matrix `wtype`: bench/bench_models.py's 1B bench model, llama-quantize's input. Written one tensor
+    at a time (write_gguf holds them all in memory: 2.2 GB in f16); the same random draws as
+    write_gguf would make of these tensors."""
+    vocab = filler_spm_vocab(n_vocab)
+    first, last = _ends(d, n_vocab, wtype, wtype)
+    layers = _layers(d, lambda il: (wtype, wtype))
+    for t in layers:
+        t.std = layer_std
+    tensors = first + layers + last
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("random-llama-1b")
+    for key, value in _common_metadata("llama", d, n_ctx=n_ctx).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+    _write_vocab(w, vocab)
+    for t in tensors:
+        nbytes, qtype = _nbytes(t)
+        raw = None if t.kind in ("f32", "f16") else qtype
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float16 if t.kind == "f16" else np.float32), nbytes, raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in tensors:
+        data, _ = _tensor_data(rng, t)
+        w.write_tensor_data(np.ascontiguousarray(data))
+    w.close()
+    return str(path)
+
 if __name__ == "__main__":
     import sys
 

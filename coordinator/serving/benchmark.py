@@ -1,15 +1,43 @@
 """`ggml-coordinator bench`: pp/tg tokens/s in process and over the workers,
 side by side, interleaved repetitions so every row sees the same machine
 load, with llama.cpp's llama-bench on the same model as the reference rows
-(llama_cpp_reference.py) when it is built."""
+(llama_cpp_reference.py) when it is built. `--model-1b` runs them on the 1B
+bench model bench/bench_models.py builds into the cache (bench_model())."""
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import statistics
 import time
 
 from coordinator.api import Coordinator
 from coordinator.serving.cluster_setup import endpoints_for, security_options
+from ggml_ffi import ggml_build
+
+BENCH_MODELS = "bench-models"  # the cache's folder of bench models: bench/bench_models.py writes, bench reads
+
+
+def bench_model_pointer(name: str) -> pathlib.Path:
+    """The file that names bench model `name`'s GGUF (JSON: path, type, description, ...)."""
+    return ggml_build.cache_root() / BENCH_MODELS / f"{name}.json"
+
+
+def bench_model(name: str) -> tuple[str | None, str]:
+    """(path, what it is) of bench model `name` as bench/bench_models.py built it into the cache,
+    or (None, why there is none and how to build it)."""
+    pointer = bench_model_pointer(name)
+    build = f"python bench/bench_models.py build (once; cached in {pointer.parent})"
+    try:
+        info = json.loads(pointer.read_text())
+        path, what = str(info["path"]), str(info["description"])
+    except FileNotFoundError:
+        return None, f"the {name} bench model is not built: {build}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"the {name} bench model's {pointer} is unreadable ({exc}): {build}"
+    if not os.path.isfile(path):
+        return None, f"the {name} bench model {path} is gone: {build}"
+    return path, what
 
 
 def setups(endpoints: list[str], threads: int, split, head_split: str, step_links: str) -> dict:
@@ -91,6 +119,8 @@ def cmd_bench(args) -> int:
             raise
         reference_run, notes = reference_runner(args, len(endpoints)) if args.reference else (None, None)
         notes = [notes] if notes else []
+        if getattr(args, "model_description", None):
+            notes.insert(0, f"model: {args.model_description}")
         try:
             for c in coords.values():
                 # warm up with the measured shapes, as llama-bench does: the pp graph sent, built and

@@ -74,6 +74,45 @@ def _proportions(text: str) -> list[float]:
     return values
 
 
+class StrictParser(argparse.ArgumentParser):
+    """argparse without its guesses, so that no llama-server flag turns into
+    another: no abbreviations (allow_abbrev=False), and a single-dash word
+    that is not one of the flags is an error naming it, not short flags run
+    together (`-ctk q8_0` is not `-c tk`, `-hf` not `-h -f`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _parse_optional(self, arg_string):
+        # a command's own flags only: the top parser sees them too, before handing them to the command
+        if self._subparsers is None and arg_string.startswith("-") and not arg_string.startswith("--") \
+                and len(arg_string) > 2 and arg_string.split("=", 1)[0] not in self._option_string_actions \
+                and not self._negative_number_matcher.match(arg_string):
+            self.error(f"unrecognized argument: {arg_string} ({self.prog} --help lists the flags)")
+        return super()._parse_optional(arg_string)
+
+
+def _refused(message: str, nargs=0):
+    """An argparse action for a llama-server flag this program does not have: an error with `message`."""
+    class Refused(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            kwargs.pop("nargs", None)
+            super().__init__(option_strings, dest, nargs=nargs, **kwargs)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: {message}")
+    return Refused
+
+
+def _kv_type(text: str) -> str:
+    """-ctk/-ctv: the KV cache's type; f16 is the only one (docs/architecture.md, "Not yet")."""
+    if text != "f16":
+        raise argparse.ArgumentTypeError(f"a KV cache of type {text!r} is not supported yet: the KV cache is f16 "
+                                         f"(the only value taken)")
+    return text
+
+
 def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
     p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
@@ -106,6 +145,13 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                    help="the workers' shared secret (else systemd's credential $CREDENTIALS_DIRECTORY/rpc-secret, "
                         "else $GGML_RPC_SECRET); local workers get it too")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
+    p.add_argument("-ctk", "--cache-type-k", type=_kv_type, default="f16", metavar="TYPE",
+                   help="llama.cpp's KV cache type of K: f16 only (other types are not supported yet)")
+    p.add_argument("-ctv", "--cache-type-v", type=_kv_type, default="f16", metavar="TYPE",
+                   help="llama.cpp's KV cache type of V: f16 only (other types are not supported yet)")
+    p.add_argument("-hf", "-hfr", "--hf-repo", action=_refused("downloading a model is not supported: give its "
+                                                                  "GGUF file with -m PATH", nargs=1),
+                   help=argparse.SUPPRESS)
 
 
 def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None:
@@ -123,7 +169,7 @@ def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
+    p = StrictParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
     p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -148,9 +194,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
     s.add_argument("--alias", default=None, metavar="NAME",
                    help="the model id clients see (default: the GGUF's general.name, lowercased, spaces as '-')")
-    s.add_argument("--api-key", default=os.environ.get("GGML_COORDINATOR_API_KEY") or None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-                        "(default: $GGML_COORDINATOR_API_KEY; none: open)")
+    s.add_argument("--api-key", default=os.environ.get("GGML_COORDINATOR_API_KEY") or None, metavar="KEY[,KEY...]",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics; several "
+                        "keys comma-separated (default: $GGML_COORDINATOR_API_KEY; none: open)")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more API keys, one a line ('#' starts a comment line), as llama-server reads them")
+    s.add_argument("--ssl-cert-file", default=None, metavar="PEM",
+                   help="serve HTTPS with this certificate (chain), with --ssl-key-file")
+    s.add_argument("--ssl-key-file", default=None, metavar="PEM", help="the private key of --ssl-cert-file")
+    s.add_argument("-n", "--n-predict", type=_count(-1), default=-1, metavar="N",
+                   help="the most tokens a request generates, and what it gets when it asks no number "
+                        "(default: -1, no limit: completions 16, chat the rest of the slot's context)")
+    s.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve llama-server's /slots, what each slot is doing (default: on)")
+    s.add_argument("--jinja", action="store_true", help="accepted: chat templates are always Jinja here")
+    s.add_argument("--no-jinja", action=_refused("chat templates are always Jinja here (built-ins included)"),
+                   help=argparse.SUPPRESS)
+    s.add_argument("--context-shift", action=_refused("not supported yet: a request that does not fit its slot's "
+                                                      "context is refused (400 context_length_exceeded)"),
+                   help=argparse.SUPPRESS)
+    s.add_argument("--no-context-shift", action="store_true", help="accepted: the context is never shifted")
+    s.add_argument("--embedding", "--embeddings", action=_refused("not supported yet: there is no embeddings "
+                                                                  "endpoint"), help=argparse.SUPPRESS)
     s.add_argument("--cors-origin", default="*", metavar="ORIGIN",
                    help="the Access-Control-Allow-Origin every response carries (default: *)")
     s.add_argument("--max-queue", type=_count(0), default=None, metavar="N",
@@ -173,9 +238,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the reference rows: llama.cpp's llama-bench in process and over as many of its "
                         "rpc-servers (built by bench/llama_cpp_reference.py)")
+    b.add_argument("--model-1b", dest="model_1b", action="store_true",
+                   help="bench the 1B-class bench model instead of -m: TinyLlama 1.1B's shape with random weights, "
+                        "Q4_K_M (built once into the cache by bench/bench_models.py build)")
     args = p.parse_args(argv)
+    if args.command == "bench" and args.model_1b:
+        from coordinator.serving.benchmark import bench_model
+        if args.model is not None:
+            b.error("-m/--model and --model-1b name two models: give one")
+        args.model, args.model_description = bench_model("1b")
+        if args.model is None:  # before any worker is started
+            b.error(args.model_description)
     if args.command == "serve" and args.ctx_size is not None:
         s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
+    if args.command == "serve":
+        _check_serve(s, args)
     if args.command == "serve" and args.chat_template is not None:
         from coordinator.serving.chat_templates import ChatTemplateError, chosen
         try:  # before any worker is started or the model read
@@ -197,6 +274,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as exc:
             g.error(str(exc))
     return args
+
+
+def _check_serve(s: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """serve's API keys (--api-key a,b and --api-key-file, as one list in args.api_key) and HTTPS
+    (args.ssl_context), read before any worker is started or the model read."""
+    from coordinator.serving.access import keys_in
+
+    if args.n_predict == 0:
+        s.error("argument -n/--n-predict: must be -1 (no limit) or at least 1, not 0")
+    keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                from_file = keys_in(f.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            s.error(f"cannot read --api-key-file {args.api_key_file}: {exc}")
+        if not from_file:
+            s.error(f"--api-key-file {args.api_key_file} holds no key (one a line; '#' starts a comment)")
+        keys += from_file
+    args.api_key = keys or None
+    args.ssl_context = None
+    if (args.ssl_cert_file is None) != (args.ssl_key_file is None):
+        s.error("--ssl-cert-file and --ssl-key-file go together: give both")
+    if args.ssl_cert_file is not None:
+        import ssl
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(args.ssl_cert_file, args.ssl_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            s.error(f"cannot serve HTTPS with --ssl-cert-file {args.ssl_cert_file} and --ssl-key-file "
+                    f"{args.ssl_key_file}: {exc}")
+        args.ssl_context = context
 
 
 def _check_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -3,7 +3,10 @@
 takes nothing from bench/ is tests/test_module_boundaries.py's)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -95,3 +98,139 @@ def test_reference_rows_run_llama_bench_when_built(monkeypatch, tmp_path):
     assert why is None and calls == []
     assert run() == ({}, [])
     assert calls == [("m.gguf", 3, 64, 32, 1, 2)]
+
+
+# ---------------------------------------------------------------- the 1B bench model, found by name
+def _bench_model_file(cache, name="1b", **info):
+    pointer = cache / "bench-models" / f"{name}.json"
+    pointer.parent.mkdir(parents=True)
+    pointer.write_text(json.dumps(info))
+    return pointer
+
+
+def test_bench_model_not_built_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("GGML_DISTRIBUTED_CACHE", str(tmp_path))
+    assert benchmark.bench_model_pointer("1b") == tmp_path / "bench-models" / "1b.json"
+    assert benchmark.bench_model("1b") == (
+        None, f"the 1b bench model is not built: python bench/bench_models.py build (once; cached in "
+              f"{tmp_path / 'bench-models'})")
+
+
+@pytest.mark.parametrize("info, why", [
+    ({"path": "x.gguf"}, "unreadable ('description')"),
+    ({"path": "/nonexistent/x.gguf", "description": "d"}, "the 1b bench model /nonexistent/x.gguf is gone"),
+])
+def test_bench_model_broken_pointer(monkeypatch, tmp_path, info, why):
+    monkeypatch.setenv("GGML_DISTRIBUTED_CACHE", str(tmp_path))
+    _bench_model_file(tmp_path, **info)
+    path, what = benchmark.bench_model("1b")
+    assert path is None and why in what and what.endswith(f"python bench/bench_models.py build (once; cached in "
+                                                           f"{tmp_path / 'bench-models'})")
+
+
+def test_model_1b_flag_benches_the_built_model(monkeypatch, tmp_path):
+    from coordinator.serving import cli
+
+    monkeypatch.setenv("GGML_DISTRIBUTED_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:  # not built: refused before any worker starts
+        cli.parse_args(["bench", "--model-1b"])
+    assert exit_.value.code == 2
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    _bench_model_file(tmp_path, path=str(gguf), description="bench-1b: ..., Q4_K_M (llama-quantize)")
+    args = cli.parse_args(["bench", "--model-1b"])
+    assert (args.model, args.model_description) == (str(gguf), "bench-1b: ..., Q4_K_M (llama-quantize)")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bench", "--model-1b", "-m", str(gguf)])
+    assert cli.parse_args(["bench", "-m", str(gguf)]).model_1b is False
+
+
+# ---------------------------------------------------------------- the llama.cpp reference build
+@pytest.mark.parametrize("code, words", [
+    (1, "exit status 1"), (-9, "killed by SIGKILL"),
+    (-4, "killed by SIGILL: an instruction this CPU lists but does not execute"),
+])
+def test_exit_statuses_in_words(code, words):
+    assert llama_cpp_reference.describe_exit(code).startswith(words)
+
+
+def _reference_script():
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from bench import llama_cpp_reference as script
+    return script
+
+
+def test_reference_build_is_kept_once_built_for_this_recipe_and_cpu(monkeypatch, tmp_path):
+    script = _reference_script()
+    monkeypatch.setenv("GGML_DISTRIBUTED_CACHE", str(tmp_path))
+    assert script.root() == llama_cpp_reference.root() == tmp_path / "llama.cpp-0.3.36"
+    assert script.bin_dir() == llama_cpp_reference.bin_dir()
+    assert "llama-completion" in script.TARGETS and "llama-quantize" in script.TARGETS  # interop, bench_models
+    assert script.built().startswith("not built")
+    script.bin_dir().mkdir(parents=True)
+    stamp = script.root() / "build" / script.STAMP
+    assert script.STAMP == llama_cpp_reference.STAMP
+    stamp.write_text(json.dumps(dict(script.recipe(), cmake_flags=["-DGGML_NATIVE=OFF"], cpu_tag="other")))
+    assert script.built() == "built from another recipe (cmake_flags, cpu_tag changed)"
+    stamp.write_text(json.dumps(script.recipe()))
+    assert script.built() == f"{', '.join(script.PRODUCTS)} missing in {script.bin_dir()}"
+    for name in script.PRODUCTS:
+        (script.bin_dir() / name).write_text("")
+    assert script.built() is None
+    assert llama_cpp_reference.missing() is None
+    stamp.write_text(json.dumps(dict(script.recipe(), cpu_tag="0123456789")))  # a cache shared by another CPU
+    assert "was built for another CPU (cpu tag 0123456789" in llama_cpp_reference.missing()
+
+
+def test_a_failed_quiet_build_prints_its_log_tail(monkeypatch, tmp_path, capsys):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    script = _reference_script()
+    monkeypatch.setenv("GGML_DISTRIBUTED_CACHE", str(tmp_path))
+    (script.root() / "src").mkdir(parents=True)
+    (script.root() / "src" / "CMakeLists.txt").write_text("this is not cmake(\n")
+    assert script.main(["build", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "llama.cpp reference build failed" in err and f"the last {script.LOG_TAIL} lines of" in err
+    assert "CMake Error" in err and not (script.root() / "build" / script.STAMP).exists()
+
+
+# ---------------------------------------------------------------- the 1B writer (tests/tiny_models.py)
+def test_the_1b_writer_streams_what_write_gguf_writes(tmp_path):
+    """write_llama_1b (one tensor at a time) gives write_gguf's tensors, at a small shape."""
+    gguf = pytest.importorskip("gguf")
+    import tiny_models as tm
+
+    d = tm.Dims(256, 2, 4, 2, 512)
+    vocab = tm.filler_spm_vocab(1000)
+    assert len(set(vocab.tokens)) == 1000 and vocab.tokens[:3] == ["<unk>", "<s>", "</s>"]
+    for wtype in ("f16", "q8_0"):
+        streamed = gguf.GGUFReader(tm.write_llama_1b(tmp_path / f"s{wtype}.gguf", wtype, d=d, n_vocab=1000))
+        first, last = tm._ends(d, 1000, wtype, wtype)
+        layers = tm._layers(d, lambda il: (wtype, wtype))
+        for t in layers:
+            t.std = 0.02
+        meta = tm._common_metadata("llama", d, n_ctx=2048)
+        whole = gguf.GGUFReader(tm.write_gguf(tmp_path / f"w{wtype}.gguf", "llama", meta, vocab, first + layers + last))
+        assert [t.name for t in streamed.tensors] == [t.name for t in whole.tensors]
+        for a, b in zip(streamed.tensors, whole.tensors):
+            assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)) and (a.data == b.data).all()
+    assert tm.TINYLLAMA_1B == tm.Dims(n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632)
+
+
+def _tool(path, script):
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+
+
+def test_a_reference_tool_killed_by_sigill_is_named_so(monkeypatch, tmp_path):
+    """What a build for another CPU, or AMX a VM lists without granting, does: detected, not assumed."""
+    monkeypatch.setattr(llama_cpp_reference, "bin_dir", lambda: tmp_path)
+    _tool(tmp_path / "llama-bench", 'kill -ILL $$\n')
+    with pytest.raises(RuntimeError, match=r"^llama-bench failed \(killed by SIGILL: an instruction this CPU"):
+        llama_cpp_reference.llama_bench("m.gguf", 1, 8, 4, 1)
+    _tool(tmp_path / llama_cpp_reference.RPC_SERVER, 'kill -ILL $$\n')
+    with pytest.raises(RuntimeError, match=r"rpc-server on 127\.0\.0\.1:\d+ exited at start \(killed by SIGILL"):
+        with llama_cpp_reference.rpc_servers(1, 1):
+            pass
