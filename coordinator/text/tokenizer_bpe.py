@@ -56,7 +56,6 @@ from typing import Any, Callable, Sequence
 
 from coordinator.text.tokenizer import (
     SPACE_ESCAPE,
-    TOKEN_TYPE_BYTE,
     TOKEN_TYPE_NORMAL,
     Tokenizer,
     as_list,
