@@ -13,6 +13,12 @@ No receive waits forever:
   a long compute is not mistaken for a dead peer;
 * a request may carry an overall `deadline` as well.
 
+No reply makes it allocate more than its request implies: each request
+carries the most blob bytes its reply may hold (`reply_blob`: a GET_TENSOR's
+size, a compute's outputs; framing.reply_blob_bound otherwise), and a reply
+whose prefix claims more is refused before anything is allocated for it: the
+connection fails with PeerFailed PROTOCOL.
+
 `liveness_timeout=None` turns the pings and the liveness bound off. That exists
 to measure what the mechanism costs (bench/bench_faults.py), not for use.
 
@@ -89,13 +95,15 @@ class RpcClient(asyncio.BufferedProtocol):
         self.liveness_timeout = liveness_timeout
         self.ping_interval = (ping_interval or liveness_timeout / 4) if liveness_timeout is not None else None
         self.limits = limits
-        self._frames = F.FrameReader(limits)
+        self._frames = F.FrameReader(limits, blob_bound=self._reply_bound)
         self._loop = asyncio.get_running_loop()
         self._can_write = asyncio.Event()  # cleared while the transport's write buffer is over its limit
         self._can_write.set()
         self._lost = self._loop.create_future()  # done when the transport is gone
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        # id -> (the most blob bytes its reply may carry, command) of a pending request whose reply may carry any
+        self._bounds: dict[int, tuple[int, int]] = {}
         self._abandoned: dict[int, int] = {}  # id -> command of a request whose caller was cancelled
         self._deadlines: dict[int, tuple[float, float]] = {}  # id -> (absolute deadline, seconds)
         self._pings: set[int] = set()
@@ -192,6 +200,8 @@ class RpcClient(asyncio.BufferedProtocol):
             frames = self._frames.received(nbytes)
             for header, blob in frames:
                 self._deliver(header, blob)
+        except F.ReplyTooLarge as exc:
+            self._fail(PeerFailed(FailureKind.PROTOCOL, self._too_large(exc)))
         except P.ProtocolError as exc:
             self._fail(PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a bad frame ({exc.message}); "
                                               f"is it a ggml-rpc-server speaking protocol {P.PROTOCOL_VERSION}?"))
@@ -203,12 +213,39 @@ class RpcClient(asyncio.BufferedProtocol):
             self._fail(PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a bad reply "
                                               f"({type(exc).__name__}: {exc})"))
 
+    def _reply_bound(self, header: dict | None) -> int:
+        """FrameReader's blob_bound: the most blob bytes the reply may carry. On
+        its prefix (`header` None), any pending request's largest; once its
+        header is read, the bound of the request its id names (none for any
+        other id: a pong, an error frame, a reply to nothing we sent)."""
+        if header is None:
+            return max(self._bounds.values(), default=(0, 0))[0]
+        req_id = header.get("id")
+        return self._bounds.get(req_id, (0, 0))[0] if type(req_id) is int else 0
+
+    def _too_large(self, exc: F.ReplyTooLarge) -> str:
+        if exc.header is None:  # refused on its prefix: it may answer any request outstanding
+            if not self._bounds:
+                what = f"none of the {len(self._pending)} request(s) outstanding expects any data"
+            else:
+                req_id, (_, cmd) = max(self._bounds.items(), key=lambda item: item[1][0])
+                what = (f"the requests outstanding imply at most {exc.bound} (the largest: "
+                        f"{Command(cmd).name}, id {req_id})")
+        else:
+            req_id = exc.header.get("id")
+            cmd = self._bounds.get(req_id, (0, None))[1]
+            name = Command(cmd).name if cmd in Command._value2member_map_ else "no request of ours"
+            what = f"its request (id {req_id!r}, {name}) implies at most {exc.bound}"
+        return (f"worker {self.endpoint} sent a reply of {exc.blob_len} bytes of data where {what}; a lying "
+                f"or broken worker: the connection is closed, nothing was allocated for that reply")
+
     def _deliver(self, header: dict, blob) -> None:
         req_id = header.get("id")
         if req_id is not None and type(req_id) is not int:
             raise PeerFailed(FailureKind.PROTOCOL, f"worker {self.endpoint} sent a reply with id {req_id!r}")
         fut = self._pending.pop(req_id, None)
         if fut is not None:
+            self._bounds.pop(req_id, None)
             cmd = self._abandoned.pop(req_id, None)
             if cmd is not None:
                 self._reclaim(cmd, header)
@@ -266,6 +303,7 @@ class RpcClient(asyncio.BufferedProtocol):
             if not fut.done():
                 fut.set_exception(self._failure)
         self._pending.clear()
+        self._bounds.clear()
         self._abandoned.clear()
         self._deadlines.clear()
         if self._watch is not None:
@@ -385,7 +423,8 @@ class RpcClient(asyncio.BufferedProtocol):
         self.frames_sent += 1
         self._wbuf = self.transport.get_write_buffer_size()
 
-    def _send(self, cmd: int, fields: dict, blob) -> tuple[int, asyncio.Future]:
+    def _send(self, cmd: int, fields: dict, blob, reply_blob: int = 0) -> tuple[int, asyncio.Future]:
+        """Write one request; `reply_blob`: the most blob bytes its reply may carry."""
         if self._failure is not None:
             raise self._failure
         req_id = next(self._ids)
@@ -394,20 +433,28 @@ class RpcClient(asyncio.BufferedProtocol):
             # the connection may have been quiet for long: silence counts from now
             self.last_rx = max(self.last_rx, time.monotonic())
         self._pending[req_id] = fut
+        if reply_blob > 0:
+            self._bounds[req_id] = (reply_blob, int(cmd))
         header = dict(fields, cmd=int(cmd), id=req_id)
         self._write(F.encode_frame(header, len(blob)), blob)
         return req_id, fut
 
     async def request(self, cmd: int, fields: dict | None = None, blob=b"",
-                      deadline: float | None = None) -> tuple[dict, bytes]:
+                      deadline: float | None = None, reply_blob: int | None = None) -> tuple[dict, bytes]:
         """Send one request and wait for its reply, pinging while waiting.
         Raises RpcError for an error status, PeerFailed if the peer is gone,
-        timed out (liveness or `deadline` seconds), or spoke garbage."""
+        timed out (liveness or `deadline` seconds), or spoke garbage (also: a
+        reply whose data exceeds `reply_blob`, the most bytes the request
+        implies; None: framing.reply_blob_bound's, which for a graph compute
+        is `max_blob`: pass the outputs' size)."""
         started = time.monotonic()
         traced = hoptrace.ON and cmd in (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE)
         if traced:
             hoptrace.mark("client send")
-        req_id, fut = self._send(cmd, fields or {}, blob)
+        fields = fields or {}
+        if reply_blob is None:
+            reply_blob = F.reply_blob_bound(cmd, fields, self.limits.max_blob)
+        req_id, fut = self._send(cmd, fields, blob, reply_blob)
         if deadline is not None:
             self._deadlines[req_id] = (started + deadline, deadline)
         self._arm()

@@ -80,6 +80,12 @@ def layout(tensors) -> tuple[dict, int]:
     return offsets, total
 
 
+def reply_bytes(g) -> int:
+    """The data a compute of graph `g` is answered with: its outputs, concatenated
+    (the bound RpcClient holds a worker's reply to)."""
+    return sum(lib.ggml_nbytes(out) for out in g.outputs)
+
+
 def stage_tensors(stage) -> tuple[list, list]:
     return list(stage.weights.items()), stage.kv.tensors()
 
@@ -287,9 +293,10 @@ class RemoteExecutor:
         self.load_stats = {"sent": 0, "lookups": 0, "cache_hits": 0, "max_sends_in_flight": 0,
                            "max_lookups_in_flight": 0}
 
-    async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE):
+    async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE,
+                       reply_blob: int | None = None):
         try:
-            return await self.client.request(cmd, fields, blob, self.request_timeout)
+            return await self.client.request(cmd, fields, blob, self.request_timeout, reply_blob)
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:
@@ -363,7 +370,8 @@ class RemoteExecutor:
         if cmd == Command.GRAPH_COMPUTE:
             fields["tensors"] = tensors
         return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id,
-                                                                   shape.head_key if head else None))
+                                                                   shape.head_key if head else None,
+                                                                   reply_bytes(g)))
 
     async def _free_quietly(self, graph_id: int) -> None:
         try:
@@ -371,10 +379,11 @@ class RemoteExecutor:
         except StageFailed:
             pass  # a lost connection is the step's own requests' to report
 
-    async def _linked(self, cmd, fields: dict, blob, graph_id: int, head_key: tuple | None) -> tuple[dict, bytes]:
+    async def _linked(self, cmd, fields: dict, blob, graph_id: int, head_key: tuple | None,
+                      reply_blob: int) -> tuple[dict, bytes]:
         started = time.monotonic()
         try:
-            reply, out = await self.client.request(cmd, fields, blob, self.request_timeout)
+            reply, out = await self.client.request(cmd, fields, blob, self.request_timeout, reply_blob)
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:
@@ -485,10 +494,12 @@ class RemoteExecutor:
             await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         fields, blob = self._compute_fields(g, inputs)
         tensors, _ = g.wire
+        expect = reply_bytes(g)  # the reply's data: no worker makes us allocate more
         if g.graph_id in self.sent_graphs:
             try:
                 started = time.monotonic()
-                reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout)
+                reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout,
+                                                       expect)
                 self._account(reply, time.monotonic() - started, shape.head_key if head else None)
                 return out
             except RpcError as exc:
@@ -497,7 +508,8 @@ class RemoteExecutor:
             except PeerFailed as exc:
                 raise peer_failed(self.endpoint, exc) from None
         started = time.monotonic()
-        reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob)
+        reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob,
+                                         reply_blob=expect)
         self._account(reply, time.monotonic() - started, shape.head_key if head else None)
         self.sent_graphs.add(g.graph_id)
         return out

@@ -63,6 +63,36 @@ def _destination(p, tag: int) -> dict:
     return {"to": p.endpoint, "token": p.executor.step_token, "tag": tag}
 
 
+def _send_all(pipe, steps: list, plans: list, jobs: list, waits: list) -> None:
+    """Every request of the linked steps, sent at once (each connection's in
+    step order), into `jobs` (place, task, destinations) and, for those that
+    wait for an input, `waits` (place, tag, task), as they are sent."""
+    places = pipe.places
+    last = len(places) - 1
+    for (step, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
+        for k, p in enumerate(places):
+            inputs = stage_inputs(p, step.common, step.tokens, None, step.out_rows)
+            inputs.pop("hidden", None)  # it comes from stage k-1's worker
+            timeout = p.executor.request_timeout or 900.0
+            step_input = ("hidden", stage_tags[k], timeout) if k else None
+            dests = [_destination(q, tag) for q, tag in targets[k]]
+            # this process's share of the head takes the normed rows from the last stage's reply
+            reply_output = k == last and None in head_tags
+            jobs.append((p, p.executor.send_linked(p.stage, step.shape, inputs, False, step_input, dests,
+                                                   reply_output), targets[k]))
+            if k:
+                waits.append((p, stage_tags[k], jobs[-1][1]))
+        last_stage = jobs[-1][1]
+        for p, tag in zip(head_places, head_tags):
+            if tag is None:
+                jobs.append((p, asyncio.get_running_loop().create_task(
+                    _share_here(p, places[last], last_stage, step.shape)), []))
+                continue
+            step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
+            jobs.append((p, p.executor.send_linked(p.stage, step.shape, {}, True, step_input, []), []))
+            waits.append((p, tag, jobs[-1][1]))
+
+
 async def run(pipe, steps: list) -> list | None:
     """Linked steps through `pipe.places` (a Pipeline), one after another on
     every worker: `steps` lists (PreparedStep, its head shards (empty: no head
@@ -98,44 +128,32 @@ async def run(pipe, steps: list) -> list | None:
 
     jobs = []  # (place, task, destinations); per connection in send order: step by step, its stage then its shard
     waits = []  # (place, tag, task): every request that waits for an input
-    for (step, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
-        for k, p in enumerate(places):
-            inputs = stage_inputs(p, step.common, step.tokens, None, step.out_rows)
-            inputs.pop("hidden", None)  # it comes from stage k-1's worker
-            timeout = p.executor.request_timeout or 900.0
-            step_input = ("hidden", stage_tags[k], timeout) if k else None
-            dests = [_destination(q, tag) for q, tag in targets[k]]
-            # this process's share of the head takes the normed rows from the last stage's reply
-            reply_output = k == last and None in head_tags
-            jobs.append((p, p.executor.send_linked(p.stage, step.shape, inputs, False, step_input, dests,
-                                                   reply_output), targets[k]))
-            if k:
-                waits.append((p, stage_tags[k], jobs[-1][1]))
-        last_stage = jobs[-1][1]
-        for p, tag in zip(head_places, head_tags):
-            if tag is None:
-                jobs.append((p, asyncio.get_running_loop().create_task(
-                    _share_here(p, places[last], last_stage, step.shape)), []))
-                continue
-            step_input = ("head_in", tag, p.executor.request_timeout or 900.0)
-            jobs.append((p, p.executor.send_linked(p.stage, step.shape, {}, True, step_input, []), []))
-            waits.append((p, tag, jobs[-1][1]))
-
     relays: list[asyncio.Task] = []
     refused: list[BaseException] = []  # relays refused (a lost destination fails its own requests instead)
     cancelled = False
 
     def cancel_waits() -> None:
+        """Every request of the step still waiting for its input stops waiting (the
+        step failed, or was cancelled from outside): on every path that ends the
+        step before its requests did."""
         nonlocal cancelled
         if cancelled:
             return
         cancelled = True
         for p, tag, request in waits:
             if request.done() and not request.cancelled() and request.exception() is None:
-                continue  # it took its input: a cancellation would only leave a mark nothing removes
+                continue  # it took its input: nothing to end (an older worker would keep a mark for ever)
             task = asyncio.get_running_loop().create_task(p.executor.cancel_input(tag))
             _background.add(task)  # not awaited: a stopped worker's would take its liveness bound
             task.add_done_callback(_background.discard)
+
+    try:
+        _send_all(pipe, steps, plans, jobs, waits)
+    except BaseException:  # a bug of ours half way: what was sent must not wait for what never comes
+        cancel_waits()
+        for _, task, _ in jobs:
+            task.cancel()
+        raise
 
     def settled(job) -> None:
         p, task, dests = job

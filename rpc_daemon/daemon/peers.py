@@ -28,6 +28,7 @@ from rpc_daemon.wire.protocol import Command, ProtocolError, Status
 log = structlog.get_logger("rpc")
 
 MAX_MAILBOX_ENTRIES = 32  # step inputs (and cancellations) a session holds before a request takes them
+ENDED_TAGS = 256  # tags whose request has ended, remembered per session: later inputs and cancellations are moot
 MAX_DEFERRED = 4  # forwarding requests of one connection whose pushes are still unanswered
 PUSH_DEADLINE = 60.0  # one push, even to a peer that keeps answering pings
 
@@ -40,7 +41,17 @@ CANCELLED = _Cancelled()
 
 
 class Mailbox:
-    """The step inputs delivered to one session, by tag, until a request takes them."""
+    """The step inputs delivered to one session, by tag, until a request takes them.
+
+    A cancellation (the client's: the tag's step failed) ends the request
+    waiting for the tag, or leaves a mark that ends the request still to come
+    (it may be queued behind the connection's running request). The mark stays
+    until that request takes it: an input that arrives after the cancellation
+    is refused and does not remove it (else the queued request would wait its
+    whole timeout for an input that already came and went). A tag whose
+    request has ended is remembered (the last ENDED_TAGS), so a cancellation
+    of it leaves no mark that nothing would take, and a late input for it is
+    refused instead of held."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -48,15 +59,23 @@ class Mailbox:
         self.waiters: dict[int, asyncio.Future] = {}
         self.held = 0
         self.closed = False
+        self.ended: collections.OrderedDict[int, None] = collections.OrderedDict()  # tags whose request ended
+
+    def _ended(self, tag: int) -> None:
+        self.ended[tag] = None
+        self.ended.move_to_end(tag)
+        if len(self.ended) > ENDED_TAGS:
+            self.ended.popitem(last=False)
 
     def put(self, tag: int, data: bytes) -> None:
         waiter = self.waiters.pop(tag, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(data)
             return
-        if tag in self.entries:
-            if self.entries[tag] is CANCELLED:
-                del self.entries[tag]  # the late input of a cancelled step: the marker has done its job
+        if tag in self.ended:
+            raise ProtocolError(Status.INVALID_REQUEST, f"step input {tag} was already delivered (or cancelled): "
+                                                        f"its request has ended")
+        if tag in self.entries:  # a mark stays: it ends the request still to come for this tag
             raise ProtocolError(Status.INVALID_REQUEST, f"step input {tag} was already delivered (or cancelled)")
         if len(self.entries) >= MAX_MAILBOX_ENTRIES:
             self._drop_cancelled()
@@ -69,8 +88,8 @@ class Mailbox:
 
     def _drop_cancelled(self) -> None:
         """Forget the oldest cancellations until there is room for one entry:
-        a client may cancel a tag whose input a running request already took,
-        whose marker no request would ever take; room for
+        a mark whose request never comes (refused before it waited, or a tag
+        that fell out of `ended`) would hold its room for ever; room for
         inputs is worth more (a late input of a forgotten tag is then kept
         until the step's request or the connection ends)."""
         for tag in [t for t, entry in self.entries.items() if entry is CANCELLED]:
@@ -84,6 +103,8 @@ class Mailbox:
             waiter.set_exception(ProtocolError(Status.INPUT_MISSING, f"step input {tag} was cancelled by the client "
                                                                      f"(an earlier stage of the step failed)"))
             return
+        if tag in self.ended:
+            return  # its request has ended (it took its input, or was told): nothing to end, no mark to leave
         old = self.entries.pop(tag, None)
         if isinstance(old, bytes):
             self.held -= len(old)
@@ -98,7 +119,13 @@ class Mailbox:
     async def take(self, tag: int, timeout: float) -> bytes:
         """The input under `tag`, waiting for it at most `timeout` seconds.
         Raises ProtocolError INPUT_MISSING when it does not come or was cancelled."""
+        if tag in self.waiters:
+            raise ProtocolError(Status.INVALID_REQUEST, f"a request already waits for step input {tag}")
+        if tag in self.ended:
+            raise ProtocolError(Status.INVALID_REQUEST, f"step input {tag} served a request already: a tag is "
+                                                        f"for one request")
         data = self.entries.pop(tag, None)
+        self._ended(tag)  # whatever happens now, this tag's request ends with this call
         if isinstance(data, bytes):
             self.held -= len(data)
             return data
@@ -107,8 +134,6 @@ class Mailbox:
                                                       f"(an earlier stage of the step failed)")
         if self.closed:
             raise ProtocolError(Status.INPUT_MISSING, "the connection is closing")
-        if tag in self.waiters:
-            raise ProtocolError(Status.INVALID_REQUEST, f"a request already waits for step input {tag}")
         waiter = self.waiters[tag] = asyncio.get_running_loop().create_future()
         try:
             return await within(waiter, timeout)

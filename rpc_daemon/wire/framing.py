@@ -5,6 +5,9 @@ A frame is a 12-byte prefix `<u32 header_len><u64 blob_len>` (little endian),
 a msgpack map of `header_len` bytes, then `blob_len` raw bytes. Nothing is
 allocated for a frame before its prefix passed `Limits` (before
 authentication: the pre-auth bound), and then only as its bytes arrive.
+A client also bounds each reply's blob by what its request implies
+(`reply_blob_bound`, `check_reply_blob`), on the prefix, before anything is
+allocated for it.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import struct
 
 import msgpack
 
-from rpc_daemon.wire.protocol import Limits, ProtocolError, Status
+from rpc_daemon.wire.protocol import Command, Limits, ProtocolError, Status
 
 PREFIX = struct.Struct("<IQ")
 
@@ -44,6 +47,45 @@ def parse_prefix(prefix: bytes, limits: Limits, authenticated: bool = True) -> t
         raise ProtocolError(Status.LIMIT_EXCEEDED,
                             f"frame blob_len {blob_len} exceeds max_blob {limits.max_blob}", fatal=True)
     return header_len, blob_len
+
+
+class ReplyTooLarge(ProtocolError):
+    """A reply whose blob is larger than its request implies (`check_reply_blob`):
+    a lying or broken worker. `header` is None when it was refused on the prefix
+    alone (before the header said which request it answers)."""
+
+    def __init__(self, blob_len: int, bound: int, header: dict | None):
+        what = "the requests outstanding imply" if header is None else \
+            f"its request (id {header.get('id')!r}) implies"
+        super().__init__(Status.LIMIT_EXCEEDED, f"reply blob_len {blob_len} exceeds the {bound} bytes {what}",
+                         fatal=True)
+        self.blob_len, self.bound, self.header = blob_len, bound, header
+
+
+def reply_blob_bound(cmd: int, fields: dict | None, max_blob: int) -> int:
+    """The most reply data (blob bytes) request `cmd` with `fields` can be
+    answered with, as far as its fields say: GET_TENSOR its `size`;
+    GRAPH_COMPUTE and GRAPH_RECOMPUTE the sum of their outputs' sizes, which
+    the fields do not spell out, so `max_blob` here (a client that knows the
+    graph passes the exact sum instead); every other command, and every error
+    reply, none."""
+    if cmd == Command.GET_TENSOR:
+        size = (fields or {}).get("size")
+        return min(size, max_blob) if type(size) is int and size > 0 else 0
+    if cmd in (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE):
+        return max_blob
+    return 0
+
+
+def check_reply_blob(blob_len: int, bound: int, header: dict | None = None) -> None:
+    """The client's rule for a reply's blob: at most `bound` bytes, what the
+    request it answers implies. Checked twice, both times before anything is
+    allocated for the blob: on the 12-byte prefix with the largest bound of the
+    requests the reply may answer (`header` None), and once the header is
+    read with the bound of the request its `id` names. Past it the stream
+    cannot be trusted: ReplyTooLarge (LIMIT_EXCEEDED, fatal)."""
+    if blob_len > bound:
+        raise ReplyTooLarge(blob_len, bound, header)
 
 
 COUNTED_HEADER = 1 << 16  # headers from this size have their containers counted while decoding
@@ -122,9 +164,14 @@ class FrameReader:
     Memory is committed as bytes arrive, never as a prefix claims: a prefix or
     header split over receives is kept as far as it has arrived; a blob read
     into memory starts at min(blob_len, BLOB_CHUNK) and at most doubles as it
-    fills, unless `eager_blobs` (the client, which trusts its worker's replies
-    up to `max_blob`: one allocation of blob_len, no copies). While not
+    fills, unless `eager_blobs` (the client: one allocation of blob_len, no
+    copies, made only once the blob passed `blob_bound`). While not
     `authenticated`, a prefix must pass the pre-auth bound (`parse_prefix`).
+
+    `blob_bound` (the client's; None: none) gives the most blob bytes a reply
+    may carry: called with None for a prefix (any reply that may come now),
+    then with the decoded header (the reply to that header's request);
+    `check_reply_blob` applies it before anything is allocated for the blob.
 
     Without a sink, `received` returns the completed frames as (header, blob)
     pairs (blob: bytes, or a bytearray for a large one) and raises
@@ -135,9 +182,10 @@ class FrameReader:
     LARGE = 1 << 16  # without a sink, blobs from this size are delivered in their own bytearray
 
     def __init__(self, limits: Limits, size: int = 1 << 17, *, sink: FrameSink | None = None,
-                 authenticated: bool = True, eager_blobs: bool = True):
+                 authenticated: bool = True, eager_blobs: bool = True, blob_bound=None):
         self.limits = limits
         self.sink = sink
+        self.blob_bound = blob_bound  # callable(header | None) -> int, or None
         self.authenticated = authenticated
         self.eager_blobs = eager_blobs
         self._rx = memoryview(bytearray(size))
@@ -234,6 +282,7 @@ class FrameReader:
             stage = self._stage
             if stage == "prefix" and not self._part and n - pos >= PREFIX.size:
                 header_len, blob_len = parse_prefix(data[pos: pos + PREFIX.size], limits, self.authenticated)
+                self._check_blob(None, blob_len)
                 start = pos + PREFIX.size + header_len
                 end = start + blob_len
                 if end <= n:  # the whole frame is here (the common case): one pass, no state
@@ -244,6 +293,8 @@ class FrameReader:
                         if sink is None:
                             raise
                         header, error = None, exc
+                    if error is None:
+                        self._check_blob(header, blob_len)
                     pos = end
                     if sink is None:
                         frames.append((header, b"" if not blob_len else bytes(data[start:end])
@@ -278,6 +329,7 @@ class FrameReader:
                     part, self._part = self._part, bytearray()
                 if stage == "prefix":
                     self._header_len, self._blob_len = parse_prefix(bytes(part), limits, self.authenticated)
+                    self._check_blob(None, self._blob_len)
                     self._stage = "header"
                     continue
                 self._header_read(part)
@@ -304,6 +356,11 @@ class FrameReader:
                 self._kept += bytes(data[pos:])
                 return
 
+    def _check_blob(self, header: dict | None, blob_len: int) -> None:
+        """The client's bound on a reply's blob (`blob_bound`), before anything is allocated for it."""
+        if self.blob_bound is not None:
+            check_reply_blob(blob_len, self.blob_bound(header), header)
+
     def _header_read(self, raw) -> None:
         try:
             self._header = decode_header(raw, self.limits)
@@ -311,6 +368,8 @@ class FrameReader:
             if self.sink is None:
                 raise
             self._error = exc
+        if self._error is None:
+            self._check_blob(self._header, self._blob_len)
         where = self.sink.header(self._header, self._error, self._blob_len) if self.sink is not None else None
         if self._blob_len == 0:
             self._done()

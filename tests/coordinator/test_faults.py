@@ -507,6 +507,52 @@ def test_wrong_peer_is_a_clear_error(model, mode, fragment, kind):
         fake.close()
 
 
+def test_a_worker_that_lies_about_a_reply_size_is_latched_as_a_protocol_error(model):
+    """A worker (scripted, on a real socket: it speaks HELLO and takes the
+    weights) answers the step's GRAPH_COMPUTE with a prefix claiming 1 GiB of
+    data, far above the logits the graph's outputs make: ENDPOINT_FAILED at
+    once, kind protocol, naming the worker, the claim and the bound; the
+    endpoint latched (the next decode fails fast); and the coordinator
+    allocated nothing near the lie (it used to allocate the whole GiB and then
+    wait for it)."""
+    import tracemalloc
+
+    from coordinator.cluster.executors import GRAPH_OPS
+    from rpc_helpers import FakeWorker
+
+    GiB = 1 << 30
+
+    def answer(h, blob):
+        if h.get("cmd") in (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE):
+            reply = P.reply_header(h["id"], Status.SUCCESS, outputs=[[h["outputs"][0], 0, GiB]], compute_us=1)
+            return F.encode_frame(reply, GiB) + bytes(4096)
+        return FakeWorker.default_answer(worker, h, blob)
+
+    worker = FakeWorker(answer, ops=GRAPH_OPS)
+    try:
+        with Coordinator([worker.endpoint], model=model, n_ctx=N_CTX, liveness_timeout=LIVENESS) as c:
+            ids = c.tokenize(PROMPT)
+            tracemalloc.start()
+            try:
+                t0 = time.perf_counter()
+                code = c.decode(Batch.single(ids, 0))
+                took = time.perf_counter() - t0
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert code is ENDPOINT_FAILED, (code, c.last_error)
+            assert (c.last_failed_endpoint, c.last_cause) == (worker.endpoint, "protocol"), c.last_error
+            for fragment in (worker.endpoint, f"{GiB} bytes of data", "GRAPH_COMPUTE", "nothing was allocated"):
+                assert fragment in c.last_error, c.last_error
+            assert [(f.endpoint, f.kind) for f in c.failed_endpoints()] == [(worker.endpoint, "protocol")]
+            assert took < 1.0 * SLACK, took  # at once: not the liveness bound, nor a wait for the GiB
+            assert peak < 64 << 20, f"{peak} bytes allocated for a reply that claimed {GiB}"
+            sent = len(worker.requests)
+            assert c.decode(Batch.single(ids, 0)) is ENDPOINT_FAILED and len(worker.requests) == sent  # latched
+    finally:
+        worker.close()
+
+
 # ---------------------------------------------------------------- client and daemon level
 
 async def load_chain(c: RpcClient, steps: int):
