@@ -258,3 +258,18 @@ class WorkerSet:
         for w in self.workers:
             w.stop()
             w.kill()
+
+
+@pytest.fixture
+def workers(tmp_path):
+    """make(n): n workers (a WorkerSet) sharing a tensor cache, closed after the test (a stopped one
+    gets SIGCONT before SIGTERM, so it ends too)."""
+    made = []
+
+    def make(n: int) -> WorkerSet:
+        made.append(WorkerSet(tmp_path / "tensor-cache", n))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()

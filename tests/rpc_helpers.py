@@ -349,3 +349,15 @@ class FakeWorker:
         self._stop.set()
         self.thread.join(5)
         self.lsock.close()
+
+
+def feed_reader(reader: F.FrameReader, data: bytes, step: int) -> list:
+    """`data` into a sans-I/O FrameReader, at most `step` bytes a receive; the frames it gave."""
+    got, pos = [], 0
+    while pos < len(data):
+        buf = reader.buffer()
+        n = min(len(buf), len(data) - pos, step)
+        buf[:n] = data[pos: pos + n]
+        pos += n
+        got += reader.received(n)
+    return got

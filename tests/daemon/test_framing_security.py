@@ -28,7 +28,7 @@ from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.tls import client_context
-from rpc_helpers import SECRET, RawConn, assert_served, encode_prefix, rss
+from rpc_helpers import SECRET, RawConn, assert_served, encode_prefix, feed_reader, rss
 
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
@@ -556,15 +556,6 @@ def test_hello_cmd_is_strict(d, cmd):
 
 # ================================================================ the shared frame reader, sans I/O
 
-def _feed_reader(reader: F.FrameReader, data: bytes, step: int) -> list:
-    got, pos = [], 0
-    while pos < len(data):
-        buf = reader.buffer()
-        n = min(len(buf), len(data) - pos, step)
-        buf[:n] = data[pos: pos + n]
-        pos += n
-        got += reader.received(n)
-    return got
 
 
 def test_reader_preauth_bound():
@@ -573,14 +564,14 @@ def test_reader_preauth_bound():
     for prefix in (encode_prefix(PREAUTH_MAX_HEADER + 1, 0), encode_prefix(10, 1), encode_prefix(0, 0)):
         reader = F.FrameReader(P.Limits(), authenticated=False)
         with pytest.raises(P.ProtocolError) as exc:
-            _feed_reader(reader, prefix, 1 << 20)
+            feed_reader(reader, prefix, 1 << 20)
         assert exc.value.status == Status.LIMIT_EXCEEDED and exc.value.fatal
     reader = F.FrameReader(P.Limits(), authenticated=False)
     hello = F.encode_frame({"cmd": 0, "pad": "x" * (PREAUTH_MAX_HEADER - 20)})
     assert len(hello) - 12 <= PREAUTH_MAX_HEADER
-    assert len(_feed_reader(reader, hello, 1 << 20)) == 1
+    assert len(feed_reader(reader, hello, 1 << 20)) == 1
     reader.authenticated = True
-    assert _feed_reader(reader, F.encode_frame({"id": 1}, 5) + b"12345", 7) == [({"id": 1}, b"12345")]
+    assert feed_reader(reader, F.encode_frame({"id": 1}, 5) + b"12345", 7) == [({"id": 1}, b"12345")]
 
 
 @pytest.mark.parametrize("lie", ["blob", "header"])
@@ -592,7 +583,7 @@ def test_reader_commits_memory_as_bytes_arrive(lie):
     start = F.encode_frame({"cmd": 9, "id": 1}, GiB - 1) if lie == "blob" else encode_prefix(16 * MiB, 0) + b"\x8f"
     tracemalloc.start()
     try:
-        _feed_reader(reader, start + b"\0" * (100 * KiB), 4096)
+        feed_reader(reader, start + b"\0" * (100 * KiB), 4096)
         reader.buffer()  # what the next receive would be offered
         _, peak = tracemalloc.get_traced_memory()
     finally:

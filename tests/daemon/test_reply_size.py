@@ -23,7 +23,7 @@ from rpc_daemon.client import PeerFailed, RpcClient
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import FakeWorker
+from rpc_helpers import FakeWorker, feed_reader
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MAX_BLOB = P.Limits().max_blob
@@ -61,15 +61,6 @@ def test_check_reply_blob():
         F.check_reply_blob(1, 0)
 
 
-def _feed(reader: F.FrameReader, data: bytes, step: int) -> list:
-    got, pos = [], 0
-    while pos < len(data):
-        buf = reader.buffer()
-        n = min(len(buf), len(data) - pos, step)
-        buf[:n] = data[pos: pos + n]
-        pos += n
-        got += reader.received(n)
-    return got
 
 
 class Bounds:
@@ -97,7 +88,7 @@ def test_a_lying_prefix_is_refused_before_anything_is_allocated(step):
     tracemalloc.start()
     try:
         with pytest.raises(F.ReplyTooLarge) as info:
-            _feed(reader, lie, step)
+            feed_reader(reader, lie, step)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -120,7 +111,7 @@ def test_a_reply_is_held_to_the_request_its_header_names(step):
               + F.encode_frame({"id": 99, "status": 0})  # a pong
               + F.encode_frame({"id": None, "status": int(Status.LIMIT_EXCEEDED), "error": "x"})
               + F.encode_frame({"id": [3], "status": 0}))  # a bad id: the client's to refuse, not the bound's
-    got = _feed(reader, honest, step)
+    got = feed_reader(reader, honest, step)
     assert [(h["id"], len(b)) for h, b in got] == [(2, MiB), (3, 16), (99, 0), (None, 0), ([3], 0)]
 
     reader = F.FrameReader(P.Limits(), blob_bound=bounds)
@@ -128,7 +119,7 @@ def test_a_reply_is_held_to_the_request_its_header_names(step):
     tracemalloc.start()
     try:
         with pytest.raises(F.ReplyTooLarge) as info:
-            _feed(reader, lie + b"\0" * 100, step)
+            feed_reader(reader, lie + b"\0" * 100, step)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -137,7 +128,7 @@ def test_a_reply_is_held_to_the_request_its_header_names(step):
 
     sink = F.FrameSink()
     daemon_side = F.FrameReader(P.Limits(), sink=sink, eager_blobs=False)
-    _feed(daemon_side, F.encode_frame({"cmd": 5, "id": 1}, MiB) + b"\0" * MiB, step)
+    feed_reader(daemon_side, F.encode_frame({"cmd": 5, "id": 1}, MiB) + b"\0" * MiB, step)
     assert not daemon_side.partial
 
 

@@ -25,7 +25,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import SLACK, WorkerSet
+from conftest import SLACK
 from http_helpers import Server, get, stream_text
 
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
@@ -159,17 +159,6 @@ async def schedule(server: Server, fault, during_outage: bool = False) -> tuple[
     return streams, queued, late, health
 
 
-@pytest.fixture
-def workers(tmp_path):
-    made = []
-
-    def make(n: int) -> WorkerSet:
-        made.append(WorkerSet(tmp_path / "tensor-cache", n))
-        return made[-1]
-
-    yield make
-    for w in made:
-        w.close()  # SIGCONT before SIGTERM: a stopped worker ends too
 
 
 @pytest.mark.parametrize("how", ["sigstop", "sigkill"])

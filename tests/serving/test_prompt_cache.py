@@ -129,17 +129,6 @@ def text_of(answer: dict) -> str:
     return answer["choices"][0]["text"]
 
 
-@pytest.fixture
-def workers(tmp_path):
-    made = []
-
-    def make(n: int) -> WorkerSet:
-        made.append(WorkerSet(tmp_path / "tensor-cache", n))
-        return made[-1]
-
-    yield make
-    for w in made:
-        w.close()
 
 
 @pytest.fixture(scope="module")
