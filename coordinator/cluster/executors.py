@@ -80,12 +80,6 @@ def layout(tensors) -> tuple[dict, int]:
     return offsets, total
 
 
-def reply_bytes(g) -> int:
-    """The data a compute of graph `g` is answered with: its outputs, concatenated
-    (the bound RpcClient holds a worker's reply to)."""
-    return sum(lib.ggml_nbytes(out) for out in g.outputs)
-
-
 def stage_tensors(stage) -> tuple[list, list]:
     return list(stage.weights.items()), stage.kv.tensors()
 
@@ -371,7 +365,7 @@ class RemoteExecutor:
             fields["tensors"] = tensors
         return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id,
                                                                    shape.head_key if head else None,
-                                                                   reply_bytes(g)))
+                                                                   stage.output_size(shape, head)))
 
     async def _free_quietly(self, graph_id: int) -> None:
         try:
@@ -494,7 +488,7 @@ class RemoteExecutor:
             await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         fields, blob = self._compute_fields(g, inputs)
         tensors, _ = g.wire
-        expect = reply_bytes(g)  # the reply's data: no worker makes us allocate more
+        expect = stage.output_size(shape, head)  # the reply's layout: no worker makes us allocate more
         if g.graph_id in self.sent_graphs:
             try:
                 started = time.monotonic()
