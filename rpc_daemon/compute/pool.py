@@ -341,10 +341,12 @@ class ComputeProcess:
         return size, self.arena_fd
 
     async def call(self, header: dict, blob=b"", buffers: dict | None = None, spec=None,
-                   out_size: int = 0, client_arena: tuple[int, int] | None = None) -> tuple[dict, bytes]:
+                   out_size: int = 0, client_arena: tuple[int, int] | None = None,
+                   fds: tuple = ()) -> tuple[dict, bytes]:
         """Run one request in the child. `buffers` maps key -> (offset, size) in the
         client's arena for every buffer the graph uses; `client_arena` is the
-        arena's (size, fd); `spec` is sent only if the child lacks the graph."""
+        arena's (size, fd); `spec` is sent only if the child lacks the graph;
+        `fds` go to the child after those of the arenas (tensor links' sockets)."""
         async with self.pool.lock:
             if self._closed:
                 raise ComputeFailed("the daemon is shutting down")
@@ -354,7 +356,7 @@ class ComputeProcess:
             maps = [(k, offset, size) for k, (offset, size) in (buffers or {}).items() if k not in self.mapped]
             header = dict(header, maps=maps, unmaps=sorted(self.pending_unmaps),
                           drop_graphs=sorted(self.pending_drops))
-            fds = []
+            extra_fds, fds = fds, []
             if buffers and not self.arena_mapped:  # the client's memory: mapped once per child
                 header["client_arena"] = client_arena[0]
                 fds.append(client_arena[1])
@@ -362,6 +364,7 @@ class ComputeProcess:
             if arena is not None:
                 header["arena"] = arena[0]
                 fds.append(arena[1])
+            fds.extend(extra_fds)
             key = header.get("graph_key")
             if key is not None and key not in self.known_graphs:
                 header["graph"] = spec

@@ -25,8 +25,11 @@ import time
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
 from rpc_daemon.compute import link as compute_link
+from rpc_daemon.compute.exchange import SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
 from rpc_daemon.wire.graph_codec import build_graph, context_size
+from rpc_daemon.wire.protocol import Status
+from rpc_daemon.wire.tensor_frames import LinkBroken
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -86,6 +89,8 @@ class ComputeState:
         # computes skip the allocator's pass
         self.allocated: dict[str, int] = {}
         self.compute_bytes = 0  # all graphs' compute buffers: counted against --mem by the daemon
+        self.tensor_link: TensorLink | None = None  # to the other members of a tensor-parallel group
+        self.segmented: dict[str, SegmentedGraph] = {}  # graph key -> the graph cut at its exchanges
 
     def map_client_arena(self, size: int, fd: int) -> None:
         if self.client_arena is not None:  # the daemon maps a client's arena once: never a second one
@@ -116,12 +121,41 @@ class ComputeState:
         if entry:
             lib.ggml_backend_buffer_free(entry[0])  # the memory stays: it is the arena's
 
+    def set_tensor_link(self, header: dict, fds: list[int]) -> None:
+        """The sockets the daemon connected to the group's other members (one per peer, in header order)."""
+        if self.tensor_link is not None:
+            self.tensor_link.close()
+        socks = {r: socket.socket(fileno=fd) for r, fd in zip(header["peers"], fds)}
+        self.tensor_link = TensorLink(header["link"], header["rank"], socks)
+
     def drop_graph(self, key: str) -> None:
+        seg = self.segmented.pop(key, None)
+        if seg is not None:
+            seg.close()
         entry = self.graphs.pop(key, None)
         self.compute_bytes -= self.allocated.pop(key, 0)
         if entry:
             entry[3].close()
             lib.ggml_free(entry[0])
+
+    def _compute_linked(self, key: str, gf, ptrs, tensor: dict):
+        """The graph in segments with its all-reduces (exchange.py); a failed exchange is a
+        LINK_FAILED reply and drops the link (the coordinator links the group again)."""
+        link = self.tensor_link
+        if link is None or link.link_id != tensor["link"]:
+            return {"status": int(Status.LINK_FAILED),
+                    "error": f"tensor link {tensor['link']} is not set up in this compute process"}
+        seg = self.segmented.get(key)
+        if seg is None or seg.exchange != tuple(tensor["exchange"]):
+            if seg is not None:
+                seg.close()
+            seg = self.segmented[key] = SegmentedGraph(gf, ptrs, tuple(tensor["exchange"]))
+        try:
+            return seg.compute(self.backend, link, tensor["step"], tensor["timeout"])
+        except LinkBroken as exc:
+            link.close()
+            self.tensor_link = None
+            return {"status": int(Status.LINK_FAILED), "error": f"tensor link: {exc}"}
 
     def buffer_table(self) -> dict:
         return self.buffers
@@ -157,7 +191,14 @@ class ComputeState:
         if hoptrace.ON:
             hoptrace.mark("compute start")
         started = time.perf_counter()
-        status = self.backend.compute(gf)
+        tensor = header.get("tensor")
+        waited = self.tensor_link.wait_s if self.tensor_link is not None else 0.0
+        if tensor is not None:
+            status = self._compute_linked(key, gf, ptrs, tensor)
+            if isinstance(status, dict):
+                return status, b""
+        else:
+            status = self.backend.compute(gf)
         if hoptrace.ON:
             hoptrace.mark("compute end")
         compute_us = int((time.perf_counter() - started) * 1e6)
@@ -169,6 +210,8 @@ class ComputeState:
             outputs.append([i, off, n])
             off += n
         reply = {"status": 0, "outputs": outputs, "compute_us": compute_us}
+        if tensor is not None and self.tensor_link is not None:  # of compute_us: sending, waiting, summing
+            reply["exchange_us"] = int((self.tensor_link.wait_s - waited) * 1e6)
         if self.arena is not None and off <= len(self.arena):
             for (i, o, n) in outputs:
                 ffi.memmove(self.arena_ptr + o, ptrs[i].data, n)
@@ -228,7 +271,10 @@ def serve(sock: socket.socket, n_threads: int) -> None:
                 state.unmap_buffer(key)
             for key in header.get("drop_graphs", ()):
                 state.drop_graph(key)
-            if header.get("kind") == "compute":
+            if header.get("kind") == "tensor_link":
+                state.set_tensor_link(header, fds)
+                reply, out = {"status": 0}, b""
+            elif header.get("kind") == "compute":
                 reply, out = state.compute(header, blob)
             else:
                 reply, out = {"status": 0}, b""
@@ -239,6 +285,8 @@ def serve(sock: socket.socket, n_threads: int) -> None:
     finally:
         for key in list(state.graphs):
             state.drop_graph(key)
+        if state.tensor_link is not None:
+            state.tensor_link.close()
         state.backend.close()
 
 

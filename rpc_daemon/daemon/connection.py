@@ -330,6 +330,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.session.steps is not None:  # a request waiting for a step input stops waiting now
             self.session.steps.mailbox.close()
             self.daemon.peer_links.unregister(self.session.steps)
+        if self.session.tensor_links is not None:  # its compute process's exchanges end now
+            self.session.tensor_links.close()
         self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
         if self.worker is not None:
             self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends

@@ -22,7 +22,7 @@ from ggml_ffi import extra_buffers
 from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, fill_bytes, round_up
-from rpc_daemon.daemon import peers
+from rpc_daemon.daemon import peers, tensor_links
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.memory import available_memory
 from rpc_daemon.validation import requests as V
@@ -57,6 +57,7 @@ class Session:
         self.auth = A.ServerAuth(daemon.config.secret) if daemon.config.secret else None
         self.hello_done = False
         self.steps = None  # its step links (daemon/peers.py StepSession), once STEP_PEERS named them
+        self.tensor_links = None  # its tensor link (daemon/tensor_links.py), once TENSOR_LINK opened one
         self.log = log
 
     def authenticated(self) -> None:
@@ -68,8 +69,10 @@ class Session:
         return self.auth is not None and self.auth.pending
 
     def features(self) -> list[str]:
+        # tensor links carry activations in the clear: not offered by a daemon that serves TLS
         return [f for f in P.FEATURES if (f != "tensor_cache" or self.daemon.cache is not None)
-                and (f not in ("step_links", "step_reply_output") or self.daemon.peer_links.usable)]
+                and (f not in ("step_links", "step_reply_output") or self.daemon.peer_links.usable)
+                and (f != "tensor_links" or not self.config.tls_cert)]
 
     def buffer_of(self, key: int) -> SharedBuffer | None:
         """This client's buffer `key`, or None (validation.requests refuses it)."""
@@ -222,15 +225,19 @@ async def handle_copy_tensor(s: Session, h, blob, direct):
     return {}
 
 
-async def _run(s: Session, run: V.Run):
+async def _run(s: Session, run: V.Run, tensor: V.TensorStep | None = None):
     arena = s.daemon.buffers.arena(s.client_id)
     if hoptrace.ON:
         hoptrace.mark("daemon validated")
+    header = {"kind": "compute", "graph_key": s.graph_key(run.graph_id or -1), "inputs": run.inputs,
+              "outputs": run.outputs}
+    if tensor is not None:
+        header["tensor"] = {"link": tensor.link, "step": tensor.step, "exchange": tensor.exchange,
+                            "timeout": min(tensor.timeout, s.daemon.compute.timeout)}
     try:
         # the client's own compute process: only its arena is mapped there
         reply, out = await s.daemon.compute.for_client(s.client_id).call(
-            {"kind": "compute", "graph_key": s.graph_key(run.graph_id or -1), "inputs": run.inputs,
-             "outputs": run.outputs}, run.blob, run.buffers, run.spec, out_size=run.out_size,
+            header, run.blob, run.buffers, run.spec, out_size=run.out_size,
             client_arena=(arena.size, arena.fd) if arena is not None else None)
     except ComputeFailed as exc:
         s.daemon.stats["compute_restarts"] += 1
@@ -240,6 +247,9 @@ async def _run(s: Session, run: V.Run):
     if reply["status"] != 0:
         s.daemon.stats["compute_errors"] += 1
         return {"status": reply["status"], "error": reply.get("error", "compute failed")}
+    if tensor is not None:
+        return {"outputs": reply["outputs"], "compute_us": reply.get("compute_us", 0),
+                "exchange_us": reply.get("exchange_us", 0)}, out
     return {"outputs": reply["outputs"], "compute_us": reply.get("compute_us", 0)}, out
 
 
@@ -257,10 +267,11 @@ async def handle_graph_compute(s: Session, h, blob, direct):
             None, V.check_graph_compute, h, blob, s.limits, s.buffer_of, s.graphs)
     else:
         run = V.check_graph_compute(h, blob, s.limits, s.buffer_of, s.graphs, unsafe)
+    tensor = V.check_tensor_step(h, run.spec)
     if run.graph_id:  # only now: a refused request must not replace the graph cached under its id
         s.graphs[run.graph_id] = run.spec
     s.forget_graph(run.graph_id or -1)  # a one-off graph: cached in the compute process under a throwaway key
-    return peers.deferred(s, await _run(s, run), link)
+    return peers.deferred(s, await _run(s, run, tensor), link)
 
 
 async def handle_graph_recompute(s: Session, h, blob, direct):
@@ -274,8 +285,8 @@ async def handle_graph_recompute(s: Session, h, blob, direct):
     spec = s.graphs.get(graph_id)
     if spec is None:
         raise ProtocolError(Status.INVALID_REQUEST, f"graph {graph_id} was freed while the step input was awaited")
-    return peers.deferred(s, await _run(s, V.check_graph_recompute(graph_id, spec, h, blob, s.limits, s.buffer_of,
-                                                                   s.config.unsafe_no_validation)), link)
+    run = V.check_graph_recompute(graph_id, spec, h, blob, s.limits, s.buffer_of, s.config.unsafe_no_validation)
+    return peers.deferred(s, await _run(s, run, V.check_tensor_step(h, spec)), link)
 
 
 async def handle_graph_free(s: Session, h, blob, direct):
@@ -344,4 +355,7 @@ COMMANDS: dict[int, CommandRow] = {
     Command.STEP_PEERS: CommandRow(peers.handle_step_peers),
     # a request of the token's session may be waiting for it: answered (delivered) as soon as it is read
     Command.STEP_INPUT: CommandRow(peers.handle_step_input, answer_now=_always),
+    Command.TENSOR_LINK: CommandRow(tensor_links.handle_tensor_link),
+    # the session's compute may be waiting on the link: answered (the link shut down) as soon as it is read
+    Command.TENSOR_CANCEL: CommandRow(tensor_links.handle_tensor_cancel, answer_now=_always),
 }

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rpc_daemon.validation import row_ids
-from rpc_daemon.validation.graph import GraphSpec, parse_graph, parse_unchecked
+from rpc_daemon.validation.graph import GraphSpec, canonical_nb, parse_graph, parse_unchecked
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
 
@@ -279,3 +279,101 @@ def check_step_link(h: dict) -> StepLink:
     if type(reply_output) is not bool:
         raise ProtocolError(Status.INVALID_REQUEST, "field 'reply_output' must be a bool")
     return StepLink(step_input, tuple(forward), reply_output)
+
+
+# ---------------------------------------------------------------- tensor links (docs/protocol.md, "Tensor links")
+
+MAX_GROUP = 16  # members of one tensor-parallel group
+MAX_LINK_TIMEOUT = 120.0  # seconds a join waits for its peers
+MAX_EXCHANGE_TIMEOUT = 3600.0  # seconds an exchange of a compute waits for a peer
+MAX_EXCHANGES = 4096  # all-reduces in one compute
+MAX_EXCHANGE_BYTES = 256 << 20  # one partial sum
+
+
+@dataclass(frozen=True)
+class TensorPeer:
+    rank: int
+    host: str
+    port: int
+    ticket: bytes
+
+
+@dataclass(frozen=True)
+class TensorLinkRequest:
+    op: str  # "listen": open a listener, reply its port and ticket; "join": link with `peers`
+    link: int
+    rank: int = 0
+    n: int = 0
+    peers: tuple = ()  # TensorPeer, one per lower rank (connected to); higher ranks connect here
+    timeout: float = 10.0
+
+
+def _seconds(h: dict, key: str, hi: float, default: float) -> float:
+    v = h.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+        raise ProtocolError(Status.INVALID_REQUEST, f"field {key!r} must be a number of seconds in (0, {hi:g}]")
+    return float(v)
+
+
+def check_tensor_link(h: dict) -> TensorLinkRequest:
+    op = h.get("op")
+    link = P.field_int(h, "link", 1)
+    if op == "listen":
+        return TensorLinkRequest("listen", link)
+    if op != "join":
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'op' must be 'listen' or 'join'")
+    n = P.field_int(h, "n", 2, MAX_GROUP)
+    rank = P.field_int(h, "rank", 0, n - 1)
+    peers = []
+    for p in P.field_list(h, "peers", MAX_GROUP, default=[]):
+        if not isinstance(p, dict):
+            raise ProtocolError(Status.INVALID_REQUEST, "each 'peers' entry must be a map")
+        host = p.get("host")
+        if not isinstance(host, str) or not 0 < len(host) <= 255:
+            raise ProtocolError(Status.INVALID_REQUEST, "a peer's 'host' must be a string of 1..255 characters")
+        ticket = p.get("ticket")
+        if type(ticket) is not bytes or len(ticket) != 32:
+            raise ProtocolError(Status.INVALID_REQUEST, "a peer's 'ticket' must be 32 bytes")
+        peers.append(TensorPeer(P.field_int(p, "rank", 0, rank - 1), host, P.field_int(p, "port", 1, 65535), ticket))
+    if sorted(p.rank for p in peers) != list(range(rank)):
+        raise ProtocolError(Status.INVALID_REQUEST, f"rank {rank} joins every lower rank: 'peers' must name ranks "
+                                                    f"0..{rank - 1} once each")
+    return TensorLinkRequest("join", link, rank, n, tuple(peers), _seconds(h, "timeout", MAX_LINK_TIMEOUT, 10.0))
+
+
+@dataclass(frozen=True)
+class TensorStep:
+    """A compute's all-reduces: after computing each `exchange` tensor, it is summed with the
+    group's other members' over tensor link `link`, as step number `step`."""
+    link: int
+    step: int
+    exchange: tuple  # tensor indices, in the order the graph computes them
+    timeout: float
+
+
+def check_tensor_step(h: dict, spec: GraphSpec) -> TensorStep | None:
+    raw = h.get("tensor")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'tensor' must be a map")
+    exchange = P.field_list(raw, "exchange", MAX_EXCHANGES)
+    nodes = set(spec.nodes)
+    seen = set()
+    for i in exchange:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(spec.tensors):
+            raise ProtocolError(Status.INVALID_REQUEST, f"tensor.exchange: {i!r} is not a tensor of the graph")
+        t = spec.tensors[i]
+        if i not in nodes or t.is_view or i in seen:
+            raise ProtocolError(Status.INVALID_REQUEST, f"tensor.exchange: tensor {i} must be a computed node, "
+                                                        f"not a view, named once")
+        if t.type != 0 or t.nb != canonical_nb(t.type, t.ne):  # GGML_TYPE_F32, contiguous
+            raise ProtocolError(Status.INVALID_REQUEST, f"tensor.exchange: tensor {i} must be a contiguous f32 tensor")
+        if t.nbytes > MAX_EXCHANGE_BYTES:
+            raise ProtocolError(Status.LIMIT_EXCEEDED, f"tensor.exchange: tensor {i} is {t.nbytes} bytes, limit "
+                                                       f"{MAX_EXCHANGE_BYTES}")
+        if spec.readable is not None and i not in spec.readable:
+            raise ProtocolError(Status.INVALID_REQUEST, f"tensor.exchange: tensor {i} has no memory after compute")
+        seen.add(i)
+    return TensorStep(P.field_int(raw, "link", 1), P.field_int(raw, "step", 0), tuple(exchange),
+                      _seconds(raw, "timeout", MAX_EXCHANGE_TIMEOUT, 600.0))

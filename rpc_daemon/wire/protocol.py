@@ -12,7 +12,7 @@ from enum import IntEnum
 # 2: HELLO carries `ggml` (version and op-table fingerprint); a graph's op and
 # type numbers mean something only between processes running the same op table
 PROTOCOL_VERSION = 2
-FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links", "step_reply_output")
+FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links", "step_reply_output", "tensor_links")
 
 
 class Status(IntEnum):
@@ -29,6 +29,7 @@ class Status(IntEnum):
     VERSION_MISMATCH = -104
     NOT_FOUND = -105  # e.g. SET_TENSOR_HASH for content the cache does not hold
     INPUT_MISSING = -106  # a step's input from another worker did not come (timed out, or cancelled)
+    LINK_FAILED = -107  # a tensor-parallel exchange failed: the peer's link closed, was cancelled or timed out
 
 
 class Command(IntEnum):
@@ -48,6 +49,8 @@ class Command(IntEnum):
     AUTH = 13  # second half of an authenticated HELLO (rpc_daemon/wire/auth.py)
     STEP_PEERS = 14  # which workers this session's steps may forward to, and its token (daemon/peers.py)
     STEP_INPUT = 15  # a step's input for a session, from a peer worker or from the client itself
+    TENSOR_LINK = 16  # link this session's compute process with its tensor-parallel peers' (daemon/tensor_links.py)
+    TENSOR_CANCEL = 17  # end this session's waits on its tensor link now (a peer failed)
 
 
 class ProtocolError(Exception):

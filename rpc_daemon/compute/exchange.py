@@ -1,0 +1,161 @@
+"""All-reduce over tensor links, in the compute process.
+
+A tensor-parallel compute is one graph with marked tensors (the partial sums
+after the attention's output projection and after the FFN's down projection).
+It runs in segments: every node up to a marked tensor, then that tensor is
+summed with the other members' (each sends its partial to every peer and
+receives theirs; all add them in rank order, so every member holds the same
+bits), then on to the next. The links are sockets the daemon connected and
+handed over (daemon/tensor_links.py); the bytes go compute process to compute
+process, never through a daemon's event loop.
+
+Every wait has a deadline; the daemon ends a wait at once by shutting its
+copy of a link down (a peer failed elsewhere: TENSOR_CANCEL). Any failure
+drops the link: the coordinator links the group again before its next step.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import numpy as np
+
+from ggml_ffi import ffi, lib
+from rpc_daemon.wire.tensor_frames import EXCHANGE, LinkBroken, check_exchange_header, exchange_header
+
+_POLL_IN, _POLL_OUT = select.POLLIN, select.POLLOUT
+_POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+class TensorLink:
+    """This process's sockets to the other members of its group, by rank."""
+
+    def __init__(self, link_id: int, rank: int, socks: dict[int, socket.socket]):
+        self.link_id, self.rank, self.socks = link_id, rank, socks
+        for s in socks.values():
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._by_fd = {s.fileno(): r for r, s in socks.items()}
+        self.exchanges = 0
+        self.wait_s = 0.0  # time spent in exchanges (sending, waiting for peers, summing)
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close()
+        self.socks.clear()
+
+    def all_reduce(self, data, step: int, index: int, deadline: float) -> None:
+        """Sum `data` (a writable f32 buffer: this member's partial) with every
+        peer's, in rank order, into `data`."""
+        started = time.perf_counter()
+        nbytes = len(data)
+        out = {r: memoryview(exchange_header(step, index, nbytes) + bytes(data)) for r in self.socks}
+        head = {r: bytearray(EXCHANGE.size) for r in self.socks}
+        body = {r: bytearray(nbytes) for r in self.socks}
+        got = dict.fromkeys(self.socks, 0)
+        need = EXCHANGE.size + nbytes
+        poller = select.poll()
+        for r, s in self.socks.items():
+            poller.register(s, _POLL_IN | _POLL_OUT)
+        sending = set(self.socks)
+        receiving = set(self.socks)
+        while sending or receiving:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LinkBroken(f"tensor exchange {index} of step {step}: no answer from rank(s) "
+                                 f"{sorted(receiving | sending)} in time")
+            events = poller.poll(min(left, 1.0) * 1000)
+            for fd, ev in events:
+                r = self._by_fd[fd]
+                s = self.socks[r]
+                if ev & _POLL_OUT and r in sending:
+                    try:
+                        k = s.send(out[r])
+                    except (BlockingIOError, InterruptedError):
+                        k = 0
+                    except OSError as exc:
+                        raise LinkBroken(f"tensor link to rank {r}: {exc.strerror or exc}") from None
+                    out[r] = out[r][k:]
+                    if not len(out[r]):
+                        sending.discard(r)
+                if ev & (_POLL_IN | _POLL_ERR) and r in receiving:
+                    self._receive(r, s, head, body, got, step, index, nbytes)
+                    if got[r] == need:
+                        receiving.discard(r)
+                if r not in sending and r not in receiving:
+                    poller.unregister(fd)
+                elif r not in sending:
+                    poller.modify(fd, _POLL_IN)
+        total = None
+        mine = np.frombuffer(data, np.float32)
+        for r in range(len(self.socks) + 1):  # rank order: the same sum, bit for bit, on every member
+            part = mine if r == self.rank else np.frombuffer(body[r], np.float32)
+            total = part.copy() if total is None else np.add(total, part, out=total)
+        mine[:] = total
+        self.exchanges += 1
+        self.wait_s += time.perf_counter() - started
+
+    @staticmethod
+    def _receive(r, s, head, body, got, step, index, nbytes) -> None:
+        hsize = EXCHANGE.size
+        while True:
+            pos = got[r]
+            if pos < hsize:
+                view = memoryview(head[r])[pos:]
+            elif pos < hsize + nbytes:
+                view = memoryview(body[r])[pos - hsize:]
+            else:
+                return
+            try:
+                k = s.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                raise LinkBroken(f"tensor link to rank {r}: {exc.strerror or exc}") from None
+            if k == 0:
+                raise LinkBroken(f"tensor link to rank {r} closed (the peer failed, or the step was cancelled)")
+            got[r] += k
+            if pos < hsize <= got[r]:
+                check_exchange_header(bytes(head[r]), step, index, nbytes)
+
+
+class SegmentedGraph:
+    """A graph cut after each exchanged tensor: the sub-graphs, each ending at one
+    (the last ends the graph), and the exchanged tensors in compute order."""
+
+    def __init__(self, gf, ptrs, exchange: tuple):
+        nodes = [lib.ggml_graph_node(gf, i) for i in range(lib.ggml_graph_n_nodes(gf))]
+        position = {int(ffi.cast("uintptr_t", n)): i for i, n in enumerate(nodes)}
+        marks = sorted((position[int(ffi.cast("uintptr_t", ptrs[t]))], t) for t in exchange)
+        bounds = [0] + [p + 1 for p, _ in marks] + [len(nodes)]
+        self.exchange = exchange
+        self.tensors = [ptrs[t] for _, t in marks]
+        size = sum(lib.ggml_graph_overhead_custom(max(b - a, 1), False) for a, b in zip(bounds, bounds[1:]))
+        params = ffi.new("struct ggml_init_params *", {"mem_size": size + 4096, "mem_buffer": ffi.NULL,
+                                                        "no_alloc": True})
+        self.ctx = lib.ggml_init(params[0])
+        self.parts = []
+        for a, b in zip(bounds, bounds[1:]):
+            part = lib.ggml_new_graph_custom(self.ctx, max(b - a, 1), False)
+            for node in nodes[a:b]:
+                lib.ggml_graph_add_node(part, node)
+            self.parts.append(part)
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            lib.ggml_free(self.ctx)
+            self.ctx = None
+
+    def compute(self, backend, link: TensorLink, step: int, timeout: float) -> int:
+        """Every segment and exchange in order; ggml's status (an exchange failure raises LinkBroken)."""
+        deadline = time.monotonic() + timeout
+        for i, part in enumerate(self.parts):
+            if lib.ggml_graph_n_nodes(part):
+                status = backend.compute(part)
+                if status != lib.GGML_STATUS_SUCCESS:
+                    return status
+            if i < len(self.tensors):
+                t = self.tensors[i]
+                link.all_reduce(ffi.buffer(t.data, lib.ggml_nbytes(t)), step, i, deadline)
+        return lib.GGML_STATUS_SUCCESS

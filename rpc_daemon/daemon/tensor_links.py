@@ -1,0 +1,161 @@
+"""Tensor links: a session's compute process linked straight to those of its
+tensor-parallel peers (docs/protocol.md, "Tensor links").
+
+TENSOR_LINK "listen" opens a listener on the daemon's address and replies its
+port and a one-time ticket; TENSOR_LINK "join" connects to every lower rank's
+listener (presenting that listener's ticket, which the coordinator passed on
+over its authenticated connections) and accepts every higher rank, then hands
+the connected sockets to the session's compute process, which exchanges the
+partial sums itself (compute/exchange.py). The daemon keeps its copies only to
+end the link: TENSOR_CANCEL, a new link, or the session's end shut them down,
+which ends a compute process's wait on them at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import structlog
+
+from rpc_daemon.compute.pool import ComputeFailed
+from rpc_daemon.service.loop import within
+from rpc_daemon.validation import requests as V
+from rpc_daemon.wire.protocol import ProtocolError, Status
+from rpc_daemon.wire.tensor_frames import ACK, HELLO, TICKET_BYTES, LinkBroken, check_hello, pack_hello
+
+log = structlog.get_logger("rpc")
+
+
+class TensorLinks:
+    """One session's tensor link: its listener while joining, then its sockets."""
+
+    def __init__(self):
+        self.link_id = 0
+        self.listener: socket.socket | None = None
+        self.ticket = b""
+        self.socks: list[socket.socket] = []
+
+    def end(self) -> None:
+        """Shut the link down: a compute process waiting on it stops waiting now."""
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.end()
+        for s in self.socks:
+            s.close()
+        self.socks = []
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+def links_of(s) -> TensorLinks:
+    if s.tensor_links is None:
+        s.tensor_links = TensorLinks()
+    return s.tensor_links
+
+
+async def handle_tensor_link(s, h, blob, direct):
+    req = V.check_tensor_link(h)
+    links = links_of(s)
+    if req.op == "listen":
+        links.close()
+        listener = socket.socket(socket.AF_INET6 if ":" in s.config.host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((s.config.host, 0))
+            listener.listen(V.MAX_GROUP)
+            listener.setblocking(False)
+        except OSError as exc:
+            listener.close()
+            return {"status": Status.FAILED, "error": f"cannot open a tensor-link listener: {exc}"}
+        links.link_id, links.listener, links.ticket = req.link, listener, os.urandom(TICKET_BYTES)
+        return {"port": listener.getsockname()[1], "ticket": links.ticket}
+    if links.listener is None or links.link_id != req.link:
+        raise ProtocolError(Status.INVALID_REQUEST, f"TENSOR_LINK join of link {req.link} needs its listen first")
+    try:
+        socks = await within(_join(links, req), req.timeout)
+    except (asyncio.TimeoutError, LinkBroken, OSError) as exc:
+        why = "the peers did not all link in time" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+        links.close()
+        return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {why}"}
+    links.listener.close()
+    links.listener = None
+    links.socks = [sock for _, sock in sorted(socks.items())]
+    ranks = sorted(socks)
+    try:
+        reply, _ = await s.daemon.compute.for_client(s.client_id).call(
+            {"kind": "tensor_link", "link": req.link, "rank": req.rank, "peers": ranks},
+            fds=tuple(sock.fileno() for sock in links.socks))
+    except ComputeFailed as exc:
+        links.close()
+        return {"status": Status.FAILED, "error": str(exc)}
+    log.info("tensor link up", link=req.link, rank=req.rank, peers=ranks)
+    return {}
+
+
+async def _join(links: TensorLinks, req) -> dict[int, socket.socket]:
+    """Connect to every lower rank, accept every higher one: rank -> connected socket."""
+    loop = asyncio.get_running_loop()
+    socks: dict[int, socket.socket] = {}
+
+    async def read(sock, n):
+        data = b""
+        while len(data) < n:
+            more = await loop.sock_recv(sock, n - len(data))
+            if not more:
+                raise LinkBroken("the peer closed the tensor link while linking")
+            data += more
+        return data
+
+    async def connect(peer):
+        infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+            await loop.sock_sendall(sock, pack_hello(req.link, req.rank, peer.ticket))
+            if await read(sock, 1) != ACK:
+                raise LinkBroken(f"rank {peer.rank} refused the tensor link")
+        except BaseException:
+            sock.close()
+            raise
+        socks[peer.rank] = sock
+
+    async def accept_higher():
+        expected = set(range(req.rank + 1, req.n))
+        while expected:
+            sock, _ = await loop.sock_accept(links.listener)
+            sock.setblocking(False)
+            try:
+                rank = check_hello(await read(sock, HELLO.size), req.link, links.ticket, expected)
+                await loop.sock_sendall(sock, ACK)
+            except (LinkBroken, OSError) as exc:  # a stranger, or a stale member: not ours
+                log.warning("tensor-link connection refused", error=str(exc))
+                sock.close()
+                continue
+            expected.discard(rank)
+            socks[rank] = sock
+
+    tasks = [connect(p) for p in req.peers] + [accept_higher()]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for sock in socks.values():
+            sock.close()
+        raise
+    return socks
+
+
+def handle_tensor_cancel(s, h, blob, direct):
+    """Answered as soon as it is read: the session's compute may be waiting on the link."""
+    link = h.get("link")
+    links = s.tensor_links
+    if links is not None and (link is None or link == links.link_id):
+        links.end()
+    return {}

@@ -1,0 +1,151 @@
+"""Tensor links between two real daemons: linked, each compute's marked tensor is
+summed with the peer's partial, worker to worker; a stranger cannot join; a peer
+that dies or a TENSOR_CANCEL ends the wait at once; a link out of step is dropped."""
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+
+import pytest
+
+from conftest import SLACK
+from graph_helpers import COMPUTE, F32, INPUT, OUTPUT, T, f32s
+from ggml_ffi import lib
+from rpc_daemon.wire.protocol import Command, Status
+from rpc_daemon.wire.tensor_frames import pack_hello
+from rpc_helpers import RawConn
+
+pytestmark = pytest.mark.system
+
+
+def both(fn_a, fn_b):
+    """Run two blocking calls at once (each waits for the other's side)."""
+    out = {}
+    t = threading.Thread(target=lambda: out.__setitem__("b", fn_b()))
+    t.start()
+    out["a"] = fn_a()
+    t.join(30)
+    return out["a"], out["b"]
+
+
+def link(a: RawConn, b: RawConn, port_b_daemon: int, link_id: int = 7):
+    """Rank 0 on `a`, rank 1 on `b` (b connects to a's listener)."""
+    ha, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": link_id})
+    hb, _ = b.call(Command.TENSOR_LINK, {"op": "listen", "link": link_id})
+    assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+    ra, rb = both(lambda: a.call(Command.TENSOR_LINK, {"op": "join", "link": link_id, "rank": 0, "n": 2})[0],
+                  lambda: b.call(Command.TENSOR_LINK, {"op": "join", "link": link_id, "rank": 1, "n": 2, "peers": [
+                      {"rank": 0, "host": "127.0.0.1", "port": ha["port"], "ticket": ha["ticket"]}]})[0])
+    return ha, ra, rb
+
+
+# x (input, 4 floats) -> y = 2x (exchanged: summed over the group) -> z = y + y (output)
+GRAPH = [T(F32, [4], flags=INPUT),
+         T(F32, [4], op=lib.GGML_OP_SCALE, src=[0], params=f32s(2.0), flags=COMPUTE),
+         T(F32, [4], op=lib.GGML_OP_ADD, src=[1, 1], flags=OUTPUT | COMPUTE)]
+
+
+def compute(conn: RawConn, x, step: int, link_id: int = 7, timeout: float = 30.0, graph=GRAPH, exchange=(1,)):
+    fields = {"tensors": graph, "inputs": [[0, 0, 16]], "outputs": [2],
+              "tensor": {"link": link_id, "step": step, "exchange": list(exchange), "timeout": timeout}}
+    return conn.call(Command.GRAPH_COMPUTE, fields, f32s(*x))
+
+
+def floats(out: bytes):
+    return list(struct.unpack("<4f", out))
+
+
+@pytest.fixture
+def pair(start_daemon):
+    da, db = start_daemon(), start_daemon()
+    a, b = RawConn(da.port), RawConn(db.port)
+    a.hello_reply = a.hello()
+    b.hello()
+    yield da, db, a, b
+    a.close()
+    b.close()
+
+
+def test_all_reduce_sums_the_partials_on_both_members(pair):
+    da, db, a, b = pair
+    assert "tensor_links" in a.hello_reply["features"]
+    _, ra, rb = link(a, b, db.port)
+    assert ra["status"] == 0 and rb["status"] == 0, (ra, rb)
+    for step in range(3):  # several steps over the same link
+        (ha, oa), (hb, ob) = both(lambda: compute(a, [1, 2, 3, 4], step), lambda: compute(b, [10, 20, 30, 40], step))
+        assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+        want = [2 * (2 * (p + q)) for p, q in zip([1, 2, 3, 4], [10, 20, 30, 40])]
+        assert floats(oa) == floats(ob) == want
+        assert "exchange_us" in ha
+
+
+def test_a_stranger_with_the_wrong_ticket_is_not_linked(pair):
+    da, db, a, b = pair
+    ha, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 3})
+    import socket
+    s = socket.create_connection(("127.0.0.1", ha["port"]))
+    s.sendall(pack_hello(3, 1, b"\0" * 32))
+    s.settimeout(5)
+    # the listener drops it without an ACK; the join then times out, saying so
+    h, _ = a.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 0, "n": 2, "timeout": 1.0})
+    assert h["status"] == Status.LINK_FAILED and "in time" in h["error"], h
+    assert s.recv(1) == b""
+    s.close()
+
+
+def test_compute_without_a_link_is_link_failed_not_a_crash(pair):
+    da, db, a, b = pair
+    h, _ = compute(a, [1, 2, 3, 4], 0, link_id=99)
+    assert h["status"] == Status.LINK_FAILED and "not set up" in h["error"], h
+    h, _ = a.call(Command.PING)
+    assert h["status"] == 0
+
+
+def test_bad_exchange_tensors_are_refused(pair):
+    da, db, a, b = pair
+    h, _ = compute(a, [1, 2, 3, 4], 0, exchange=(0,))  # an input, not a computed node
+    assert h["status"] == Status.INVALID_REQUEST and "computed node" in h["error"], h
+    h, _ = compute(a, [1, 2, 3, 4], 0, exchange=(5,))
+    assert h["status"] == Status.INVALID_REQUEST, h
+
+
+def test_a_killed_peer_ends_the_wait_at_once(pair):
+    da, db, a, b = pair
+    link(a, b, db.port)
+    started = time.monotonic()
+    threading.Timer(0.5, db.kill).start()  # b never computes: a waits on the exchange until b dies
+    h, _ = compute(a, [1, 2, 3, 4], 0, timeout=60)
+    assert h["status"] == Status.LINK_FAILED and "rank 1" in h["error"], h
+    assert time.monotonic() - started < 0.5 + 2 * SLACK
+
+
+def test_tensor_cancel_ends_the_wait_of_a_stopped_peer(pair):
+    da, db, a, b = pair
+    link(a, b, db.port)
+    db.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        a.request(Command.GRAPH_COMPUTE, {"tensors": GRAPH, "inputs": [[0, 0, 16]], "outputs": [2],
+                                          "tensor": {"link": 7, "step": 0, "exchange": [1], "timeout": 60}},
+                  f32s(1, 2, 3, 4))
+        time.sleep(0.3)
+        a.request(Command.TENSOR_CANCEL, {"link": 7})
+        frames = [a.recv_frame() for _ in range(2)]  # the cancel's reply first (answered at once), then the compute's
+        statuses = sorted(h["status"] for h, _ in frames)
+        assert statuses == sorted([0, Status.LINK_FAILED]), frames
+        assert time.monotonic() - started < 0.3 + 2 * SLACK
+    finally:
+        db.signal(signal.SIGCONT)
+
+
+def test_a_peer_out_of_step_drops_the_link(pair):
+    da, db, a, b = pair
+    link(a, b, db.port)
+    (ha, _), (hb, _) = both(lambda: compute(a, [1, 2, 3, 4], 5), lambda: compute(b, [1, 2, 3, 4], 6))
+    assert ha["status"] == hb["status"] == Status.LINK_FAILED, (ha, hb)
+    assert "expected" in ha["error"]
+    h, _ = compute(a, [1, 2, 3, 4], 7)  # dropped: linked again before the next step
+    assert h["status"] == Status.LINK_FAILED and "not set up" in h["error"], h
