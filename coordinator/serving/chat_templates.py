@@ -7,12 +7,13 @@ which is what a base model without a template gets: the server then warns at
 start that chat will mostly continue the user's text.
 
 Templates are HF-style Jinja (messages, add_generation_prompt, bos_token,
-eos_token, raise_exception, strftime_now), rendered in a sandbox: a template
+eos_token, tools, raise_exception, strftime_now, HF's `tojson`), rendered in a sandbox: a template
 may come from a model file. The built-ins are written here from the
 published formats of each family.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -67,8 +68,13 @@ def sandbox() -> jinja2.Environment:
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # HF's: plain json.dumps (jinja's own escapes <, >, & and ' for HTML, which a prompt must not get)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), autoescape=False, keep_trailing_newline=True)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
+    env.filters["tojson"] = tojson
     return env
 
 

@@ -22,11 +22,13 @@ import structlog
 from aiohttp import web
 
 from coordinator.serving import access, chat_templates, llama_server_api, openai_api, structured_output, web_page
+from coordinator.serving import tools as tool_requests
 from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
 from coordinator.serving.cluster_view import ClusterView
 from coordinator.serving.health import ServerHealth
 from coordinator.serving.metrics import CONTENT_TYPE, Metrics
 from coordinator.serving.openai_api import ApiError, CompletionReply
+from coordinator.text import tool_calls
 
 log = structlog.get_logger("http")
 
@@ -86,6 +88,7 @@ class CompletionServer:
                         builtin=sorted(chat_templates.BUILTIN))
         else:
             log.info("chat template", chat_template=self.chat.name, source=self.chat.source)
+        self.call_format = tool_requests.call_format(self.chat)  # how a forced tool call is written (serving/tools.py)
 
     # ------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -247,18 +250,22 @@ class CompletionServer:
         return ids
 
     async def chat_completions(self, request) -> web.StreamResponse:
-        req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot, self.n_vocab, self.n_predict)
+        req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot, self.n_vocab, self.n_predict,
+                                    self.call_format)
         gen = req.generation
-        text = openai_api.chat_prompt(self.chat, req.messages, self.bos_token, self.eos_token, req.template_kwargs)
+        text = openai_api.chat_prompt(self.chat, req.messages, self.bos_token, self.eos_token, req.template_kwargs,
+                                      req.tools)
         ids = await self._tokenize(text, gen.max_tokens or 1, chat=True)
         max_tokens = gen.max_tokens if gen.max_tokens is not None else self.n_ctx_slot - len(ids)
-        return await self._serve(request, ids, max_tokens, gen, True)
+        return await self._serve(request, ids, max_tokens, gen, True, tools=req.tools)
 
     async def _serve(self, request, ids: list[int], max_tokens: int, gen: openai_api.Generation,
-                     chat: bool, echo: str | None = None) -> web.StreamResponse:
+                     chat: bool, echo: str | None = None,
+                     tools: tool_requests.Tools | None = None) -> web.StreamResponse:
         """One slot per choice (gen.n): the first decodes the prompt, the others
         share its KV rows when they get their slots before it is done
-        (Scheduler.submit's share_from). `echo`: the prompt's text, before the completion."""
+        (Scheduler.submit's share_from). `echo`: the prompt's text, before the completion.
+        `tools`: a chat's tools; when active the answers are parsed for tool calls."""
         if self.scheduler.closing:
             raise openai_api.shutting_down()
         if not self.scheduler.alive:
@@ -282,7 +289,8 @@ class CompletionServer:
                 raise openai_api.server_busy(self.scheduler.n_slots, exc.waiting, self.scheduler.max_queue,
                                              QUEUE_FULL_RETRY_SECONDS) from None
             self._refuse_for_outage()  # it waited for a slot while an outage gave up: it ends now, with the others
-            answer = _Answer(reply, gen, chat, echo, len(ids), self._piece)
+            answer = _Answer(reply, gen, chat, echo, len(ids), self._piece,
+                             tools if tools is not None and tools.active else None)
             if gen.stream:
                 return await self._stream(request, slots, answer)
             return await self._collect(slots, answer)
@@ -345,7 +353,8 @@ class CompletionServer:
                 if ev.kind == "error":
                     await resp.write(_sse_data(openai_api.stream_error(ev.message, ev.code, ev.endpoint)))
                     break
-                await resp.write(_sse_data(answer.chunk(index, ev)))
+                for chunk in answer.chunks(index, ev):
+                    await resp.write(_sse_data(chunk))
                 if ev.kind == "done":
                     running -= 1
             else:
@@ -369,9 +378,19 @@ class _Answer:
     prompt and the logprobs in the endpoint's shape."""
 
     def __init__(self, reply: CompletionReply, gen: openai_api.Generation, chat: bool, echo: str | None,
-                 n_prompt: int, piece):
+                 n_prompt: int, piece, tools: tool_requests.Tools | None = None):
         self.reply, self.gen, self.chat, self.echo, self.n_prompt, self.piece = reply, gen, chat, echo, n_prompt, piece
         self.base = len(echo) if echo is not None else 0  # the completion's text offsets start after the echo
+        self.tools = tools  # active tools: answers are parsed for calls
+        self.splitters: dict[int, tool_calls.CallSplitter] = {}  # a stream's, per choice
+        self.held_logprobs: dict[int, list] = {}  # the logprobs of the text a splitter holds
+
+    def calls(self, text: str) -> tool_calls.Parsed | None:
+        """The tool calls an answer holds (only the first without parallel_tool_calls), or None."""
+        parsed = tool_calls.parse(text, self.tools.names)
+        if not parsed.calls:
+            return None
+        return parsed if self.tools.parallel else tool_calls.Parsed(parsed.content, parsed.calls[:1])
 
     def logprobs(self, entries, prompt=(), base: int = 0, whole: bool = False) -> dict | None:
         """The logprobs object of these entries; None without logprobs, or for a chunk of no token."""
@@ -384,7 +403,42 @@ class _Answer:
     def choice(self, index: int, text: str, finish_reason: str, entries, prompt_entries) -> dict:
         """A whole choice: the echo first, then the completion."""
         logprobs = self.logprobs(entries, prompt_entries or (), self.base, whole=True)
+        parsed = self.calls(text) if self.tools is not None else None
+        if parsed is not None:
+            return openai_api.tool_call_choice(parsed, index, logprobs)
         return openai_api.choice((self.echo or "") + text, finish_reason, self.chat, False, index, logprobs)
+
+    def chunks(self, index: int, ev) -> list[dict]:
+        """A stream's chunks for an event of choice `index`. With tools, text that may be a call is
+        held (tool_calls.CallSplitter) and, at the end, sent as `delta.tool_calls` or as content."""
+        if self.tools is None or ev.kind == "prompt":
+            return [self.chunk(index, ev)]
+        splitter = self.splitters.setdefault(index, tool_calls.CallSplitter())
+        held = self.held_logprobs.setdefault(index, [])
+        held += ev.logprobs or []
+        text = splitter.feed(ev.text)
+        out = []
+        if ev.kind == "done":
+            rest = splitter.finish()
+            parsed = self.calls(rest) if rest else None
+            if parsed is not None:
+                if parsed.content:
+                    text += parsed.content
+                if text:
+                    out.append(self.reply.chunk(text, None, self.gen.include_usage, index, self.logprobs(held)))
+                    held = []
+                for delta in openai_api.tool_call_deltas(parsed.calls):
+                    out.append(self.reply.delta_chunk(delta, None, self.gen.include_usage, index,
+                                                      self.logprobs(held)))
+                    held = []
+                out.append(self.reply.delta_chunk({}, "tool_calls", self.gen.include_usage, index))
+                return out
+            text += rest
+            return [self.reply.chunk(text, ev.finish_reason, self.gen.include_usage, index, self.logprobs(held))]
+        if not text:
+            return []
+        self.held_logprobs[index] = []
+        return [self.reply.chunk(text, None, self.gen.include_usage, index, self.logprobs(held))]
 
     def chunk(self, index: int, ev) -> dict:
         """A stream's chunk for a "prompt", "text" or "done" event of choice `index`."""

@@ -9,6 +9,7 @@ random id): http_server.py moves the bytes, tokenizes and decodes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import uuid
@@ -18,8 +19,9 @@ from typing import Callable, Sequence
 import jinja2
 
 from coordinator.decode.values import DecodeResult
-from coordinator.serving import structured_output
+from coordinator.serving import structured_output, tools as tool_requests
 from coordinator.serving.chat_templates import ChatTemplate
+from coordinator.text import tool_calls
 from coordinator.text.sampling import Sampler, TokenLogprob
 
 # ------------------------------------------------------------ the request fields
@@ -59,7 +61,8 @@ FIELDS = _fields(
     # ---- what a request is
     Field("model", BOTH, HONOURED, "any name: the one model served answers, and the reply's `model` names it"),
     Field("prompt", COMPLETIONS, HONOURED, "a string, a list of token ids, or a list holding one of those"),
-    Field("messages", CHAT, HONOURED, "rendered by the chat template; `content` a string or text parts"),
+    Field("messages", CHAT, HONOURED, "rendered by the chat template; `content` a string or text parts; history's "
+                                      "assistant `tool_calls` (`content` null) and `tool` messages (`tool_call_id`)"),
     Field("stream", BOTH, HONOURED, "Server-Sent Events, `data: [DONE]` last"),
     Field("stream_options", BOTH, HONOURED, "`include_usage`: a last chunk with `usage` and no choices"),
     # ---- how much
@@ -96,12 +99,19 @@ FIELDS = _fields(
     Field("response_format", BOTH, HONOURED, "`text`, `json_object`, or `json_schema` (`json_schema.schema`; "
                                              "always strict): the output parses and conforms (llguidance)"),
     # ---- tools, modalities, reasoning
-    Field("tools", CHAT, REFUSED, "no tool calls", neutral=([],)),
-    Field("tool_choice", CHAT, REFUSED, "no tool calls", neutral=("none",)),
-    Field("functions", CHAT, REFUSED, "no tool calls", neutral=([],)),
-    Field("function_call", CHAT, REFUSED, "no tool calls", neutral=("none",)),
-    Field("parallel_tool_calls", CHAT, ACCEPTED, "no tool is ever called", kind=bool),
-    Field("parse_tool_calls", CHAT, REFUSED, "no tool calls", neutral=(False,)),
+    Field("tools", CHAT, HONOURED, "function tools (`parameters` a JSON schema), rendered by the chat template when "
+                                   "it takes `tools`, else described in a system message (Hermes's `<tool_call>`); "
+                                   "calls in the answer come back as `tool_calls`, `finish_reason` `tool_calls`"),
+    Field("tool_choice", CHAT, HONOURED, "`auto` (the default with tools), `none` (no tools rendered), `required` or "
+                                         "`{\"type\": \"function\", \"function\": {\"name\": ...}}`: the call is "
+                                         "forced by a grammar, its arguments following the schema (llguidance)"),
+    Field("functions", CHAT, REFUSED, "the deprecated form of `tools`: send `tools`", neutral=([],)),
+    Field("function_call", CHAT, REFUSED, "the deprecated form of `tool_choice`: send `tool_choice`",
+          neutral=("none",)),
+    Field("parallel_tool_calls", CHAT, HONOURED, "default false (llama-server's): one call at most in an answer; "
+                                                 "true: several (a forced `required` call may be followed by more)"),
+    Field("parse_tool_calls", CHAT, ACCEPTED, "calls are parsed whenever there are `tools` and `tool_choice` is "
+                                              "not `none`", kind=bool),
     Field("audio", CHAT, REFUSED, "text only"),
     Field("modalities", CHAT, REFUSED, "text only", neutral=(["text"],)),
     Field("prediction", CHAT, REFUSED, "no predicted outputs"),
@@ -266,6 +276,7 @@ class ChatRequest:
     messages: list[dict]  # each with a string `role` and a string `content` (text parts joined)
     generation: Generation
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs: more variables for the template
+    tools: tool_requests.Tools = tool_requests.Tools()  # tools, tool_choice, parallel_tool_calls
 
 
 # ------------------------------------------------------------ parsing
@@ -504,18 +515,25 @@ def text_message(i: int, m):
 
 
 def parse_messages(messages) -> list[dict]:
+    """Each a {role, content} (an assistant's content may be null when it holds `tool_calls`)."""
     if isinstance(messages, list):
         messages = [text_message(i, m) for i, m in enumerate(messages)]
     if not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content"), str) or tool_requests.is_call_message(m)) for m in messages)):
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    try:
+        tool_requests.check_history(messages)
+    except tool_requests.Refused as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     return messages
 
 
-def parse_chat(body: dict, n_ctx_slot: int, n_vocab: int | None = None, limit: int | None = None) -> ChatRequest:
+def parse_chat(body: dict, n_ctx_slot: int, n_vocab: int | None = None, limit: int | None = None,
+               call_format: str = tool_calls.HERMES) -> ChatRequest:
     """A /v1/chat/completions body (from request_body). Chat clients leave
-    max_tokens out expecting the whole answer: then it is None, up to the slot's context."""
+    max_tokens out expecting the whole answer: then it is None, up to the slot's context.
+    `call_format`: the format a forced tool call is written in (tools.call_format of the template)."""
     messages = parse_messages(body.get("messages"))
     check_fields(body, CHAT)
     kwargs = body.get("chat_template_kwargs")
@@ -527,15 +545,31 @@ def parse_chat(body: dict, n_ctx_slot: int, n_vocab: int | None = None, limit: i
     if taken:
         raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(taken)}: the server does",
                        param="chat_template_kwargs")
-    return ChatRequest(messages, parse_generation(body, None, n_ctx_slot, CHAT, n_vocab, limit), kwargs)
+    generation = parse_generation(body, None, n_ctx_slot, CHAT, n_vocab, limit)
+    try:
+        tools = tool_requests.parse(body)
+        grammar = tool_requests.grammar(tools, call_format)
+    except tool_requests.Refused as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    if grammar is not None:
+        if generation.grammar is not None:
+            raise ApiError(400, "'tool_choice' forces a call, and the output cannot also follow 'response_format', "
+                                "'grammar' or 'json_schema': give one", param="tool_choice")
+        if generation.ignore_eos:
+            raise ApiError(400, "'ignore_eos' cannot be used with a forced tool call ('tool_choice'): the output "
+                                "ends where the call does", param="ignore_eos")
+        generation = dataclasses.replace(generation, grammar=grammar)
+    return ChatRequest(messages, generation, kwargs, tools)
 
 
 def chat_prompt(chat: ChatTemplate, messages: list[dict], bos_token: str, eos_token: str,
-                template_kwargs: dict | None = None) -> str:
-    """The messages rendered by the chat template, ready for the assistant's answer."""
+                template_kwargs: dict | None = None, tools: tool_requests.Tools | None = None) -> str:
+    """The messages rendered by the chat template, ready for the assistant's answer; with
+    the request's tools (serving/tools.py: the template's own way, else the built-in one)."""
+    messages, extra = tool_requests.template_input(chat, messages, tools or tool_requests.Tools())
     try:
-        return chat.template.render(**(template_kwargs or {}), messages=messages, add_generation_prompt=True,
-                                    bos_token=bos_token, eos_token=eos_token)
+        return chat.template.render(dict(template_kwargs or {}, **extra, messages=messages,
+                                         add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token))
     except jinja2.TemplateError as exc:  # e.g. the template's raise_exception("roles must alternate")
         raise ApiError(400, f"the chat template ({chat.name}) refused the messages: {exc}",
                        param="messages") from None
@@ -591,6 +625,35 @@ def choice(text: str, finish_reason: str | None, chat: bool, stream: bool, index
         return {"index": index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call_object(call: tool_calls.ToolCall) -> dict:
+    """A call as `message.tool_calls[i]`: arguments as JSON text; the model's id if it wrote one."""
+    return {"id": call.id or new_call_id(), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_choice(parsed: tool_calls.Parsed, index: int = 0, logprobs: dict | None = None) -> dict:
+    """A whole chat choice whose answer is calls: `content` the text before them (or null)."""
+    return {"index": index, "message": {"role": "assistant", "content": parsed.content,
+                                        "tool_calls": [tool_call_object(c) for c in parsed.calls]},
+            "logprobs": logprobs, "finish_reason": "tool_calls"}
+
+
+def tool_call_deltas(calls: Sequence[tool_calls.ToolCall]) -> list[dict]:
+    """A stream's deltas of these calls, as OpenAI sends them: per call, its index, id, type and
+    name with empty arguments, then its arguments."""
+    deltas = []
+    for i, call in enumerate(calls):
+        head = tool_call_object(call)
+        deltas.append({"role": "assistant", "content": None, "tool_calls": [
+            {"index": i, "id": head["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return deltas
 
 
 def token_text(piece: bytes) -> str:
@@ -657,6 +720,15 @@ class CompletionReply:
         include_usage every chunk but the usage chunk has `usage` null, as OpenAI's."""
         body = dict(self._head("chat.completion.chunk" if self.chat else "text_completion"),
                     choices=[choice(text, finish_reason, self.chat, True, index, logprobs)])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def delta_chunk(self, delta: dict, finish_reason: str | None = None, include_usage: bool = False,
+                    index: int = 0, logprobs: dict | None = None) -> dict:
+        """A chat stream's chunk with this `delta` (tool calls; `{}` with the finish_reason)."""
+        body = dict(self._head("chat.completion.chunk"), choices=[
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
         if include_usage:
             body["usage"] = None
         return body

@@ -100,7 +100,7 @@ def compile_grammar(kind: str, value: Any) -> str:
     """An llguidance grammar for one request field; ValueError with the library's message.
 
     kind: "json_object" (any JSON object), "json_schema" (a schema: dict or JSON text),
-    "grammar" (llama.cpp GBNF, or llguidance's Lark)."""
+    "grammar" (llama.cpp GBNF, or llguidance's Lark), "lark" (llguidance's Lark only)."""
     llg = _llg()
     try:
         if kind == "json_object":
@@ -115,6 +115,8 @@ def compile_grammar(kind: str, value: Any) -> str:
             if not isinstance(value, str):
                 raise ValueError(f"a grammar is a string, not {type(value).__name__}")
             grammar = llg.grammar_from("gbnf", value)
+        elif kind == "lark":  # llguidance's own syntax (`%json {schema}` rules): the tool-call grammars
+            grammar = llg.grammar_from("lark", value)
         else:
             raise ValueError(f"unknown grammar kind {kind!r}")
     except ValueError:

@@ -253,6 +253,7 @@ def test_bad_messages(messages, message):
 def test_chat_checks_messages_before_sampling():
     assert refused(lambda: chat(messages="hi", n=2)).param == "messages"
     assert refused(lambda: chat(messages=[{"role": "user", "content": "x"}], tools=[{}])).param == "tools"
+    assert refused(lambda: chat(messages="hi", tools=[{}])).param == "messages"
 
 
 def test_chat_prompt_renders_for_the_assistant():
