@@ -2,6 +2,7 @@
 
     python bench/perplexity.py [--model PATH] [--file /usr/share/common-licenses/GPL-3]
                                [--ctx 512] [--chunks N] [--threads 1]
+                               [--endpoints HOST:PORT,... [--split-mode layer|tensor|auto]]
 
 llama-perplexity's method (tools/perplexity/perplexity.cpp, perplexity()): the
 text is tokenized once (with BOS when the model adds one); it is cut into
@@ -54,10 +55,12 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=0, help="0: every whole chunk of the text")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--endpoints", default="local", help="comma-separated host:port workers (default: in process)")
+    p.add_argument("--split-mode", default="layer", choices=("layer", "tensor", "auto"))
     args = p.parse_args(argv)
     text = open(args.file, encoding="utf-8").read()
-    with Coordinator(["local"], model=args.model, n_ctx=args.ctx, n_batch=args.ctx,
-                     threads=args.threads) as c:
+    with Coordinator(args.endpoints.split(","), model=args.model, n_ctx=args.ctx, n_batch=args.ctx,
+                     threads=args.threads, split_mode=args.split_mode) as c:
         tokens = c.tokenize(text, add_special=True)
         bos = tokens[0] if c.tokenize("", add_special=True) else None
         n_chunks = len(tokens) // args.ctx
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
         ppl, n = perplexity(c, tokens, args.ctx, n_chunks, bos)
         took = time.perf_counter() - t
     lib = describe()
-    print(f"perplexity {ppl:.4f} over {n} tokens ({n_chunks} chunks of {args.ctx}, {len(tokens)} tokens of "
+    print(f"perplexity {ppl:.6f} over {n} tokens ({n_chunks} chunks of {args.ctx}, {len(tokens)} tokens of "
           f"{args.file}); ggml {lib['ggml_version']} ({lib['origin']}, {lib['cpu_variant']}); {took:.1f} s")
     return 0
 

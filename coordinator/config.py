@@ -92,6 +92,18 @@ class CoordinatorConfig:
     between stages (docs/protocol.md, "Step links"). Same logits; fewer network
     hops per token. False: always relayed.
 
+    `split_mode` (llama.cpp's name): "layer" (the default): each endpoint holds a
+    contiguous range of layers, the stages one after another. "tensor": every
+    endpoint (a worker that offers tensor links: not `local`, not over TLS)
+    holds a shard of every layer (attention by heads, FFN by rows, in the
+    split's proportions) and all compute every token together, summing their
+    partial results worker to worker twice a layer (docs/architecture.md,
+    "Tensor parallelism"); refused with a ValueError saying why where it
+    cannot be. "auto": tensor where it can be and the round trips measured at
+    connect say a token's exchanges cost less than half the compute the split
+    saves, else layer. Logits differ from the layer split's by the order of
+    summation only.
+
     `on_upload(done, total)` (bytes of weights) is called when the upload
     starts and after every chunk, from the coordinator's I/O thread: the server
     uses it to keep systemd's start timeout from expiring while a big model
@@ -130,6 +142,7 @@ class CoordinatorConfig:
     spare_after: float | None = None
     micro_batch: int = DEFAULT_MICRO_BATCH
     step_links: bool = True
+    split_mode: str = "layer"
 
     @classmethod
     def of(cls, endpoints, model, options: dict) -> "CoordinatorConfig":
@@ -149,4 +162,6 @@ class CoordinatorConfig:
         n_ctx = int(self.n_ctx)
         if n_ctx < 1:
             raise ValueError("n_ctx must be at least 1")
+        if self.split_mode not in ("layer", "tensor", "auto"):
+            raise ValueError(f"split_mode must be 'layer', 'tensor' or 'auto', not {self.split_mode!r}")
         return replace(self, endpoints=endpoints, split=split, spares=spares, n_ctx=n_ctx)

@@ -46,6 +46,15 @@ def _bounds(r: range | None) -> list[int] | None:
     return None if r is None else [r.start, r.stop]
 
 
+def _shard(p: Place) -> dict | None:
+    """A tensor-parallel member's shard of every layer (model/tensor_split.Shard), as plain lists; else None."""
+    shard = p.stage.shard if p.stage is not None else None
+    if shard is None:
+        return None
+    return {"rank": shard.rank, "of": shard.n, "heads": _bounds(shard.heads), "kv_heads": _bounds(shard.kv_heads),
+            "kv_replicated": shard.replicated_kv, "ffn_rows": _bounds(shard.ffn)}
+
+
 class EndpointSet:
     def __init__(self, endpoints: list[str], io, lock: asyncio.Lock,
                  connect: Callable[[Place, str], Awaitable[object]], lose_kv: Callable[[], set[int]],
@@ -139,8 +148,13 @@ class EndpointSet:
     # ------------------------------------------------------------ status
     def status(self) -> list[dict]:
         return [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
-                 "head_rows": _bounds(p.stage.head_rows) if p.stage else None,
+                 "head_rows": _bounds(p.stage.head_rows) if p.stage else None, "shard": _shard(p),
                  "failed": p.failure is not None, "rtt": p.executor.rtt if p.executor is not None else None} for p in self.places]
+
+    @property
+    def split_mode(self) -> str:
+        """"tensor" when the places are one tensor-parallel group (each a shard of every layer), else "layer"."""
+        return "tensor" if any(p.stage is not None and p.stage.shard is not None for p in self.places) else "layer"
 
     async def probe(self, timeout: float) -> list[dict]:
         """Every connected endpoint's probe (its executor's: ping round trip,
@@ -165,9 +179,9 @@ class EndpointSet:
     def health(self) -> dict:
         failed = self.failed()
         status = "ok" if not failed else ("reconnecting" if self.auto_reconnect else "failed")
-        return {"status": status,
+        return {"status": status, "split_mode": self.split_mode,
                 "endpoints": [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
-                               "ok": p.failure is None,
+                               "shard": _shard(p), "ok": p.failure is None,
                                **({"kind": p.failure.kind, "cause": p.failure.cause, "since": p.failure.since,
                                    "attempts": p.failure.attempts, "next_attempt": p.failure.next_attempt}
                                   if p.failure is not None else {})}

@@ -57,6 +57,11 @@ class InputMissing(StageFailed):
     reported only when the step has no other failure."""
 
 
+class TensorLinkFailed(StageFailed):
+    """A tensor-parallel member's exchange failed: its link to a peer closed, was cancelled or
+    timed out. Reported only when no member failed itself (decode/tensor_group.py)."""
+
+
 class NotLinked(Exception):
     """A linked step's graph was not cached on the worker (NOT_FOUND): the step
     runs again on the relayed path (rewriting the same KV rows)."""
@@ -280,6 +285,7 @@ class RemoteExecutor:
         self.step_token = b""  # this connection's token for step links (STEP_PEERS), new per connection
         self.step_peers: frozenset | None = None  # the peers last named to the worker on this connection
         self.compute_us = 0  # worker-side compute time, summed
+        self.exchange_us = 0  # of it, in tensor-parallel exchanges (sending, waiting for peers, summing)
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
         # (n_outputs, argmax) -> the worker's compute time of its last head shard of that shape
         self.head_seconds: dict[tuple, float] = {}
@@ -482,11 +488,16 @@ class RemoteExecutor:
         return {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[out] for out in g.outputs]}, \
             b"".join(parts)
 
-    async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
+    async def run(self, stage, shape, inputs: dict, head: bool = False, tensor: dict | None = None) -> bytes:
+        """`tensor`: a tensor-parallel member's step ({"link", "step", "timeout"}): the graph's
+        all-reduces go over the member's tensor link."""
         g, evicted = stage.graph(shape, head)
         for graph_id in self._forget_sent(evicted):
             await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         fields, blob = self._compute_fields(g, inputs)
+        if tensor is not None:
+            _, index_of = g.wire
+            fields["tensor"] = dict(tensor, exchange=[index_of[t] for t in g.exchanges])
         tensors, _ = g.wire
         expect = stage.output_size(shape, head)  # the reply's layout: no worker makes us allocate more
         if g.graph_id in self.sent_graphs:
@@ -498,21 +509,59 @@ class RemoteExecutor:
                 return out
             except RpcError as exc:
                 if exc.status != Status.NOT_FOUND:
-                    raise rpc_failed(self.endpoint, exc) from None
+                    raise self._compute_failed(exc) from None
             except PeerFailed as exc:
                 raise peer_failed(self.endpoint, exc) from None
         started = time.monotonic()
-        reply, out = await self._request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob,
-                                         reply_blob=expect)
+        try:
+            reply, out = await self.client.request(Command.GRAPH_COMPUTE, dict(fields, tensors=tensors), blob,
+                                                   self.request_timeout, expect)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            raise self._compute_failed(exc) from None
         self._account(reply, time.monotonic() - started, shape.head_key if head else None)
         self.sent_graphs.add(g.graph_id)
         return out
+
+    def _compute_failed(self, exc: RpcError) -> StageFailed:
+        if exc.status == Status.LINK_FAILED:
+            return TensorLinkFailed(FailureKind.COMPUTE, self.endpoint,
+                                    f"tensor-parallel exchange failed on worker {self.endpoint}: {exc}")
+        return rpc_failed(self.endpoint, exc)
+
+    @property
+    def tensor_links(self) -> bool:
+        """The worker links its compute process with tensor-parallel peers' (not over TLS)."""
+        return self._offers("tensor_links")
+
+    async def tensor_listen(self, link: int) -> dict:
+        """TENSOR_LINK listen: this member's listener ({"port", "ticket"}) for link `link`."""
+        reply, _ = await self._request(Command.TENSOR_LINK, {"op": "listen", "link": link},
+                                       kind_on_error=FailureKind.ENDPOINT)
+        return reply
+
+    async def tensor_join(self, link: int, rank: int, n: int, peers: list[dict], timeout: float) -> None:
+        """TENSOR_LINK join: linked with every lower rank in `peers` and every higher rank's connection."""
+        await self._request(Command.TENSOR_LINK, {"op": "join", "link": link, "rank": rank, "n": n, "peers": peers,
+                                                  "timeout": timeout}, kind_on_error=FailureKind.ENDPOINT)
+
+    async def tensor_cancel(self, link: int) -> None:
+        """End this member's waits on link `link` now (a peer failed); errors are moot."""
+        client = self.client
+        if client is None or client.failed is not None:
+            return
+        try:
+            await client.request(Command.TENSOR_CANCEL, {"link": link}, deadline=self.liveness_timeout or 2.0)
+        except (PeerFailed, RpcError):
+            pass
 
     def _account(self, reply: dict, elapsed: float, head_key: tuple | None = None) -> None:
         """Worker compute time, and the step's round trip without it (network and
         hops); a head shard's (of StepShape.head_key `head_key`) kept for the head's placement."""
         compute = reply.get("compute_us", 0)
         self.compute_us += compute
+        self.exchange_us += reply.get("exchange_us", 0)
         self.rtt = max(0.0, elapsed - compute / 1e6)
         if head_key is not None:
             self.head_seconds[head_key] = compute / 1e6

@@ -65,6 +65,7 @@ class Pipeline:
         self.links = links
         self.links_paused_until = 0.0  # relayed until then, after a failed push (pause_links)
         self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
+        self.group = None  # a TensorGroup (decode/tensor_group.py) when the places are one tensor-parallel group
 
     def pause_links(self, seconds: float) -> None:
         """Relay every step for `seconds` (a worker could not push to its next hop)."""
@@ -85,6 +86,9 @@ class Pipeline:
         stage k-1 replays step i+1, each taking the steps in order, as its KV
         rows need. Raises StepFailed; after the first failure no stage starts
         another step, and the requests in flight end before it is raised."""
+        if self.group is not None:  # every member holds a shard of every layer: all replay every step
+            await _failures_as_step_failed(self.group.replay(steps))
+            return
         places = self.places[: through + 1]
 
         def replay_on(p):
@@ -198,6 +202,11 @@ class Pipeline:
                                 lambda: self.kv.pos >= 0)
 
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+        if self.group is not None:
+            step = self.group.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+            result = await self.group.step(step)
+            self.record(step)
+            return result
         step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
         result = await self._linked(step)
         if result is not None:

@@ -11,15 +11,24 @@ import time
 import structlog
 
 from coordinator.cluster.endpoints import EndpointSet, Place
+from coordinator.cluster.failures import EndpointUnavailable, StageFailed
+from coordinator.decode.step_io import StepFailed
 from coordinator.cluster.executors import buffer_bytes, make_executor
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.pipeline import Pipeline
 from coordinator.model.architectures.common import head_source
-from coordinator.model.split_plan import PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, split_weights
+from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, human,
+                                          plan_rows, split_weights)
 from coordinator.model.stage import Stage
+from coordinator.model.tensor_split import TensorSplitError, plan_shards
 from rpc_daemon.service.memory import available_memory
 
 log = structlog.get_logger("coordinator")
+
+# auto's estimate of what a tensor-parallel split saves: a token reads every layer weight once, at about this
+# many bytes a second per worker thread (measured here: a 1.1B Q4_K_M token at 1 thread, 0.6 GB in ~125 ms)
+TENSOR_BANDWIDTH = 5e9
+EXCHANGE_OVERHEAD = 60e-6  # seconds an exchange costs beyond the one-way delay (send, wake, sum)
 
 
 class ModelLoader:
@@ -50,12 +59,16 @@ class ModelLoader:
         return ex
 
     async def load(self, endpoints: EndpointSet, pipeline: Pipeline, split, head_shards: bool, progress: bool,
-                   on_upload) -> None:
+                   on_upload, split_mode: str = "layer", exchange_timeout: float = 600.0) -> None:
         """Connect every endpoint, plan the split, build the stages and upload
-        their weights. `head_shards`: the stages hold shares of the output head."""
+        their weights. `head_shards`: the stages hold shares of the output head.
+        `split_mode`: "layer", "tensor" or "auto" (tensor_choice)."""
         places, head = endpoints.places, self.head
         infos = await endpoints.open_all(self.new_executor)
         weights = split_weights(split, infos, len(places))
+        if split_mode != "layer" and await self.tensor_choice(places, weights, split_mode, pipeline):
+            await self._load_tensor(endpoints, pipeline, infos, weights, progress, on_upload, exchange_timeout)
+            return
         reserve = compute_reserve(self.hp, self.n_batch, self.n_ctx)
 
         def plan(whole_head: bool):
@@ -100,6 +113,86 @@ class ModelLoader:
         if head.mode == "auto":
             await pipeline.measure_rtts(pings=1)  # one more round trip each, now the uploads are done
             head.measured_at = time.monotonic()
+
+    # ------------------------------------------------------------ tensor parallelism
+    async def tensor_choice(self, places: list, weights: list, mode: str, pipeline: Pipeline) -> bool:
+        """Whether the places form one tensor-parallel group: "tensor" insists (a ValueError says
+        why it cannot), "auto" takes it where the measured round trips say the 2 x n_layer
+        exchanges of a token cost less than half the compute the split saves."""
+        why = self._tensor_refusal(places, weights)
+        if why is not None:
+            if mode == "tensor":
+                raise ValueError(f"split_mode='tensor': {why}")
+            log.info("layer split: tensor parallelism is not possible here", reason=why)
+            return False
+        if mode == "tensor":
+            return True
+        rtt = await self._slowest_rtt(places)
+        layer_bytes = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors if n.startswith("blk."))
+        saved = layer_bytes / TENSOR_BANDWIDTH * (1 - max(weights) / sum(weights))
+        cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)
+        chosen = cost < saved / 2
+        log.info("split mode chosen by measurement", split_mode="tensor" if chosen else "layer",
+                 exchanges_ms_per_token=round(cost * 1e3, 2), compute_saved_ms_per_token=round(saved * 1e3, 2),
+                 slowest_rtt_ms=round(rtt * 1e3, 3))
+        return chosen
+
+    def _tensor_refusal(self, places: list, weights: list) -> str | None:
+        if len(places) < 2:
+            return "it needs at least 2 endpoints"
+        for p in places:
+            if p.endpoint == "local":
+                return "`local` cannot be a member of a tensor-parallel group (its exchanges need a worker)"
+            if not getattr(p.executor, "tensor_links", False):
+                return (f"worker {p.endpoint} does not offer tensor links (an older ggml-rpc-server, or one that "
+                        f"serves TLS: tensor links are not encrypted)")
+        try:
+            plan_shards(self.hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights)
+        except TensorSplitError as exc:
+            return str(exc)
+        return None
+
+    async def _slowest_rtt(self, places: list) -> float:
+        async def median(p):
+            rtts = [await p.executor.ping() for _ in range(3)]
+            rtts = sorted(r for r in rtts if r is not None)
+            return rtts[len(rtts) // 2] if rtts else float("inf")
+        return max(await asyncio.gather(*(median(p) for p in places)))
+
+    async def _load_tensor(self, endpoints: EndpointSet, pipeline: Pipeline, infos: list, weights: list,
+                           progress: bool, on_upload, exchange_timeout: float) -> None:
+        """Every place a member of one tensor-parallel group: its shard of every layer, its share
+        of the head's rows; memory checked before any upload; the members linked."""
+        from coordinator.decode.tensor_group import TensorGroup
+        places, hp = endpoints.places, self.hp
+        shards = plan_shards(hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights)
+        heads = plan_rows(hp.n_vocab, weights)
+        reserve = compute_reserve(hp, self.n_batch, self.n_ctx)
+        short = []
+        for p, shard, rows, info in zip(places, shards, heads, infos):
+            p.layers = range(hp.n_layer)
+            p.stage = Stage.tensor_member(shard.rank, self.arch, hp, self.gguf, shard, self.n_ctx, rows)
+            need, free = -(-buffer_bytes(p.stage) // PAGE) * PAGE + reserve, endpoint_free(info)
+            if free is not None and need > free:
+                short.append(f"{p.endpoint}: its shard needs {human(need)}, {human(free)} free")
+        if short:
+            raise DoesNotFit("the model does not fit the workers' free memory in tensor-parallel shards: "
+                             + "; ".join(short))
+        self.head.mode = "split"  # every member ends in its rows of the head
+        pipeline.group = TensorGroup(pipeline, exchange_timeout)
+        await endpoints.load_all(self.gguf, progress, on_upload)
+        try:
+            await pipeline.group.ensure_linked()
+        except StepFailed as exc:
+            failure = exc.reported
+            if isinstance(failure, StageFailed):
+                raise EndpointUnavailable(failure.endpoint, failure.cause, failure.message) from None
+            raise failure from None
+        log.info("tensor-parallel split: every member holds a shard of every layer",
+                 members=[{"endpoint": p.endpoint, "heads": [s.heads.start, s.heads.stop],
+                           "kv_heads": [s.kv_heads.start, s.kv_heads.stop], "kv_replicated": s.replicated_kv,
+                           "ffn": [s.ffn.start, s.ffn.stop], "head_rows": [r.start, r.stop]}
+                          for p, s, r in zip(places, shards, heads)])
 
     async def _hold_head_here(self, last: Place, pipeline: Pipeline) -> None:
         """Hold in this process the output head's rows besides the last

@@ -42,6 +42,7 @@ class BuiltGraph:
     outputs: list  # tensors whose data the step returns, concatenated in this order
     graph_id: int
     wire: object = None  # (tensors, index_of), encoded on first remote use
+    exchanges: list = field(default_factory=list)  # a tensor-parallel member's all-reduced partials, in order
 
 
 class StageKV:
@@ -85,6 +86,9 @@ class Stage:
     own_ctx: Context | None = None  # holds the tensors of `cuts`
     graphs: "collections.OrderedDict[tuple, BuiltGraph]" = field(default_factory=collections.OrderedDict)
     _next_graph_id: int = 1
+    # a member of a tensor-parallel group (model/tensor_split.Shard): every layer, its share of each, its
+    # rows of the head; `hp` is then the shard's (its head counts and FFN rows)
+    shard: object = None
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
@@ -111,6 +115,28 @@ class Stage:
         return stage
 
     @classmethod
+    def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range) -> "Stage":
+        """Member `shard.rank` of a tensor-parallel group: every layer, cut to its shard
+        (model/tensor_split.py), the embedding and norms whole, and `head_rows` of the head."""
+        from coordinator.model.tensor_split import local_hparams, shard_cuts
+        local = local_hparams(hp, shard)
+        names = [n for n in gguf.tensors if n.startswith("blk.")]
+        names += ["token_embd.weight", "output_norm.weight"] + arch.extra_weights(gguf.tensors)
+        weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
+        cuts = shard_cuts(hp, shard, gguf.tensors)
+        stage = cls(index, arch, local, range(hp.n_layer), True, True, weights, StageKV(local, range(hp.n_layer), n_ctx),
+                    head_rows, shard=shard)
+        stage.own_ctx = Context(len(cuts) + 1)
+        for name, cut in cuts.items():
+            src = gguf.tensor(name)
+            stage.weights[name] = stage.own_ctx.new_tensor(src.type, list(cut.ne), name)
+            stage.cuts[name] = (name, cut)
+        src = head_source(gguf.tensors)
+        # a tied head multiplies by a view of the embedding's rows, which every member holds whole
+        stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
+        return stage
+
+    @classmethod
     def head_share(cls, arch, hp, gguf, head_rows: range) -> "Stage":
         """No layers, only rows of the output head, as a tensor of their own:
         the share the coordinator computes itself (head_placement.py, "here")."""
@@ -122,7 +148,8 @@ class Stage:
         """Hold only this stage's rows of the head weight, as a tensor of their own."""
         src = gguf.tensor(src_name)
         rows = self.head_rows
-        self.own_ctx = Context(1)
+        if self.own_ctx is None:
+            self.own_ctx = Context(1)
         name = f"{src_name}[{rows.start}:{rows.stop}]"
         self.weights[name] = self.own_ctx.new_tensor(src.type, [src.ne[0], len(rows)], name)
         self.cuts[name] = (src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
@@ -133,6 +160,11 @@ class Stage:
         cut = self.cuts.get(name)
         if cut is None:
             return gguf.tensor_data(name)
+        if len(cut) == 2:  # a tensor-parallel shard's part of it (model/tensor_split.Cut)
+            from coordinator.model.tensor_split import cut_bytes
+            src = gguf.tensor(cut[0])
+            return memoryview(cut_bytes(gguf.tensor_data(cut[0]), src.type, [int(src.ne[i]) for i in range(4)],
+                                        cut[1]))
         src_name, start, stop = cut
         return gguf.tensor_data(src_name)[start:stop]
 
@@ -145,7 +177,7 @@ class Stage:
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
     # token (i32) and maximum, then the row sums (f32), one value per output row.
     def output_size(self, shape: StepShape, head: bool = False) -> int:
-        if head:
+        if head or self.shard is not None:  # a tensor-parallel member's step ends in its rows of the head
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
             return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
         if self.head_here(shape):
@@ -157,6 +189,7 @@ class Stage:
     def read_output(self, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
         """The arrays in a reply of output_size(shape, head) bytes."""
         n_out = shape.n_outputs
+        head = head or self.shard is not None
         if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                best=np.frombuffer(data, np.float32, n_out, n_out * 4),
@@ -177,7 +210,8 @@ class Stage:
             key = ("head", shape.n_outputs, shape.argmax)
         else:
             whole = self.head_here(shape)
-            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and whole, whole)
+            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and (whole or self.shard is not None),
+                   whole)
         evicted = []
         g = self.graphs.get(key)
         if g is not None:
@@ -212,10 +246,16 @@ class Stage:
         if self.last:
             inputs.new(ctx, "out_rows", I32, [shape.n_outputs])
         b = GraphBuilder(ctx, hp, self.weights, self.kv, shape, inputs, gf)
+        if self.shard is not None:
+            b.exchanges = []
         if self.first:
             x = self.arch.embed(b, tokens)
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
+        if self.shard is not None:  # every member holds the whole hidden state: its rows of the head from it
+            logits = lib.ggml_mul_mat(ctx.ptr, self._head_rows_weight(ctx.ptr), b.final_norm(x))
+            outputs = list(argmax_first(ctx.ptr, logits)) if shape.argmax else [logits]
+            return self._finish(ctx, gf, inputs, outputs, b.exchanges)
         if self.head_here(shape):
             out = b.output_head(x)
             if shape.argmax:
@@ -238,16 +278,20 @@ class Stage:
         gf = ctx.new_graph()
         inputs = StepInputs()
         x = inputs.new(ctx, "head_in", F32, [hp.n_embd, n_out])
-        w = self.weights[self.head_weight]
-        if self.head_weight not in self.cuts:
-            w = lib.ggml_view_2d(c, w, w.ne[0], len(rows), w.nb[1], rows.start * w.nb[1])
-        logits = lib.ggml_mul_mat(c, w, x)
+        logits = lib.ggml_mul_mat(c, self._head_rows_weight(c), x)
         if not shape.argmax:
             return self._finish(ctx, gf, inputs, [logits])
         return self._finish(ctx, gf, inputs, list(argmax_first(c, logits)))
 
-    def _finish(self, ctx, gf, inputs: StepInputs, outputs: list) -> BuiltGraph:
+    def _head_rows_weight(self, c):
+        """This stage's rows of the head weight: its own cut, or a view of the whole tensor."""
+        w, rows = self.weights[self.head_weight], self.head_rows
+        if self.head_weight not in self.cuts:
+            w = lib.ggml_view_2d(c, w, w.ne[0], len(rows), w.nb[1], rows.start * w.nb[1])
+        return w
+
+    def _finish(self, ctx, gf, inputs: StepInputs, outputs: list, exchanges=()) -> BuiltGraph:
         for out in outputs:
             lib.ggml_set_output(out)
             lib.ggml_build_forward_expand(gf, out)
-        return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id())
+        return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id(), exchanges=list(exchanges))

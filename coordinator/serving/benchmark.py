@@ -40,9 +40,10 @@ def bench_model(name: str) -> tuple[str | None, str]:
     return path, what
 
 
-def setups(endpoints: list[str], threads: int, split, head_split: str, step_links: str) -> dict:
+def setups(endpoints: list[str], threads: int, split, head_split: str, step_links: str,
+           split_mode: str = "layer") -> dict:
     """{row name: (endpoints, Coordinator options)}: in process with one worker's threads, with all the
-    workers' threads, and over the workers as --head-split and --step-links ask."""
+    workers' threads, and over the workers as --split-mode, --head-split and --step-links ask."""
     rpc = f"rpc x{len(endpoints)}"
     rows = {"local": (["local"], {})}
     total = threads * len(endpoints)
@@ -56,6 +57,11 @@ def setups(endpoints: list[str], threads: int, split, head_split: str, step_link
             rows[name] = (endpoints, dict(opts, head_split=True))
         if head_split in ("off", "both") and len(endpoints) > 1:
             rows[name + " head whole"] = (endpoints, dict(opts, head_split=False))
+    if split_mode == "layer" or len(endpoints) < 2:
+        return rows
+    if split_mode == "tensor":
+        rows = {k: v for k, v in rows.items() if not k.startswith(rpc)}
+    rows[rpc + " tensor"] = (endpoints, {"split": split, "split_mode": "tensor"})
     return rows
 
 
@@ -106,7 +112,7 @@ def cmd_bench(args) -> int:
     load_before = os.getloadavg()[0]  # printed with the results: other jobs on the cores move every row
     results, ref_results = {}, {}
     with endpoints_for(args) as endpoints:
-        rows = setups(endpoints, args.threads, args.split, args.head_split, args.step_links)
+        rows = setups(endpoints, args.threads, args.split, args.head_split, args.step_links, args.split_mode)
         coords = {}
         try:
             for name, (eps, opts) in rows.items():
@@ -193,8 +199,19 @@ def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], 
             ratio = med[ours][col] / reference[theirs]["pp" if col == 0 else "tg"]
             what = f"pp{n_pp}" if col == 0 else f"tg{n_tg}"
             targets.append(f"{ours} {what} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
+    tensor = rpc + " tensor"
+    for ours, theirs, col, goal in ((tensor, f"llama.cpp {rpc}", 1, 1.5),):  # issue #27's, to llama.cpp RPC
+        if ours in med and theirs in reference:
+            ratio = med[ours][col] / reference[theirs]["tg"]
+            targets.append(f"{ours} tg{n_tg} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
     if targets:
         lines.append("targets vs llama.cpp: " + " | ".join(targets))
+    local_all = next((name for name in med if name.startswith("local -t")), None)
+    if tensor in med and local_all is not None:  # issue #27's, to this machine's cores in one process
+        own = [f"{what} {med[tensor][k] / med[local_all][k]:.2f}x (>= 0.85: "
+               f"{'met' if med[tensor][k] / med[local_all][k] >= 0.85 else 'MISSED'})"
+               for k, what in ((0, f"pp{n_pp}"), (1, f"tg{n_tg}"))]
+        lines.append(f"targets {tensor} vs {local_all}: " + " | ".join(own))
     lines += notes
     lines.append(f"load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {n_cores} "
                  f"cores: other jobs share them with every row, so on a busy machine run this more than once")
@@ -204,6 +221,9 @@ def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], 
     if any(name.endswith("head whole") for name in med):
         lines.append("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
                      "split it over the workers, computed at the same time")
+    if tensor in med:
+        lines.append("tensor: every worker holds a shard of every layer and all compute every token, summing their "
+                     "partial results worker to worker (--split-mode tensor); the other rpc rows split the layers")
     if any(" relayed" in name for name in med):
         lines.append("relayed: hidden states come back through the coordinator between stages (--step-links off); "
                      "the other rpc rows send them worker to worker")

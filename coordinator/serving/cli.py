@@ -131,6 +131,12 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                             "process the rest besides its share)")
         p.add_argument("--no-head-split", dest="head_split", action="store_const", const="whole",
                        help="--head-split whole")
+        p.add_argument("-sm", "--split-mode", dest="split_mode", choices=("layer", "tensor", "auto"),
+                       default=LIBRARY["split_mode"],
+                       help="llama.cpp's flag: each worker a range of layers, one after another (layer, the "
+                            "default); every worker a shard of every layer, all computing every token together "
+                            "(tensor: workers that offer tensor links, no TLS); or tensor where the measured "
+                            "round trips say it is faster (auto). docs/operations.md, \"Which split\"")
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
                        help="hidden states come back through the coordinator between stages (default: worker "
                             "to worker when every worker offers it; docs/protocol.md, Step links)")
@@ -232,6 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
                    help="run the workers with the output head split over them, whole on the last, or both "
                         "(both: two rows side by side; the workers hold the model twice)")
+    b.add_argument("-sm", "--split-mode", dest="split_mode", choices=("layer", "tensor", "both"), default="both",
+                   help="the workers' rows with the layer split, the tensor-parallel split, or both side by side "
+                        "(both: the workers hold the model twice)")
     b.add_argument("--step-links", choices=("on", "off", "both"), default="on",
                    help="activations worker to worker (on), through the coordinator (off), or both rows side by "
                         "side (the workers hold the model once more)")

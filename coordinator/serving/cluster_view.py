@@ -237,6 +237,7 @@ class ClusterView:
             busy = None if failure else probe.busy()  # of a connection that is gone
             workers.append({
                 "index": index, "endpoint": place["endpoint"], "layers": place["layers"], "head_rows": head,
+                "shard": place.get("shard"),
                 "head_share": round(head_share, 4), "state": "ok" if state["ok"] else "failed", "failure": failure,
                 "ping": _aged(now, probe.ping_at, rtt_seconds=probe.ping_rtt),
                 "step_rtt": None if place["rtt"] is None or failure
@@ -246,7 +247,8 @@ class ClusterView:
                 "probe_error": _aged(now, probe.error_at, message=probe.error)})
         rate = _rate(self._tokens)
         return {"time": round(time.time(), 3), "status": health["status"], "model": self.model_name,
-                "n_layer": self.coord.hp.n_layer, "slots": self.scheduler.n_slots,
+                "n_layer": self.coord.hp.n_layer, "split_mode": health.get("split_mode", "layer"),
+                "slots": self.scheduler.n_slots,
                 "slots_busy": self.scheduler.busy, "requests_waiting": self.scheduler.waiting,
                 "tokens_per_second": None if rate is None else round(rate, 2),
                 "tokens_generated": self.scheduler.generated, "reconnects": self.coord.stats["reconnects"],

@@ -100,7 +100,8 @@ def _serve(args, socks) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads,
                             **security_options(args), n_ctx=args.parallel * args.ctx_per_slot,
                             progress=sys.stderr.isatty(), head_split=args.head_split, step_links=args.step_links,
-                            **resume_options(args), on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch)
+                            **resume_options(args), on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch,
+                            split_mode=args.split_mode)
         except (ConnectionError, OSError, ValueError) as exc:
             return cannot_start(exc)
         with c:

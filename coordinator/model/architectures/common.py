@@ -94,6 +94,9 @@ class GraphBuilder:
         self.ctx, self.c = ctx, ctx.ptr
         self.hp, self.w, self.kv, self.shape, self.inputs, self.gf = hp, weights, kv, shape, inputs, gf
         self.outputs_only = False  # the rows past the last layer's attention are already the output rows
+        # tensor-parallel shard (coordinator/model/tensor_split.py): the partial sums all_reduce marks,
+        # summed over the group's members between the graph's segments; None: the whole layers here
+        self.exchanges: list | None = None
 
     # ---------------------------------------------------------------- blocks
     def norm(self, x, weight):
@@ -172,9 +175,22 @@ class GraphBuilder:
         p = f"blk.{il}."
         return self.norm(q, self.w[p + "attn_q_norm.weight"]), self.norm(k, self.w[p + "attn_k_norm.weight"])
 
+    def all_reduce(self, partial):
+        """A shard's partial sum, summed over its group (after the output projections: the only
+        places where a tensor-parallel layer's members need each other's work); else as it is."""
+        if self.exchanges is not None:
+            self.exchanges.append(partial)
+        return partial
+
+    def attn_output(self, il: int, attn, x):
+        """The attention's output projection (all-reduced in a shard) and the residual, of the
+        output rows only in the last layer (output_rows_only)."""
+        cur, x = self.output_rows_only(il, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        return self.all_reduce(cur), x
+
     def attn_residual(self, il: int, attn, x):
         """The attention's output projection plus the layer's input: the FFN's input."""
-        cur, x = self.output_rows_only(il, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        cur, x = self.attn_output(il, attn, x)
         return lib.ggml_add(self.c, cur, x)
 
     def swiglu_residual(self, il: int, ffn_in):
@@ -186,7 +202,7 @@ class GraphBuilder:
         p = f"blk.{il}."
         gate = lib.ggml_mul_mat(self.c, self.w[p + "ffn_gate.weight"], x)
         up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
-        return lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up))
+        return self.all_reduce(lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up)))
 
     def moe_ffn(self, il: int, x):
         """Mixture of experts, as llama.cpp's build_moe_ffn with softmax gating: router logits
@@ -214,13 +230,13 @@ class GraphBuilder:
         for i in range(n_used):  # summed in llama.cpp's order: the best expert first
             one = lib.ggml_view_2d(c, experts, n_embd, n_tokens, experts.nb[2], i * experts.nb[1])
             out = one if out is None else lib.ggml_add(c, out, one)
-        return lib.ggml_cont(c, out) if n_used == 1 else out
+        return self.all_reduce(lib.ggml_cont(c, out) if n_used == 1 else out)
 
     def fused_ffn(self, il: int, x):
         """SwiGLU over one ffn_up product whose first half is the gate (phi3)."""
         p = f"blk.{il}."
         up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
-        return lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up))
+        return self.all_reduce(lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up)))
 
     def final_norm(self, x):
         """The rows that want logits, normalized: what the output head multiplies."""

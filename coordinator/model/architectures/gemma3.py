@@ -61,7 +61,7 @@ def layer(b: GraphBuilder, il: int, x, pos):
     q, k = b.qk_norm(il, q, k)
     q, k = lib.ggml_scale(c, b.rope(q, pos, il), b.hp.attn_scale), b.rope(k, pos, il)
     cur = b.attention(il, q, k, v, 1.0)
-    cur, x = b.output_rows_only(il, lib.ggml_mul_mat(c, b.w[p + "attn_output.weight"], cur), x)
+    cur, x = b.attn_output(il, cur, x)
     cur = b.norm(cur, b.w[p + "post_attention_norm.weight"])
     attn_out = lib.ggml_add(c, cur, x)
     cur = b.gated_ffn(il, b.norm(attn_out, b.w[p + "ffn_norm.weight"]), lib.ggml_geglu_split)

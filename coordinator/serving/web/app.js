@@ -146,7 +146,11 @@
       const c = tr.cells;
       c[0].textContent = String(w.index);
       c[1].textContent = w.endpoint;
-      c[2].textContent = w.layers[0] + "–" + (w.layers[1] - 1) + " (" + (w.layers[1] - w.layers[0]) + ")";
+      c[2].textContent = w.shard
+        ? "all, shard " + (w.shard.rank + 1) + "/" + w.shard.of + ": heads " + w.shard.heads[0] + "–" +
+          (w.shard.heads[1] - 1) + (w.shard.kv_replicated ? " (KV copied)" : "") + ", FFN rows " +
+          w.shard.ffn_rows[0] + "–" + (w.shard.ffn_rows[1] - 1)
+        : w.layers[0] + "–" + (w.layers[1] - 1) + " (" + (w.layers[1] - w.layers[0]) + ")";
       c[3].textContent = (w.head_share * 100).toFixed(w.head_share > 0 && w.head_share < 0.1 ? 1 : 0) + " %";
       c[4].replaceChildren();
       const badge = el("span", "state", w.state);

@@ -1,0 +1,111 @@
+"""A decode step over a tensor-parallel group: every member computes every layer
+at once, each its shard (model/tensor_split.py), and the partial sums go
+member to member over their tensor links (rpc_daemon/daemon/tensor_links.py);
+each member ends in its rows of the output head, which come back here and are
+put side by side as the head shards' are (pipeline.Pipeline._combine_head).
+
+The group is linked before its first step and again after any failure or
+reconnect (a member's new connection is a new session: its link is gone).
+A failure of one member cancels the others' waits on the link at once
+(TENSOR_CANCEL), so a member blocked on a dead or stopped peer answers now;
+the step reports the member that failed, never the peer that saw its link
+close (docs/failure-semantics.md, "Tensor parallelism").
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from coordinator.cluster.executors import TensorLinkFailed
+from coordinator.decode.step_io import PreparedStep, StepFailed, stage_inputs, step_failed
+from coordinator.model.architectures.common import StepShape
+from rpc_daemon.client import parse_endpoint
+
+LINK_TIMEOUT = 10.0  # seconds the members' TENSOR_LINK join may take
+
+
+class TensorGroup:
+    def __init__(self, pipeline, exchange_timeout: float):
+        """`exchange_timeout`: the longest a member waits for a peer's partial (a failed peer's
+        wait is cancelled sooner, as soon as this process knows of the failure)."""
+        self.pipeline = pipeline
+        self.exchange_timeout = exchange_timeout
+        self.link_id = 0
+        self.linked_with: tuple | None = None  # the executors the current link joins
+        self.step_no = 0
+        self.links_made = 0
+
+    @property
+    def places(self) -> list:
+        return self.pipeline.places
+
+    async def ensure_linked(self) -> None:
+        """Link the members (again) unless the current link joins exactly their connections."""
+        members = tuple(id(p.executor) for p in self.places)
+        if members == self.linked_with:
+            return
+        self.linked_with = None
+        self.link_id += 1
+        link, places, n = self.link_id, self.places, len(self.places)
+        listens = await self._all([p.executor.tensor_listen(link) for p in places])
+        peers = [{"rank": j, "host": parse_endpoint(places[j].endpoint)[0], "port": listens[j]["port"],
+                  "ticket": listens[j]["ticket"]} for j in range(n)]
+        await self._all([p.executor.tensor_join(link, rank, n, peers[:rank], LINK_TIMEOUT)
+                         for rank, p in enumerate(places)])
+        self.linked_with = members
+        self.links_made += 1
+
+    async def _all(self, coros) -> list:
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise step_failed(failures)
+        return results
+
+    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool) -> PreparedStep:
+        n = len(tokens)
+        wanted = len(out_rows) > 0
+        if not wanted:  # a graph cannot have 0 output rows: one is computed and dropped
+            out_rows = np.array([n - 1], dtype=np.int32)
+        kv = self.pipeline.kv
+        n_kv = kv.n_kv()
+        mask, mask_swa = kv.masks(n_kv, tok_pos, tok_seq)
+        shape = StepShape(n, n_kv, len(out_rows), greedy)
+        return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, False, shape,
+                            self.pipeline._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
+
+    async def step(self, step: PreparedStep) -> np.ndarray:
+        results = await self.run(step.common, step.tokens, step.out_rows, step.shape)
+        hp = self.pipeline.hp
+        if not step.wanted:
+            return np.empty(0, np.int32) if step.shape.argmax else np.empty((0, hp.n_vocab), np.float32)
+        return self.pipeline._combine_head(self.places, results, step.shape)
+
+    async def run(self, common: dict, tokens, out_rows, shape: StepShape) -> list[bytes]:
+        """One step on every member at once: each member's reply (its head rows' output)."""
+        await self.ensure_linked()
+        self.step_no += 1
+        tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout}
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(p.executor.run(p.stage, shape, stage_inputs(p, common, tokens, None, out_rows),
+                                                 tensor=tensor)) for p in self.places]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:  # one failed: the others may be waiting on it; end their waits now
+            for p in self.places:
+                loop.create_task(p.executor.tensor_cancel(self.link_id))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            self.linked_with = None  # the link is down on some member: linked again before the next step
+            # a member that failed itself before one that only saw its link to it close
+            failures.sort(key=lambda exc: isinstance(exc, TensorLinkFailed))
+            raise step_failed(failures)
+        return results
+
+    async def replay(self, steps: list) -> None:
+        """Journal steps again on every member, in order (their KV rows rewritten)."""
+        for step in steps:
+            mask, mask_swa = step.masks()
+            common = self.pipeline._common(step.pos, step.rows, mask, mask_swa)
+            await self.run(common, step.tokens, step.out_rows, step.shape)
