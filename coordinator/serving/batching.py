@@ -89,6 +89,7 @@ class Slot:
     cache_prompt: bool = True  # reuse the rows of the prompt's prefix the slot's KV cache already holds
     cached: int = 0  # prompt tokens whose KV rows were reused, not decoded (usage.prompt_tokens_details)
     kv: list[int] | None = None  # the tokens its sequence's KV rows hold (positions 0..); None: not set up yet
+    request_id: str | None = None  # the HTTP request's id (X-Request-Id), shown by /slots
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -188,7 +189,7 @@ class Scheduler:
 
     async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str], *,
                      logprobs: int | None = None, echo: bool = False, share_from: Slot | None = None,
-                     cache_prompt: bool = True) -> Slot:
+                     cache_prompt: bool = True, request_id: str | None = None) -> Slot:
         """A slot for this request, once one is free; ShuttingDown if the
         server stops first; QueueFull at once if it would have to wait
         behind max_queue others. `logprobs`: alternatives per token (None: no
@@ -198,7 +199,7 @@ class Scheduler:
         (kv_seq_cp) and last logits instead of decoding the prompt again.
         `cache_prompt`: reuse the KV rows of the longest prefix of the prompt a
         free slot holds (the slot is chosen for it); without, the prompt is
-        decoded whole."""
+        decoded whole. `request_id`: the request's id, for /slots."""
         if self.closing:
             raise ShuttingDown()
         if not self.free and self.max_queue is not None and self.waiting >= self.max_queue:
@@ -214,7 +215,7 @@ class Scheduler:
         sizes = [sum(s.group == g for s in self.active) for g in range(self.n_groups)]
         slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
                     pending=list(prompt), group=sizes.index(min(sizes)), logprobs=logprobs, echo=echo,
-                    cache_prompt=cache_prompt)
+                    cache_prompt=cache_prompt, request_id=request_id)
         sampler.accept(prompt)  # the penalties look back at the prompt too, as llama-server's
         if echo and logprobs is not None:
             slot.prompt_lp = [TokenLogprob(prompt[0], None)]  # nothing predicts the first token

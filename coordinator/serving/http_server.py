@@ -2,7 +2,8 @@
 and the bytes of answers and Server-Sent Event streams.
 
 What the bytes mean is decided elsewhere, without I/O: request and reply
-bodies in openai_api.py (llama-server's extras in llama_server_api.py), the
+bodies in openai_api.py (llama-server's extras in llama_server_api.py: /completion,
+/infill, /slots...; /v1/embeddings' in embeddings.py), the
 API key and CORS in access.py, /health in health.py, /metrics in metrics.py.
 The web page at / and the cluster view behind it (/cluster, /cluster/events)
 are web_page.py's and cluster_view.py's; lifecycle.py runs the app.
@@ -100,6 +101,12 @@ class CompletionServer:
         app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/completion", self.native_completion)
+        app.router.add_post("/completions", self.native_completion)  # llama-server's alias
+        app.router.add_post("/infill", self.infill)
+        app.router.add_post("/apply-template", self.apply_template)
+        for path in ("/v1/embeddings", "/embeddings", "/embedding"):
+            app.router.add_post(path, self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/props", self.props)
@@ -201,9 +208,26 @@ class CompletionServer:
                                                         self.chat, package_version()))
 
     async def slots(self, request) -> web.Response:
-        busy = {slot.seq: {"n_prompt_tokens": len(slot.prompt), "n_decoded": slot.generated,
-                           "n_remain": slot.max_tokens - slot.generated} for slot in self.scheduler.active}
-        return web.json_response(llama_server_api.slots(self.scheduler.n_slots, self.n_ctx_slot, busy))
+        sched = self.scheduler
+        busy = {slot.seq: {"request_id": slot.request_id, "n_prompt_tokens": len(slot.prompt),
+                           "n_prompt_tokens_cache": slot.cached, "n_decoded": slot.generated,
+                           "n_remain": slot.max_tokens - slot.generated} for slot in sched.active}
+        cached = {seq: len(tokens) for seq, tokens in sched.cache.items()}
+        cached.update({slot.seq: len(slot.kv) for slot in sched.active if slot.kv is not None})
+        return web.json_response(llama_server_api.slots(sched.n_slots, self.n_ctx_slot, busy, cached))
+
+    async def apply_template(self, request) -> web.Response:
+        """llama-server's /apply-template: a chat body's messages (and tools, chat_template_kwargs) rendered
+        by the chat template, ready for the assistant's answer: {"prompt": text}."""
+        req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot, self.n_vocab, self.n_predict,
+                                    self.call_format)
+        return web.json_response({"prompt": openai_api.chat_prompt(self.chat, req.messages, self.bos_token,
+                                                                   self.eos_token, req.template_kwargs,
+                                                                   req.tools)})
+
+    async def embeddings(self, request) -> web.Response:
+        raise ApiError(501, "this server does not compute embeddings yet (llama-server's --embeddings): the "
+                            "decode returns logits only", "not_supported_error")
 
     # ------------------------------------------------------------ tokens
     async def tokenize(self, request) -> web.Response:
@@ -259,6 +283,99 @@ class CompletionServer:
         max_tokens = gen.max_tokens if gen.max_tokens is not None else self.n_ctx_slot - len(ids)
         return await self._serve(request, ids, max_tokens, gen, True, tools=req.tools)
 
+    # ------------------------------------------------------------ llama-server's /completion and /infill
+    async def native_completion(self, request) -> web.StreamResponse:
+        """llama-server's /completion: its fields and reply shape (llama_server_api.py)."""
+        req = llama_server_api.parse_native_completion(await self._body(request), self.n_vocab, self.n_ctx_slot,
+                                                       self.n_predict)
+        gen = req.generation
+        if isinstance(req.prompt, str):
+            ids = await self._tokenize(req.prompt, gen.max_tokens or 1)
+            text = req.prompt
+        else:
+            ids, text = req.prompt, self.coord.detokenize(req.prompt)
+        return await self._serve_native(request, ids, gen, text)
+
+    async def infill(self, request) -> web.StreamResponse:
+        """llama-server's /infill: the FIM prompt of input_prefix, input_suffix, input_extra and prompt
+        (llama_server_api.infill_prompt), completed as /completion does; 400 for a model without FIM tokens."""
+        tok = self.coord.tokenizer
+        fim = llama_server_api.fim_tokens(self.coord.gguf.get, tok.piece_to_id, self.n_vocab)
+        if fim.missing:
+            raise ApiError(400, f"infill is not supported by this model: it has no fill-in-the-middle tokens "
+                                f"({', '.join(fim.missing)}; the GGUF's tokenizer.ggml.fim_pre_token_id, "
+                                f"fim_suf_token_id, fim_mid_token_id)")
+        req = llama_server_api.parse_infill(await self._body(request), self.n_vocab, self.n_ctx_slot, self.n_predict)
+        gen = req.completion.generation
+        for param, text in (("input_prefix", req.input_prefix), ("input_suffix", req.input_suffix),
+                            ("prompt", req.completion.prompt)):
+            openai_api.check_text_fits(text, self.n_ctx_slot, param)
+
+        def assemble() -> list[int]:
+            plain = lambda text: self.coord.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+            prompt = self.coord.tokenize(req.completion.prompt, add_special=False, parse_special=True)
+            return llama_server_api.infill_prompt(
+                fim, plain, req.input_prefix, req.input_suffix, req.input_extra, prompt, self.coord.n_batch,
+                self.n_predict or -1, self.n_ctx_slot, tok.bos_id if tok.add_bos else None)
+        ids = await asyncio.get_running_loop().run_in_executor(None, assemble)
+        openai_api.check_fits(len(ids), gen.max_tokens or 1, self.n_ctx_slot)
+        return await self._serve_native(request, ids, gen, self.coord.detokenize(ids))
+
+    async def _serve_native(self, request, ids: list[int], gen: openai_api.Generation,
+                            prompt_text: str) -> web.StreamResponse:
+        """One completion in llama-server's shape: whole, or streamed as `data: {...}` events
+        (`content` pieces, then a last one with `stop` true and the counts; no [DONE], as llama-server)."""
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else self.n_ctx_slot - len(ids)
+        slots = []
+        try:
+            await self._submit(request, slots, ids, max_tokens, gen)
+            slot = slots[0]
+            probs = (lambda entries: llama_server_api.completion_probabilities(entries or [], self._piece)) \
+                if gen.logprobs is not None else (lambda entries: None)
+
+            def final(content: str, finish_reason: str, probabilities=None) -> dict:
+                started, first = slot.started_at, slot.first_token_at or slot.started_at
+                ended = slot.finished_at or time.monotonic()
+                timing = llama_server_api.timings(slot.cached, len(ids) - slot.cached, first - started,
+                                                  slot.generated, ended - first)
+                return llama_server_api.native_final(content, self.model_name, slot.seq, slot.generated, len(ids),
+                                                     prompt_text, finish_reason, slot.text.stop_word, slot.cached,
+                                                     timing, probabilities)
+            if not gen.stream:
+                parts, entries = [], []
+                while True:
+                    ev = await slot.events.get()
+                    if ev.kind == "error":
+                        raise openai_api.decode_failed(ev.message, ev.code, self.health_check.retry_after())
+                    parts.append(ev.text)
+                    entries += ev.logprobs or []
+                    if ev.kind == "done":
+                        return web.json_response(final("".join(parts), ev.finish_reason, probs(entries)))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            try:
+                while True:
+                    ev = await slot.events.get()
+                    if ev.kind == "error":
+                        await resp.write(_sse_data(openai_api.stream_error(ev.message, ev.code, ev.endpoint)))
+                        break
+                    if ev.text or ev.logprobs:
+                        await resp.write(_sse_data(llama_server_api.native_partial(
+                            ev.text, slot.seq, slot.generated, len(ids), probs(ev.logprobs))))
+                    if ev.kind == "done":
+                        await resp.write(_sse_data(final("", ev.finish_reason)))
+                        break
+                await resp.write_eof()
+            except (ConnectionResetError, asyncio.CancelledError):
+                log.info("client disconnected mid-stream; slot freed", seq=slot.seq)
+                raise
+            return resp
+        finally:
+            for slot in slots:
+                self.scheduler.cancel(slot)
+            if slots:
+                self.metrics.observe_latency(request["started"], slots[0])
+
     async def _serve(self, request, ids: list[int], max_tokens: int, gen: openai_api.Generation,
                      chat: bool, echo: str | None = None,
                      tools: tool_requests.Tools | None = None) -> web.StreamResponse:
@@ -266,29 +383,10 @@ class CompletionServer:
         share its KV rows when they get their slots before it is done
         (Scheduler.submit's share_from). `echo`: the prompt's text, before the completion.
         `tools`: a chat's tools; when active the answers are parsed for tool calls."""
-        if self.scheduler.closing:
-            raise openai_api.shutting_down()
-        if not self.scheduler.alive:
-            raise openai_api.decode_loop_stopped()
-        self._refuse_for_outage()
         reply = CompletionReply(openai_api.new_completion_id(chat), int(time.time()), self.model_name, chat)
         slots = []
         try:
-            try:
-                samplers = gen.samplers(self.coord.tokenizer.eog_ids)
-                if gen.grammar is not None:  # a matcher per choice (the first builds the vocabulary's table: ~4 s)
-                    await asyncio.to_thread(structured_output.constrain, samplers, self.coord.tokenizer, gen.grammar)
-                for sampler in samplers:
-                    slots.append(await self.scheduler.submit(ids, max_tokens, sampler, gen.stop, logprobs=gen.logprobs,
-                                                             echo=echo is not None,
-                                                             share_from=slots[0] if slots else None,
-                                                             cache_prompt=gen.cache_prompt))
-            except ShuttingDown:
-                raise openai_api.shutting_down() from None
-            except QueueFull as exc:
-                raise openai_api.server_busy(self.scheduler.n_slots, exc.waiting, self.scheduler.max_queue,
-                                             QUEUE_FULL_RETRY_SECONDS) from None
-            self._refuse_for_outage()  # it waited for a slot while an outage gave up: it ends now, with the others
+            await self._submit(request, slots, ids, max_tokens, gen, echo is not None)
             answer = _Answer(reply, gen, chat, echo, len(ids), self._piece,
                              tools if tools is not None and tools.active else None)
             if gen.stream:
@@ -299,6 +397,31 @@ class CompletionServer:
                 self.scheduler.cancel(slot)
             if slots:
                 self.metrics.observe_latency(request["started"], slots[0])
+
+    async def _submit(self, request, slots: list, ids: list[int], max_tokens: int, gen: openai_api.Generation,
+                      echo: bool = False) -> None:
+        """A slot per choice (gen.n) into `slots` (the caller cancels them, all it got, when it ends);
+        the refusals of a request the server cannot take now (shutting down, an outage, 429)."""
+        if self.scheduler.closing:
+            raise openai_api.shutting_down()
+        if not self.scheduler.alive:
+            raise openai_api.decode_loop_stopped()
+        self._refuse_for_outage()
+        try:
+            samplers = gen.samplers(self.coord.tokenizer.eog_ids)
+            if gen.grammar is not None:  # a matcher per choice (the first builds the vocabulary's table: ~4 s)
+                await asyncio.to_thread(structured_output.constrain, samplers, self.coord.tokenizer, gen.grammar)
+            for sampler in samplers:
+                slots.append(await self.scheduler.submit(ids, max_tokens, sampler, gen.stop, logprobs=gen.logprobs,
+                                                         echo=echo, share_from=slots[0] if slots else None,
+                                                         cache_prompt=gen.cache_prompt,
+                                                         request_id=request.get("request_id")))
+        except ShuttingDown:
+            raise openai_api.shutting_down() from None
+        except QueueFull as exc:
+            raise openai_api.server_busy(self.scheduler.n_slots, exc.waiting, self.scheduler.max_queue,
+                                         QUEUE_FULL_RETRY_SECONDS) from None
+        self._refuse_for_outage()  # it waited for a slot while an outage gave up: it ends now, with the others
 
     def _piece(self, token: int) -> bytes:
         """A token's bytes in logprobs (special tokens as their text)."""

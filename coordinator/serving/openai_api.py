@@ -95,7 +95,8 @@ FIELDS = _fields(
     Field("echo", COMPLETIONS, HONOURED, "the prompt before the completion, with its logprobs when asked"),
     Field("best_of", COMPLETIONS, REFUSED, "ranking choices by their logprobs is not done: ask `n` and rank them",
           neutral=(1,)),
-    Field("suffix", COMPLETIONS, REFUSED, "no insertion (fill-in-the-middle)", neutral=("",)),
+    Field("suffix", COMPLETIONS, REFUSED, "fill-in-the-middle is /infill's (`input_prefix`, `input_suffix`), "
+                                          "for a model with FIM tokens", neutral=("",)),
     Field("response_format", BOTH, HONOURED, "`text`, `json_object`, or `json_schema` (`json_schema.schema`; "
                                              "always strict): the output parses and conforms (llguidance)"),
     # ---- tools, modalities, reasoning
@@ -161,8 +162,8 @@ FIELDS = _fields(
     Field("samplers", BOTH, REFUSED, "the order is fixed: penalties, top_k, typical_p, top_p, min_p, temperature"),
     Field("grammar", BOTH, HONOURED, "a GBNF grammar the output follows (llguidance); `\"\"`: none"),
     Field("json_schema", BOTH, HONOURED, "a JSON schema the output conforms to (llguidance)"),
-    Field("n_probs", BOTH, REFUSED, "llama-server's /completion shape; ask `logprobs` (and `top_logprobs`)",
-          neutral=(0,)),
+    Field("n_probs", BOTH, REFUSED, "/completion and /infill: honoured (`completion_probabilities`); here ask "
+                                    "`logprobs` (and `top_logprobs`)", neutral=(0,)),
     Field("post_sampling_probs", BOTH, REFUSED, "logprobs are the model's own", neutral=(False,)),
     Field("return_tokens", BOTH, REFUSED, "/completion's `tokens` field is not in these replies", neutral=(False,)),
     Field("timings_per_token", BOTH, REFUSED, "no timings in replies", neutral=(False,)),
@@ -185,10 +186,11 @@ def field_table() -> list[str]:
     return lines
 
 
-def check_fields(body: dict, endpoint: str) -> None:
+def check_fields(body: dict, endpoint: str, path: str | None = None) -> None:
     """Every field of `body` is one this endpoint knows, and not one it refuses
-    (null is as absent). The first offending field, in the body's order, is named."""
-    path = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
+    (null is as absent). The first offending field, in the body's order, is named.
+    `path`: the route the body came to (llama-server's /completion takes COMPLETIONS' fields)."""
+    path = path or ("/v1/chat/completions" if endpoint == CHAT else "/v1/completions")
     for name, value in body.items():
         f = FIELDS.get(name)
         if f is None:

@@ -28,6 +28,13 @@ class TextStream:
         """Characters decoded so far, those held back included: where the next token's text starts."""
         return len(self._text)
 
+    @property
+    def stop_word(self) -> str:
+        """The stop string the text ended at ("" if it did not)."""
+        if not self.stopped:
+            return ""
+        return min((s for s in self.stop if s in self._text), key=lambda s: (self._text.find(s), -len(s)))
+
     def feed(self, token: int) -> str:
         """The text that became safe to show with `token` (maybe "")."""
         self._text += self._detok.feed(token)
