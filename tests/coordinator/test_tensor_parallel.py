@@ -124,10 +124,12 @@ def test_a_killed_member_is_reported_as_itself(victim, tmp_path, workers):
 
 
 def test_a_stopped_member_is_reported_as_itself_and_its_peer_waits_no_longer(tmp_path, workers):
+    """B's daemon stopped before the step reaches it: A's compute waits on B's partial until the
+    coordinator, having declared B dead, cancels A's wait (else A would wait request_timeout)."""
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
-                     liveness_timeout=LIVENESS) as c:
+                     liveness_timeout=LIVENESS, request_timeout=30.0) as c:
         generate_tokens(c, 2)
         ws.workers[1].signal(signal.SIGSTOP)
         try:
@@ -167,3 +169,64 @@ def test_resume_in_tensor_mode_gives_the_same_text(tmp_path, workers):
             pending = [out[-1]]
         assert out == reference
         assert c.stats["kv_rebuilds"] >= 1
+
+
+# ---------------------------------------------------------------- the fault matrix, in tensor mode
+# B (member 1) faulted by its daemon's --test-fault at its third graph request (the third decode: every
+# decode is one request per member), while A (member 0) computes the same step and waits on B's partials.
+FAULTS = {"kill9": ("kill", "closed", None), "sigstop": ("stop", "timeout", LIVENESS),
+          "close": ("close", "closed", None)}
+PHASES = {"compute": "point=compute", "reply": "point=half"}
+AT_THIRD_DECODE = "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=2"
+AT_ONCE = 0.2  # as tests/coordinator/test_faults.py: a kill or a close is seen within milliseconds
+
+
+@pytest.fixture
+def faulted(tmp_path, start_daemon):
+    """(coordinator, A, B) over workers A and B, B with --test-fault `spec`, in tensor mode."""
+    from conftest import DaemonProcess
+    made = []
+
+    def make(spec: str):
+        model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+        a = start_daemon("-t", "1")
+        b = DaemonProcess("-t", "1", "--test-fault", spec)
+        made.append(b)
+        c = Coordinator([a.endpoint, b.endpoint], model=model, n_ctx=64, split_mode="tensor",
+                        liveness_timeout=LIVENESS)
+        made.append(c)
+        return c, a, b
+
+    yield make
+    for x in reversed(made):
+        if isinstance(x, Coordinator):
+            x.close()
+        else:
+            x.signal(signal.SIGCONT)
+            x.kill()
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_matrix_in_tensor_mode(fault, phase, faulted):
+    action, kind, bound = FAULTS[fault]
+    c, a, b = faulted(f"{AT_THIRD_DECODE},{PHASES[phase]},action={action}")
+    started = time.monotonic()
+    _, code = generate_tokens(c, 3)  # the prompt, two tokens: the third decode is the fault's
+    took = time.monotonic() - started
+    assert code == DecodeResult.ENDPOINT_FAILED, (code, c.last_error)
+    assert c.last_failed_endpoint == b.endpoint and c.last_cause == kind, c.last_error
+    assert [f.endpoint for f in c.failed_endpoints()] == [b.endpoint]  # never A, whose link closed
+    limit = ((bound or AT_ONCE) + 1.0) * SLACK  # + the first two decodes
+    assert took <= limit, (took, limit)
+    assert [e["ok"] for e in c.health()["endpoints"]] == [True, False]
+
+
+def test_a_members_compute_process_crash_is_a_compute_failure_of_that_member(faulted):
+    c, a, b = faulted(f"{AT_THIRD_DECODE},point=compute,action=crash-compute")
+    _, code = generate_tokens(c, 3)
+    assert code == DecodeResult.COMPUTE_FAILED and b.endpoint in c.last_error, c.last_error
+    assert "exchange" not in c.last_error, c.last_error  # B's own failure, not A's view of the link
+    assert c.failed_endpoints() == []  # B's connection is fine: nothing latched
+    _, code = generate_tokens(c, 3)  # linked again (B has a new compute process), decoding as before
+    assert code == DecodeResult.OK, c.last_error
