@@ -116,6 +116,7 @@ class GraphSpec:
     row_groups: list = field(default_factory=list)  # row_ids.RowGroup: inline GET_ROWS/SET_ROWS ids to check,
     # grouped by the ids they read
     readable: set[int] | None = None  # tensors with memory after compute (None: any, unsafe mode)
+    checked_exchanges: set = field(default_factory=set)  # tensor-parallel exchange lists already checked
 
 
 def canonical_nb(ttype: int, ne) -> tuple[int, int, int, int]:
