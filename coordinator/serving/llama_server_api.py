@@ -32,11 +32,16 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     return token_ids(body.get("tokens"), "tokens", n_vocab)
 
 
-def props(model: str, n_slots: int, n_ctx_slot: int, chat: ChatTemplate, version: str) -> dict:
-    """What llama-server's /props tells (the fields that apply here)."""
-    return {"model_alias": model, "total_slots": n_slots, "default_generation_settings": {"n_ctx": n_ctx_slot},
-            "chat_template": chat.text, "chat_template_name": chat.name, "chat_template_source": chat.source,
-            "build_info": f"ggml-distributed {version}"}
+def props(model: str, n_slots: int, n_ctx_slot: int, chat: ChatTemplate, version: str,
+          split: dict | None = None) -> dict:
+    """What llama-server's /props tells (the fields that apply here), and `split`: how the model is
+    split over the workers (`split_mode` and each worker's layers or tensor-parallel shard)."""
+    out = {"model_alias": model, "total_slots": n_slots, "default_generation_settings": {"n_ctx": n_ctx_slot},
+           "chat_template": chat.text, "chat_template_name": chat.name, "chat_template_source": chat.source,
+           "build_info": f"ggml-distributed {version}"}
+    if split is not None:
+        out["split"] = split
+    return out
 
 
 def slots(n_slots: int, n_ctx_slot: int, busy: dict[int, dict], cached: dict[int, int]) -> list[dict]:

@@ -246,6 +246,8 @@ def test_tokenize_detokenize_props(server):
     status, _, props = request("GET", url + "/props")
     assert status == 200 and props["model_alias"] == "my-gemma" and props["total_slots"] == 1, props
     assert props["default_generation_settings"]["n_ctx"] == 256 and "{%" in props["chat_template"], props
+    assert props["split"]["split_mode"] == "layer" and len(props["split"]["workers"]) >= 1, props
+    assert all(w["shard"] is None and "layers" in w for w in props["split"]["workers"]), props
 
 
 def test_queue_limit_answers_429_and_shows_the_queue(server):

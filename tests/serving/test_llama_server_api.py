@@ -49,6 +49,8 @@ def test_props():
         "model_alias": "gemma-3-270m", "total_slots": 4, "default_generation_settings": {"n_ctx": 2048},
         "chat_template": chat_templates.BUILTIN["chatml"], "chat_template_name": "chatml",
         "chat_template_source": "builtin", "build_info": "ggml-distributed 1.2.3"}
+    split = {"split_mode": "tensor", "workers": [{"endpoint": "a:1", "layers": [0, 18], "shard": {"rank": 0}}]}
+    assert llama_server_api.props("m", 1, 64, chatml, "1", split)["split"] == split
 
 
 def test_slots_entries():
