@@ -215,6 +215,17 @@ class Coordinator:
         tokens is cut into micro-batches, the sequences are not grouped again."""
         return await self._io.call(self._resume.decode(batch, greedy, group=False))
 
+    def embed(self, batch: Batch) -> DecodeOutcome:
+        """Decode `batch` for embeddings: for every token that wants an output
+        (Batch.logits), its final hidden state after output_norm (f32[n_embd]),
+        read with outcome.hidden(i); no output head runs. The KV rows are
+        written and kept as a decode's (kv_seq_rm them when done). The outcome's
+        code and error as decode()'s; it does not pause to resume."""
+        return self._run(self._decoder.embed(batch))
+
+    async def aembed(self, batch: Batch) -> DecodeOutcome:
+        return await self._io.call(self._decoder.embed(batch))
+
     @property
     def pipelined(self) -> bool:
         """Steps are cut into micro-batches and several may be in flight at

@@ -62,7 +62,16 @@ class Decoder:
         self.last = outcome
         return outcome
 
-    async def _whole(self, batch: Batch, greedy: bool) -> DecodeOutcome:
+    async def embed(self, batch: Batch) -> DecodeOutcome:
+        """A step whose outputs are the wanted rows' final hidden states, normalized
+        (output_norm; no head): one whole step between the others (pipelined or not),
+        its KV rows written and kept as a decode's. Its outcome, also kept as `last`."""
+        last = self.last
+        self.last = DecodeOutcome(last.code, NO_OUTPUT, last.error, last.cause, last.endpoint)
+        self.last = await self._whole(batch, False, normed=True)
+        return self.last
+
+    async def _whole(self, batch: Batch, greedy: bool, normed: bool = False) -> DecodeOutcome:
         async with self.gate:  # one step at a time, whole, the stages one after another
             admitted = self._admit(batch)
             if isinstance(admitted, DecodeOutcome):
@@ -70,13 +79,15 @@ class Decoder:
             rows, tok_pos, tok_seq, out_rows, started = admitted
             saved = self.kv.assign(rows, tok_pos, tok_seq)
             try:
-                out = await self.pipeline.step(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+                out = await self.pipeline.step(batch.tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed)
             except StepFailed as exc:
                 self.kv.rollback(saved)
                 return self._step_failed(exc)
             except BaseException:
                 self.kv.rollback(saved)
                 raise
+            if normed:
+                return self._ok(batch, greedy, out_rows, None, started, hidden=out)
             return self._ok(batch, greedy, out_rows, out, started)
 
     async def _pipelined(self, batch: Batch, greedy: bool, group: bool) -> DecodeOutcome:
@@ -153,11 +164,13 @@ class Decoder:
         out_rows = np.array([i for i, w in enumerate(want) if w], dtype=np.int32)
         return rows, tok_pos, tok_seq, out_rows, time.perf_counter()
 
-    def _ok(self, batch: Batch, greedy: bool, out_rows, out, started: float) -> DecodeOutcome:
+    def _ok(self, batch: Batch, greedy: bool, out_rows, out, started: float, hidden=None) -> DecodeOutcome:
         self.stats["decodes"] += 1
         self.stats["tokens"] += len(batch.tokens)
         self.stats["decode_seconds"] += time.perf_counter() - started
         self.endpoints.needs_refeed.difference_update(s for ids in seq_ids_of(batch) for s in ids)
+        if hidden is not None:
+            return DecodeOutcome(DecodeResult.OK, StepOutput(out_rows, hidden=hidden))
         return DecodeOutcome(DecodeResult.OK, StepOutput(out_rows, tokens=out) if greedy
                              else StepOutput(out_rows, logits=out))
 

@@ -72,11 +72,12 @@ class Pipeline:
         self.links_paused_until = time.monotonic() + seconds
 
     async def step(self, tokens, rows: np.ndarray, tok_pos: np.ndarray, tok_seq: np.ndarray,
-                   out_rows: np.ndarray, greedy: bool) -> np.ndarray:
+                   out_rows: np.ndarray, greedy: bool, normed: bool = False) -> np.ndarray:
         """The logits of the rows `out_rows` lists (f32[n_outputs, n_vocab]), or
-        with `greedy` their argmax tokens (i32[n_outputs]); the KV rows `rows`
-        written on every worker. Raises StepFailed."""
-        return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy))
+        with `greedy` their argmax tokens (i32[n_outputs]), or with `normed` their
+        final hidden states, normalized (f32[n_outputs, n_embd]); the KV rows
+        `rows` written on every worker. Raises StepFailed."""
+        return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed))
 
     async def replay(self, steps: list, through: int) -> None:
         """Journal steps (kv_journal.JournalStep) again, in order, as they were
@@ -122,7 +123,8 @@ class Pipeline:
             hidden = out.hidden
         return out
 
-    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, relayed: bool = False) -> PreparedStep:
+    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, relayed: bool = False,
+                normed: bool = False) -> PreparedStep:
         """A step's inputs, fixed now: n_kv and the masks from the KV table as
         it is (the step's own rows assigned, those of later steps not yet);
         and where its head runs (`relayed`: it will not go over step links)."""
@@ -130,12 +132,13 @@ class Pipeline:
         wanted = len(out_rows) > 0
         if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
             out_rows = np.array([n - 1], dtype=np.int32)
-        head = self._place_head(len(out_rows), greedy, relayed) if wanted else "whole"
+        head = self._place_head(len(out_rows), greedy, relayed) if wanted and not normed else "whole"
         if not self.head_shards:
             head = "whole"  # the stages hold no shares (the placement's mode is "whole" then)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), greedy, head_on_last=wanted and self.head_shards and head == "whole")
+        shape = StepShape(n, n_kv, len(out_rows), greedy and not normed,
+                          head_on_last=wanted and self.head_shards and head == "whole" and not normed, normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
                             self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
 
@@ -186,6 +189,8 @@ class Pipeline:
         greedy = step.shape.argmax
         if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
             return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+        if step.shape.normed:
+            return checked_logits(out.hidden.reshape(step.shape.n_outputs, self.hp.n_embd), self.places[-1].endpoint)
         if step.head_in_shares:
             return await self._head(out.hidden, step.shape, step.head_places)
         last = self.places[-1].endpoint
@@ -201,13 +206,13 @@ class Pipeline:
                                 step.shape.n_kv, step.mask, step.mask_swa if self.hp.n_swa else None,
                                 lambda: self.kv.pos >= 0)
 
-    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy) -> np.ndarray:
+    async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed=False) -> np.ndarray:
         if self.group is not None:
-            step = self.group.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+            step = self.group.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed)
             result = await self.group.step(step)
             self.record(step)
             return result
-        step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy)
+        step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed=normed)
         result = await self._linked(step)
         if result is not None:
             result = result[0]

@@ -18,7 +18,7 @@ import asyncio
 import numpy as np
 
 from coordinator.cluster.executors import TensorLinkFailed
-from coordinator.decode.step_io import PreparedStep, StepFailed, stage_inputs, step_failed
+from coordinator.decode.step_io import PreparedStep, checked_logits, read_output, stage_inputs, step_failed
 from coordinator.model.architectures.common import StepShape
 from rpc_daemon.client import parse_endpoint
 
@@ -63,7 +63,7 @@ class TensorGroup:
             raise step_failed(failures)
         return results
 
-    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool) -> PreparedStep:
+    def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, normed: bool = False) -> PreparedStep:
         n = len(tokens)
         wanted = len(out_rows) > 0
         if not wanted:  # a graph cannot have 0 output rows: one is computed and dropped
@@ -71,7 +71,7 @@ class TensorGroup:
         kv = self.pipeline.kv
         n_kv = kv.n_kv()
         mask, mask_swa = kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), greedy)
+        shape = StepShape(n, n_kv, len(out_rows), greedy and not normed, normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, False, shape,
                             self.pipeline._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
 
@@ -80,6 +80,9 @@ class TensorGroup:
         hp = self.pipeline.hp
         if not step.wanted:
             return np.empty(0, np.int32) if step.shape.argmax else np.empty((0, hp.n_vocab), np.float32)
+        if step.shape.normed:  # every member computed the same normed rows: the first's
+            normed = read_output(self.places[0], results[0], step.shape).hidden
+            return checked_logits(normed.reshape(step.shape.n_outputs, hp.n_embd), self.places[0].endpoint)
         return self.pipeline._combine_head(self.places, results, step.shape)
 
     async def run(self, common: dict, tokens, out_rows, shape: StepShape) -> list[bytes]:

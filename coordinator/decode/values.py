@@ -49,11 +49,12 @@ class Batch:
 
 class StepOutput:
     """What an OK decode left to read: per batch token that wanted logits, its
-    logits, or (greedy) its argmax token. None of it after a failed decode."""
+    logits, or (greedy) its argmax token, or (an embedding step) its final
+    hidden state, normalized. None of it after a failed decode."""
 
     def __init__(self, out_rows: np.ndarray | None = None, logits: np.ndarray | None = None,
-                 tokens: np.ndarray | None = None):
-        self.logits_, self.tokens = logits, tokens
+                 tokens: np.ndarray | None = None, hidden: np.ndarray | None = None):
+        self.logits_, self.tokens, self.hidden_ = logits, tokens, hidden
         self.rows = {} if out_rows is None else {int(i): k for k, i in enumerate(out_rows)}
 
     def _row(self, i: int) -> int:
@@ -68,6 +69,8 @@ class StepOutput:
 
     def logits(self, i: int) -> np.ndarray:
         if self.logits_ is None:
+            if self.hidden_ is not None:
+                raise RuntimeError("no logits: the last decode was an embedding step (read hidden(i))")
             if self.tokens is not None:
                 raise RuntimeError("no logits: the last decode ran with greedy=True (read token(i))")
             raise RuntimeError("no logits: the last decode did not return OK")
@@ -77,6 +80,11 @@ class StepOutput:
         if self.tokens is not None:
             return int(self.tokens[self._row(i)])
         return int(np.argmax(self.logits(i)))
+
+    def hidden(self, i: int) -> np.ndarray:
+        if self.hidden_ is None:
+            raise RuntimeError("no hidden states: the last decode was not an embedding step (Coordinator.embed)")
+        return self.hidden_[self._row(i)]
 
 
 NO_OUTPUT = StepOutput()
@@ -98,3 +106,7 @@ class DecodeOutcome:
 
     def token(self, i: int = -1) -> int:
         return self.output.token(i)
+
+    def hidden(self, i: int = -1) -> np.ndarray:
+        """An embedding step's (Coordinator.aembed_outcome) normalized final hidden state of token i."""
+        return self.output.hidden(i)

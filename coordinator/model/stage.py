@@ -171,13 +171,14 @@ class Stage:
     def head_here(self, shape: StepShape) -> bool:
         """This stage's layer graph ends in the whole output head (else the
         hidden state, or with the head split the normed rows for the shards)."""
-        return self.last and (self.head_rows is None or (shape.head_on_last and self.holds_whole_head))
+        return self.last and not shape.normed and (self.head_rows is None or
+                                                   (shape.head_on_last and self.holds_whole_head))
 
     # ------------------------------------------------------------ the reply's layout
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
     # token (i32) and maximum, then the row sums (f32), one value per output row.
     def output_size(self, shape: StepShape, head: bool = False) -> int:
-        if head or self.shard is not None:  # a tensor-parallel member's step ends in its rows of the head
+        if head or (self.shard is not None and not shape.normed):  # a member's step ends in its head rows
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
             return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
         if self.head_here(shape):
@@ -189,7 +190,7 @@ class Stage:
     def read_output(self, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
         """The arrays in a reply of output_size(shape, head) bytes."""
         n_out = shape.n_outputs
-        head = head or self.shard is not None
+        head = head or (self.shard is not None and not shape.normed)
         if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                best=np.frombuffer(data, np.float32, n_out, n_out * 4),
@@ -211,7 +212,7 @@ class Stage:
         else:
             whole = self.head_here(shape)
             key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and (whole or self.shard is not None),
-                   whole)
+                   whole, shape.normed)
         evicted = []
         g = self.graphs.get(key)
         if g is not None:
@@ -252,6 +253,8 @@ class Stage:
             x = self.arch.embed(b, tokens)
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
+        if self.shard is not None and shape.normed:  # every member holds the same normed rows
+            return self._finish(ctx, gf, inputs, [b.final_norm(x)], b.exchanges)
         if self.shard is not None:  # every member holds the whole hidden state: its rows of the head from it
             logits = lib.ggml_mul_mat(ctx.ptr, self._head_rows_weight(ctx.ptr), b.final_norm(x))
             outputs = list(argmax_first(ctx.ptr, logits)) if shape.argmax else [logits]

@@ -68,6 +68,9 @@ class StepShape:
     # the last stage computes the whole output head in its layer graph although the head is split
     # (coordinator/decode/head_placement.py chose it for this step); a stage without the whole head ignores it
     head_on_last: bool = False
+    # the last stage returns the rows that want outputs normalized (output_norm), not through the head:
+    # their embeddings (Coordinator.embed); no head round
+    normed: bool = False
 
     @property
     def head_key(self) -> tuple:
