@@ -171,6 +171,31 @@ def test_resume_in_tensor_mode_gives_the_same_text(tmp_path, workers):
         assert c.stats["kv_rebuilds"] >= 1
 
 
+def test_a_spare_takes_a_members_shard_and_the_text_is_the_same(tmp_path, workers):
+    """A member that does not come back: the spare takes its shard (weights, KV rows rebuilt by the
+    journal's replay on every member), the group is linked anew with it, and the tokens are the same."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    ws = workers(3)
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
+                     liveness_timeout=LIVENESS, resume_within=20.0, spares=[ws.endpoint(2)]) as c:
+        reference, code = generate_tokens(c, 16)
+        assert code == DecodeResult.OK
+        c.kv_clear()
+        pending, pos, out = c.tokenize(PROMPT), 0, []
+        for step in range(16):
+            if step == 5:
+                ws.kill(1)  # not restarted
+            code = c.decode_resuming(Batch.single(pending, pos), greedy=True)
+            assert code == DecodeResult.OK, c.last_error
+            pos += len(pending)
+            out.append(c.token(-1))
+            pending = [out[-1]]
+        assert out == reference
+        assert c.stats["spare_takeovers"] == 1, c.stats
+        shards = {e["endpoint"]: e["shard"]["rank"] for e in c.endpoints()}
+        assert shards == {ws.endpoint(0): 0, ws.endpoint(2): 1}, shards
+
+
 # ---------------------------------------------------------------- the fault matrix, in tensor mode
 # B (member 1) faulted by its daemon's --test-fault at its third graph request (the third decode: every
 # decode is one request per member), while A (member 0) computes the same step and waits on B's partials.
