@@ -94,6 +94,27 @@ def test_auto_takes_the_layer_split_where_exchanges_cost_more_than_they_save(tmp
         assert c.health()["split_mode"] == "layer"
 
 
+def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tmp_path, workers):
+    """A model whose layers are worth splitting (75 MB of f16 layers): on loopback 2 x n_layer exchanges
+    cost ~1 ms a token against ~7 ms saved; behind 20 ms one way (bench/delay_proxy.py) they cost 80 ms."""
+    import pathlib
+    import sys
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.delay_proxy import Link, ProxyThread
+    from tiny_models import Dims, write_plain_llama
+
+    model = write_plain_llama(tmp_path / "wide.gguf", Dims(n_embd=768, n_layer=4, n_head=12, n_head_kv=4,
+                                                           n_ff=3072), "f16", layer_std=0.02)
+    ws = workers(2)
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
+        assert c.health()["split_mode"] == "tensor"
+    with ProxyThread(ws.endpoint(0), Link(0.02)) as p0, ProxyThread(ws.endpoint(1), Link(0.02)) as p1:
+        with Coordinator([p0.endpoint, p1.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
+            assert c.health()["split_mode"] == "layer"
+
+
 def generate_tokens(c: Coordinator, n: int, fault=None) -> tuple[list[int], DecodeResult]:
     c.kv_clear()
     ids = c.tokenize(PROMPT)
