@@ -167,11 +167,11 @@ class ModelLoader:
         places, hp = endpoints.places, self.hp
         shards = plan_shards(hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights)
         heads = plan_rows(hp.n_vocab, weights)
-        reserve = compute_reserve(hp, self.n_batch, self.n_ctx)
         short = []
         for p, shard, rows, info in zip(places, shards, heads, infos):
             p.layers = range(hp.n_layer)
             p.stage = Stage.tensor_member(shard.rank, self.arch, hp, self.gguf, shard, self.n_ctx, rows)
+            reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
             need, free = -(-buffer_bytes(p.stage) // PAGE) * PAGE + reserve, endpoint_free(info)
             if free is not None and need > free:
                 short.append(f"{p.endpoint}: its shard needs {human(need)}, {human(free)} free")

@@ -115,6 +115,28 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
             assert c.health()["split_mode"] == "layer"
 
 
+def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path, start_daemon):
+    """75 MB of f16 layers on workers that each take 64 MiB (--mem): every member holds only its shard of
+    every layer, of the KV cache and of the head; the upload's plan is checked against the free memory."""
+    from tiny_models import Dims, write_plain_llama
+    from coordinator.cluster.executors import buffer_bytes
+
+    model = write_plain_llama(tmp_path / "wide.gguf", Dims(n_embd=768, n_layer=4, n_head=12, n_head_kv=4,
+                                                           n_ff=3072), "f16", layer_std=0.02)
+    a, b = start_daemon("-t", "1", "--mem", "64"), start_daemon("-t", "1", "--mem", "64")
+    with Coordinator(["local"], model=model, n_ctx=64) as whole:
+        whole_bytes = buffer_bytes(whole._places[0].stage)
+    assert whole_bytes > 64 << 20
+    with Coordinator([a.endpoint, b.endpoint], model=model, n_ctx=64, n_batch=64, split_mode="tensor") as c:
+        shares = [buffer_bytes(p.stage) for p in c._places]
+        assert all(share < 0.6 * whole_bytes for share in shares), (shares, whole_bytes)
+        _, code = generate_tokens(c, 4)
+        assert code == DecodeResult.OK, c.last_error
+    c, d = start_daemon("-t", "1", "--mem", "24"), start_daemon("-t", "1", "--mem", "24")
+    with pytest.raises(ValueError, match="free memory in tensor-parallel shards"):
+        Coordinator([c.endpoint, d.endpoint], model=model, n_ctx=64, n_batch=64, split_mode="tensor")
+
+
 def generate_tokens(c: Coordinator, n: int, fault=None) -> tuple[list[int], DecodeResult]:
     c.kv_clear()
     ids = c.tokenize(PROMPT)
