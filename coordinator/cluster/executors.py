@@ -525,7 +525,9 @@ class RemoteExecutor:
         return out
 
     def _compute_failed(self, exc: RpcError) -> StageFailed:
-        if exc.status == Status.LINK_FAILED:
+        # this worker's own link missing (its compute process was replaced) is its own failure; a link
+        # that closed or timed out on it is a peer's, reported only when no member failed itself
+        if exc.status == Status.LINK_FAILED and not exc.header.get("link_missing"):
             return TensorLinkFailed(FailureKind.COMPUTE, self.endpoint,
                                     f"tensor-parallel exchange failed on worker {self.endpoint}: {exc}")
         return rpc_failed(self.endpoint, exc)

@@ -35,6 +35,7 @@ class TensorGroup:
         self.linked_with: tuple | None = None  # the executors the current link joins
         self.step_no = 0
         self.links_made = 0
+        self._cancels: set = set()  # TENSOR_CANCELs in flight (not awaited; held until they end)
 
     @property
     def places(self) -> list:
@@ -48,18 +49,32 @@ class TensorGroup:
         self.linked_with = None
         self.link_id += 1
         link, places, n = self.link_id, self.places, len(self.places)
-        listens = await self._all([p.executor.tensor_listen(link) for p in places])
+        listens = await self._on_all([p.executor.tensor_listen(link) for p in places])
         peers = [{"rank": j, "host": parse_endpoint(places[j].endpoint)[0], "port": listens[j]["port"],
                   "ticket": listens[j]["ticket"]} for j in range(n)]
-        await self._all([p.executor.tensor_join(link, rank, n, peers[:rank], LINK_TIMEOUT)
-                         for rank, p in enumerate(places)])
+        await self._on_all([p.executor.tensor_join(link, rank, n, peers[:rank], LINK_TIMEOUT)
+                            for rank, p in enumerate(places)])
         self.linked_with = members
         self.links_made += 1
 
-    async def _all(self, coros) -> list:
-        results = await asyncio.gather(*coros, return_exceptions=True)
+    async def _on_all(self, coros) -> list:
+        """One request per member, all at once; each one's result in member order. The moment one
+        fails the others' waits on the link (a join, or an exchange) are cancelled (TENSOR_CANCEL),
+        then every request is awaited (each within its own bounds) and the failures raised as one
+        StepFailed: a member that failed itself before one that only saw its link close."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(c) for c in coros]
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:
+            for p in self.places:
+                cancel = loop.create_task(p.executor.tensor_cancel(self.link_id))
+                self._cancels.add(cancel)
+                cancel.add_done_callback(self._cancels.discard)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
+            self.linked_with = None  # the link is down on some member: linked again before the next step
+            failures.sort(key=lambda exc: isinstance(exc, TensorLinkFailed))
             raise step_failed(failures)
         return results
 
@@ -90,21 +105,8 @@ class TensorGroup:
         await self.ensure_linked()
         self.step_no += 1
         tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout}
-        loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(p.executor.run(p.stage, shape, stage_inputs(p, common, tokens, None, out_rows),
-                                                 tensor=tensor)) for p in self.places]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        if pending:  # one failed: the others may be waiting on it; end their waits now
-            for p in self.places:
-                loop.create_task(p.executor.tensor_cancel(self.link_id))
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            self.linked_with = None  # the link is down on some member: linked again before the next step
-            # a member that failed itself before one that only saw its link to it close
-            failures.sort(key=lambda exc: isinstance(exc, TensorLinkFailed))
-            raise step_failed(failures)
-        return results
+        return await self._on_all([p.executor.run(p.stage, shape, stage_inputs(p, common, tokens, None, out_rows),
+                                                  tensor=tensor) for p in self.places])
 
     async def replay(self, steps: list) -> None:
         """Journal steps again on every member, in order (their KV rows rewritten)."""

@@ -143,8 +143,9 @@ class ComputeState:
         LINK_FAILED reply and drops the link (the coordinator links the group again)."""
         link = self.tensor_link
         if link is None or link.link_id != tensor["link"]:
-            return {"status": int(Status.LINK_FAILED),
-                    "error": f"tensor link {tensor['link']} is not set up in this compute process"}
+            return {"status": int(Status.LINK_FAILED), "link_missing": True,
+                    "error": f"tensor link {tensor['link']} is not set up in this compute process (it was "
+                             f"replaced, or the link dropped)"}
         seg = self.segmented.get(key)
         if seg is None or seg.exchange != tuple(tensor["exchange"]):
             if seg is not None:

@@ -246,7 +246,10 @@ async def _run(s: Session, run: V.Run, tensor: V.TensorStep | None = None):
     s.daemon.stats["compute_us"] += reply.get("compute_us", 0)
     if reply["status"] != 0:
         s.daemon.stats["compute_errors"] += 1
-        return {"status": reply["status"], "error": reply.get("error", "compute failed")}
+        failed = {"status": reply["status"], "error": reply.get("error", "compute failed")}
+        if reply.get("link_missing"):  # this session's own link is gone, not a peer's: protocol.md, Tensor links
+            failed["link_missing"] = True
+        return failed
     if tensor is not None:
         return {"outputs": reply["outputs"], "compute_us": reply.get("compute_us", 0),
                 "exchange_us": reply.get("exchange_us", 0)}, out

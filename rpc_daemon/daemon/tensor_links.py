@@ -19,7 +19,6 @@ import socket
 import structlog
 
 from rpc_daemon.compute.pool import ComputeFailed
-from rpc_daemon.service.loop import within
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire.protocol import ProtocolError, Status
 from rpc_daemon.wire.tensor_frames import ACK, HELLO, TICKET_BYTES, LinkBroken, check_hello, pack_hello
@@ -35,9 +34,12 @@ class TensorLinks:
         self.listener: socket.socket | None = None
         self.ticket = b""
         self.socks: list[socket.socket] = []
+        self.joining: asyncio.Task | None = None  # a join in progress (TENSOR_CANCEL ends it)
 
     def end(self) -> None:
-        """Shut the link down: a compute process waiting on it stops waiting now."""
+        """Shut the link down: a compute process waiting on it, or a join, stops waiting now."""
+        if self.joining is not None:
+            self.joining.cancel()
         for s in self.socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -77,12 +79,23 @@ async def handle_tensor_link(s, h, blob, direct):
         return {"port": listener.getsockname()[1], "ticket": links.ticket}
     if links.listener is None or links.link_id != req.link:
         raise ProtocolError(Status.INVALID_REQUEST, f"TENSOR_LINK join of link {req.link} needs its listen first")
+    join = links.joining = asyncio.get_running_loop().create_task(_join(links, req))
     try:
-        socks = await within(_join(links, req), req.timeout)
-    except (asyncio.TimeoutError, LinkBroken, OSError) as exc:
-        why = "the peers did not all link in time" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+        await asyncio.wait({join}, timeout=req.timeout)
+    finally:
+        links.joining = None
+    why = None
+    if not join.done():
+        join.cancel()
+        why = "the peers did not all link in time"
+    elif join.cancelled():
+        why = "cancelled (TENSOR_CANCEL: a member failed)"
+    elif join.exception() is not None:
+        why = str(join.exception()) or type(join.exception()).__name__
+    if why is not None:
         links.close()
         return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {why}"}
+    socks = join.result()
     links.listener.close()
     links.listener = None
     links.socks = [sock for _, sock in sorted(socks.items())]

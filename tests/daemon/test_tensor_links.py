@@ -149,3 +149,17 @@ def test_a_peer_out_of_step_drops_the_link(pair):
     assert "expected" in ha["error"]
     h, _ = compute(a, [1, 2, 3, 4], 7)  # dropped: linked again before the next step
     assert h["status"] == Status.LINK_FAILED and "not set up" in h["error"], h
+
+
+def test_tensor_cancel_ends_a_join_that_waits_for_its_peers(pair):
+    da, db, a, b = pair
+    h, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 9})
+    assert h["status"] == 0
+    started = time.monotonic()
+    a.request(Command.TENSOR_LINK, {"op": "join", "link": 9, "rank": 0, "n": 2, "timeout": 60})
+    time.sleep(0.3)
+    a.request(Command.TENSOR_CANCEL, {"link": 9})
+    frames = [a.recv_frame()[0] for _ in range(2)]  # the cancel's reply (at once), then the join's
+    join = next(f for f in frames if f["status"] != 0)
+    assert join["status"] == Status.LINK_FAILED and "cancelled" in join["error"], frames
+    assert time.monotonic() - started < 0.3 + 2 * SLACK
