@@ -19,6 +19,13 @@ used; `choose_slot`), removes that slot's rows past the common prefix
 token (its logits are sampled). Nothing moves on the workers: the rows stay
 where they are, and the KV journal keeps the steps they depend on (they are
 live rows), so a resume rebuilds them too.
+
+Embeddings (`embed`) take free slots too, but not through the loop: each
+input is decoded on a sequence of its own in steps of their own
+(Coordinator.aembed, one whole step between the loop's), several inputs in
+one step while they fit in n_batch tokens. The sequence's rows are removed as
+soon as its input is done, and it goes back with no prompt cache: a later
+request never reuses an embedding's rows.
 """
 from __future__ import annotations
 
@@ -26,8 +33,9 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import structlog
 
 from coordinator.decode.values import Batch, DecodeResult
@@ -50,6 +58,14 @@ class QueueFull(Exception):
     def __init__(self, waiting: int):
         super().__init__(f"{waiting} requests wait for a slot")
         self.waiting = waiting
+
+
+class EmbeddingFailed(Exception):
+    """An embedding step did not return OK: its DecodeOutcome's code, error and endpoint."""
+
+    def __init__(self, code: DecodeResult, message: str, endpoint: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.endpoint = code, message, endpoint
 
 
 @dataclass
@@ -200,18 +216,7 @@ class Scheduler:
         `cache_prompt`: reuse the KV rows of the longest prefix of the prompt a
         free slot holds (the slot is chosen for it); without, the prompt is
         decoded whole. `request_id`: the request's id, for /slots."""
-        if self.closing:
-            raise ShuttingDown()
-        if not self.free and self.max_queue is not None and self.waiting >= self.max_queue:
-            raise QueueFull(self.waiting)
-        self.waiting += 1
-        try:
-            seq = await self._take(prompt if cache_prompt else [])
-        finally:
-            self.waiting -= 1
-        if self.closing:
-            self._give_back(seq)
-            raise ShuttingDown()
+        seq = await self._queue_for(prompt if cache_prompt else [])
         sizes = [sum(s.group == g for s in self.active) for g in range(self.n_groups)]
         slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
                     pending=list(prompt), group=sizes.index(min(sizes)), logprobs=logprobs, echo=echo,
@@ -225,6 +230,110 @@ class Scheduler:
         self.active.append(slot)
         self._wake[slot.group].set()
         return slot
+
+    async def _queue_for(self, prompt: list[int]) -> int:
+        """A free sequence (_take), waited for as a request waits: ShuttingDown, QueueFull."""
+        if self.closing:
+            raise ShuttingDown()
+        if not self.free and self.max_queue is not None and self.waiting >= self.max_queue:
+            raise QueueFull(self.waiting)
+        self.waiting += 1
+        try:
+            seq = await self._take(prompt)
+        finally:
+            self.waiting -= 1
+        if self.closing:
+            self._give_back(seq)
+            raise ShuttingDown()
+        return seq
+
+    async def embed(self, inputs: Sequence[Sequence[int]],
+                    wanted: Callable[[int], list[bool]]) -> list[np.ndarray]:
+        """Each input's rows of the final normed hidden state that `wanted(n_tokens)` selects
+        ([k, n_embd], in position order), in the inputs' order. On free slots: one, waited for as a
+        request waits (ShuttingDown, QueueFull), and more if they are free at once, up to one per
+        input (the least recently used: their prompt caches are worth least). The inputs on them
+        share steps of up to n_batch tokens; an input longer than that is fed in chunks. A slot's
+        cached rows are removed before, its input's rows as soon as it is done: its sequence goes
+        back with no prompt cache. EmbeddingFailed if a step fails. Cancelled (the client went
+        away), the step in flight ends first and the slots are freed all the same."""
+        seqs = [await self._queue_for([])]
+        while len(seqs) < len(inputs) and self.free and not self._waiters:
+            seqs.append(self._pick([]))
+        stop = asyncio.Event()
+        job = asyncio.ensure_future(self._embed_on(seqs, inputs, wanted, stop))
+        job.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, even when nobody awaits it
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()  # no step after the one in flight; the job frees the slots
+            raise
+
+    async def _embed_on(self, seqs: list[int], inputs, wanted, stop: asyncio.Event) -> list[np.ndarray]:
+        marks = [wanted(len(ids)) for ids in inputs]
+        out: list[np.ndarray | None] = [None] * len(inputs)
+        todo = collections.deque(range(len(inputs)))
+        idle, running = list(seqs), {}  # running: sequence -> [input, tokens fed, rows so far]
+        dirty: set[int] = set()  # sequences that may hold rows
+        try:
+            for seq in seqs:
+                if self.cache.pop(seq, None):
+                    dirty.add(seq)
+                    self.coord.kv_seq_rm(seq)
+                    dirty.discard(seq)
+            while todo or running:
+                if stop.is_set():
+                    raise asyncio.CancelledError()
+                while idle and todo:
+                    running[idle.pop(0)] = [todo.popleft(), 0, []]
+                tokens, pos, seq_ids, want, owners, fed = [], [], [], [], [], {}
+                for seq, (i, p, _) in running.items():
+                    chunk = inputs[i][p: p + self.coord.n_batch - len(tokens)]
+                    if not chunk:
+                        break
+                    for k, tok in enumerate(chunk):
+                        if marks[i][p + k]:
+                            owners.append((len(tokens), seq))
+                        want.append(marks[i][p + k])
+                        tokens.append(tok)
+                        pos.append(p + k)
+                        seq_ids.append([seq])
+                    fed[seq] = len(chunk)
+                    dirty.add(seq)
+                if not any(want):
+                    want[-1] = True  # a step returns at least one row; this one is read by nobody
+                started = time.perf_counter()
+                outcome = await self.coord.aembed(Batch(tokens, pos, seq_ids, want))
+                self.last_step_end = time.monotonic()
+                if self.metrics:
+                    self.metrics.observe_decode(time.perf_counter() - started, outcome.code, len(tokens))
+                if outcome.code != DecodeResult.OK:
+                    endpoint = outcome.endpoint if outcome.code == DecodeResult.ENDPOINT_FAILED else None
+                    log.error("embedding step failed", code=outcome.code.name, error=outcome.error)
+                    raise EmbeddingFailed(outcome.code, outcome.error or outcome.code.name, endpoint)
+                if self.metrics:
+                    self.metrics.prompt_tokens.inc(len(tokens))
+                for row, seq in owners:
+                    running[seq][2].append(np.asarray(outcome.hidden(row), dtype=np.float32))
+                for seq, n in fed.items():
+                    job = running[seq]
+                    job[1] += n
+                    if job[1] == len(inputs[job[0]]):
+                        out[job[0]] = np.stack(job[2])
+                        del running[seq]
+                        self.coord.kv_seq_rm(seq)
+                        dirty.discard(seq)
+                        idle.append(seq)
+            return out
+        finally:
+            for seq in seqs:
+                if seq in dirty:
+                    try:
+                        self.coord.kv_seq_rm(seq)
+                    except Exception:
+                        log.exception("freeing an embedding's KV rows failed; its sequence is retired", seq=seq)
+                        continue
+                self._give_back(seq)
 
     async def _take(self, prompt: list[int]) -> int:
         """A free sequence, chosen for `prompt` (choose_slot), at once or when one is freed (first come first)."""

@@ -113,6 +113,19 @@ def _kv_type(text: str) -> str:
     return text
 
 
+def _pooling(text: str) -> str:
+    """--pooling: llama-server's mean, last, cls; its none and rank are not served."""
+    if text in ("mean", "last", "cls"):
+        return text
+    if text == "none":
+        raise argparse.ArgumentTypeError("'none' is not supported: /v1/embeddings returns one pooled vector per "
+                                         "input; choose mean, last or cls")
+    if text == "rank":
+        raise argparse.ArgumentTypeError("'rank' is not supported: there is no reranking endpoint (it needs a "
+                                         "reranker model's classification head); choose mean, last or cls")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a pooling: choose mean, last or cls")
+
+
 def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("--endpoints", default=None, help="comma-separated host:port list (default: start local workers)")
     p.add_argument("--local-workers", type=_count(1), default=2, help="workers to start when --endpoints is not given")
@@ -220,8 +233,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                       "context is refused (400 context_length_exceeded)"),
                    help=argparse.SUPPRESS)
     s.add_argument("--no-context-shift", action="store_true", help="accepted: the context is never shifted")
-    s.add_argument("--embedding", "--embeddings", action=_refused("not supported yet: there is no embeddings "
-                                                                  "endpoint"), help=argparse.SUPPRESS)
+    s.add_argument("--embedding", "--embeddings", dest="embeddings", action="store_true",
+                   help="serve /v1/embeddings (without it, 501 as llama-server answers); completions are served "
+                        "too, on the same slots")
+    s.add_argument("--pooling", type=_pooling, default="mean", metavar="{mean,last,cls}",
+                   help="how /v1/embeddings pools an input's tokens into one vector, then L2-normalized: their "
+                        "mean (default), the last token's, or the first's (cls)")
     s.add_argument("--cors-origin", default="*", metavar="ORIGIN",
                    help="the Access-Control-Allow-Origin every response carries (default: *)")
     s.add_argument("--max-queue", type=_count(0), default=None, metavar="N",

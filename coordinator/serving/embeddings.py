@@ -4,10 +4,9 @@ final normed hidden state pooled into one vector per input (mean, last, cls)
 and L2-normalized, and OpenAI's reply (floats, or base64 of little-endian
 float32, which the official client asks by default).
 
-What is not here yet: the rows themselves. The decode returns logits (or
-tokens) only; the serving side needs a decode that ends in the last stage's
-normed rows (output_norm applied, no output head). See the report of issue
-#28's endpoints work for the facade method it needs."""
+The rows come from Coordinator.aembed (the final hidden state after
+output_norm, no output head), decoded on the scheduler's slots
+(batching.Scheduler.embed); http_server.py ties them together."""
 from __future__ import annotations
 
 import base64
@@ -27,6 +26,7 @@ MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 class EmbeddingRequest:
     inputs: list  # each a string (to tokenize) or token ids (checked against the vocabulary)
     encoding_format: str  # "float" or "base64"
+    param: str = "input"  # the field the inputs came in: "input", or llama-server's "content"
 
 
 def parse_embeddings(body: dict, n_vocab: int) -> EmbeddingRequest:
@@ -63,7 +63,7 @@ def parse_embeddings(body: dict, n_vocab: int) -> EmbeddingRequest:
         raise ApiError(400, "'dimensions' is not supported by this server: a vector has the model's width",
                        param="dimensions")
     typed_param(body, "user", str, None)
-    return EmbeddingRequest(inputs, encoding)
+    return EmbeddingRequest(inputs, encoding, param)
 
 
 def pool(rows: np.ndarray, pooling: str) -> np.ndarray:

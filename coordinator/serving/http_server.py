@@ -22,9 +22,10 @@ import uuid
 import structlog
 from aiohttp import web
 
-from coordinator.serving import access, chat_templates, llama_server_api, openai_api, structured_output, web_page
+from coordinator.serving import access, chat_templates, embeddings, llama_server_api, openai_api, structured_output
+from coordinator.serving import web_page
 from coordinator.serving import tools as tool_requests
-from coordinator.serving.batching import QueueFull, Scheduler, ShuttingDown
+from coordinator.serving.batching import EmbeddingFailed, QueueFull, Scheduler, ShuttingDown
 from coordinator.serving.cluster_view import ClusterView
 from coordinator.serving.health import ServerHealth
 from coordinator.serving.metrics import CONTENT_TYPE, Metrics
@@ -56,12 +57,13 @@ class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
                  api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None,
                  chat_template: str | None = None, metrics_endpoint: bool = True, n_predict: int | None = None,
-                 slots_endpoint: bool = True):
+                 slots_endpoint: bool = True, pooling: str | None = None):
         """`chat_template`: a built-in template's name or a Jinja file (--chat-template;
         ChatTemplateError if it is neither); default the model's own, else a generic fallback.
         `metrics_endpoint`: serve /metrics (--metrics/--no-metrics). `n_predict`: the most tokens a
         request generates, and what it gets when it asks no number (-n); None: no limit.
-        `slots_endpoint`: serve llama-server's /slots (--slots/--no-slots). `api_key`: one key or a list."""
+        `slots_endpoint`: serve llama-server's /slots (--slots/--no-slots). `api_key`: one key or a list.
+        `pooling`: /v1/embeddings' (mean, last, cls: --embeddings --pooling); None: embeddings refused."""
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
@@ -73,6 +75,9 @@ class CompletionServer:
         self.metrics_endpoint = metrics_endpoint
         self.n_predict = n_predict
         self.slots_endpoint = slots_endpoint
+        if pooling is not None and pooling not in embeddings.POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(embeddings.POOLING)}, not {pooling!r}")
+        self.pooling = pooling
         self.created = int(time.time())
         tok = coord.tokenizer
         self.n_vocab = min(coord.hp.n_vocab, len(tok.tokens))  # an id beyond either is refused
@@ -229,8 +234,42 @@ class CompletionServer:
                                                                    req.tools)})
 
     async def embeddings(self, request) -> web.Response:
-        raise ApiError(501, "this server does not compute embeddings yet (llama-server's --embeddings): the "
-                            "decode returns logits only", "not_supported_error")
+        """/v1/embeddings (and llama-server's /embeddings, /embedding): one pooled, L2-normalized vector
+        per input (embeddings.py), computed on free slots (Scheduler.embed); 501 without --embeddings.
+        A text is tokenized as llama-server does (special tokens added and parsed); token ids are taken
+        as they are."""
+        if self.pooling is None:
+            raise ApiError(501, "This server does not support embeddings. Start it with `--embeddings`",
+                           "not_supported_error")
+        req = embeddings.parse_embeddings(await self._body(request), self.n_vocab)
+        param = req.param
+        texts = [x for x in req.inputs if isinstance(x, str)]
+        for text in texts:
+            openai_api.check_text_fits(text, self.n_ctx_slot, param)
+        encoded = iter(await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [self.coord.tokenize(t, add_special=True, parse_special=True) for t in texts]) if texts else [])
+        inputs = [next(encoded) if isinstance(x, str) else list(x) for x in req.inputs]
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise ApiError(400, f"input {i} holds no token", param=param)
+            if len(ids) > self.n_ctx_slot:
+                raise ApiError(400, f"input {i} of {len(ids)} tokens exceeds the context of {self.n_ctx_slot} "
+                                    f"tokens per slot", param=param, code="context_length_exceeded")
+        if self.scheduler.closing:
+            raise openai_api.shutting_down()
+        self._refuse_for_outage()
+        try:
+            rows = await self.scheduler.embed(inputs, lambda n: embeddings.rows_wanted(n, self.pooling))
+        except ShuttingDown:
+            raise openai_api.shutting_down() from None
+        except QueueFull as exc:
+            raise openai_api.server_busy(self.scheduler.n_slots, exc.waiting, self.scheduler.max_queue,
+                                         QUEUE_FULL_RETRY_SECONDS) from None
+        except EmbeddingFailed as exc:
+            raise openai_api.decode_failed(exc.message, exc.code, self.health_check.retry_after()) from None
+        vectors = [embeddings.pool(r, self.pooling) for r in rows]
+        return web.json_response(embeddings.reply(vectors, self.model_name, sum(map(len, inputs)),
+                                                  req.encoding_format))
 
     # ------------------------------------------------------------ tokens
     async def tokenize(self, request) -> web.Response:

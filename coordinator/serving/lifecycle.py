@@ -72,7 +72,8 @@ def server_options(args) -> dict:
     """CompletionServer's options from serve's flags."""
     return {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
             "chat_template": args.chat_template, "metrics_endpoint": args.metrics,
-            "n_predict": args.n_predict if args.n_predict > 0 else None, "slots_endpoint": args.slots}
+            "n_predict": args.n_predict if args.n_predict > 0 else None, "slots_endpoint": args.slots,
+            "pooling": args.pooling if args.embeddings else None}
 
 
 def cmd_serve(args) -> int:
@@ -122,7 +123,7 @@ async def serve_http(coord, socks, n_slots: int, n_ctx_slot: int, model_name: st
     """Serve on `socks` (bound, listening sockets: listen_sockets) until
     SIGTERM/SIGINT, HTTPS with `ssl_context` (--ssl-cert-file, --ssl-key-file).
     `announce()` is called once requests are answered; `options`: CompletionServer's
-    api_key, cors_origin, max_queue, chat_template, metrics_endpoint, n_predict, slots_endpoint."""
+    api_key, cors_origin, max_queue, chat_template, metrics_endpoint, n_predict, slots_endpoint, pooling."""
     server = CompletionServer(coord, model_name, n_slots, n_ctx_slot, **options)
     # handler_cancellation: a client that goes away cancels its handler, which frees its slot
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)

@@ -73,11 +73,22 @@ def test_jinja_and_no_context_shift_are_taken():
     assert parsed("--no-context-shift").no_context_shift is True
 
 
+def test_embeddings_and_pooling_flags():
+    from coordinator.serving.lifecycle import server_options
+    a = parsed()
+    assert (a.embeddings, a.pooling) == (False, "mean") and server_options(a)["pooling"] is None
+    for flag in ("--embeddings", "--embedding"):  # llama-server's spellings
+        assert parsed(flag).embeddings is True and server_options(parsed(flag))["pooling"] == "mean"
+    for pooling in ("mean", "last", "cls"):
+        assert server_options(parsed("--embeddings", "--pooling", pooling))["pooling"] == pooling
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--no-jinja",), "--no-jinja: chat templates are always Jinja here"),
     (("--context-shift",), "--context-shift: not supported yet"),
-    (("--embeddings",), "--embeddings: not supported yet: there is no embeddings endpoint"),
-    (("--embedding",), "--embedding: not supported yet"),
+    (("--pooling", "none"), "argument --pooling: 'none' is not supported: /v1/embeddings returns one pooled"),
+    (("--pooling", "rank"), "argument --pooling: 'rank' is not supported: there is no reranking endpoint"),
+    (("--pooling", "max"), "argument --pooling: 'max' is not a pooling: choose mean, last or cls"),
     (("-ctk", "q8_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q8_0' is not supported yet"),
     (("--cache-type-k", "q4_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q4_0' is not supported yet"),
     (("-ctv", "q8_0"), "argument -ctv/--cache-type-v: a KV cache of type 'q8_0' is not supported yet"),

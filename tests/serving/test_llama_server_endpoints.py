@@ -149,4 +149,5 @@ def test_infill_refused_without_fim_tokens_and_no_embeddings(server):
     assert status == 400 and "no fill-in-the-middle tokens" in body["error"]["message"], body
     assert "prefix token is missing" in body["error"]["message"]
     status, _, body = post(server, "/v1/embeddings", {"input": "hello"})
-    assert status == 501 and "embeddings" in body["error"]["message"], body
+    assert status == 501 and body["error"]["type"] == "not_supported_error", body  # as llama-server
+    assert "Start it with `--embeddings`" in body["error"]["message"], body
