@@ -104,6 +104,11 @@ class CoordinatorConfig:
     saves, else layer. Logits differ from the layer split's by the order of
     summation only.
 
+    `cache_type_k`, `cache_type_v` (llama.cpp's -ctk/-ctv): the KV cache's K
+    and V types on the workers: "f16" (the default), "q8_0" (about half the
+    memory per token) or "q4_0" (about a quarter); rows are quantized as they
+    are written, and attention reads them so (docs/architecture.md, "KV cache").
+
     `on_upload(done, total)` (bytes of weights) is called when the upload
     starts and after every chunk, from the coordinator's I/O thread: the server
     uses it to keep systemd's start timeout from expiring while a big model
@@ -143,6 +148,8 @@ class CoordinatorConfig:
     micro_batch: int = DEFAULT_MICRO_BATCH
     step_links: bool = True
     split_mode: str = "layer"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
 
     @classmethod
     def of(cls, endpoints, model, options: dict) -> "CoordinatorConfig":
@@ -162,6 +169,9 @@ class CoordinatorConfig:
         n_ctx = int(self.n_ctx)
         if n_ctx < 1:
             raise ValueError("n_ctx must be at least 1")
+        for name, kind in (("cache_type_k", self.cache_type_k), ("cache_type_v", self.cache_type_v)):
+            if kind not in ("f16", "q8_0", "q4_0"):
+                raise ValueError(f"{name} must be 'f16', 'q8_0' or 'q4_0', not {kind!r}")
         if self.split_mode not in ("layer", "tensor", "auto"):
             raise ValueError(f"split_mode must be 'layer', 'tensor' or 'auto', not {self.split_mode!r}")
         return replace(self, endpoints=endpoints, split=split, spares=spares, n_ctx=n_ctx)

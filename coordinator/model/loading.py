@@ -19,7 +19,7 @@ from coordinator.decode.pipeline import Pipeline
 from coordinator.model.architectures.common import head_source
 from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, human,
                                           plan_rows, split_weights)
-from coordinator.model.stage import Stage
+from coordinator.model.stage import KV_TYPES, Stage
 from coordinator.model.tensor_split import TensorSplitError, plan_shards
 from rpc_daemon.service.memory import available_memory
 
@@ -33,9 +33,11 @@ EXCHANGE_OVERHEAD = 60e-6  # seconds an exchange costs beyond the one-way delay 
 
 class ModelLoader:
     def __init__(self, gguf, arch, hp, n_ctx: int, n_batch: int, threads: int, executor_options: dict,
-                 head: HeadPlacement):
-        """`executor_options`: every remote executor's keywords (timeouts, secret, TLS, digests)."""
+                 head: HeadPlacement, kv_types: tuple = ("f16", "f16")):
+        """`executor_options`: every remote executor's keywords (timeouts, secret, TLS, digests);
+        `kv_types`: the KV cache's K and V types (stage.KV_TYPES' names)."""
         self.gguf, self.arch, self.hp = gguf, arch, hp
+        self.kv_types = tuple(KV_TYPES[t] for t in kv_types)
         self.n_ctx, self.n_batch, self.threads = n_ctx, n_batch, threads
         self.executor_options, self.head = executor_options, head
 
@@ -44,7 +46,7 @@ class ModelLoader:
 
     def stage(self, index: int, layers: range, head_rows: range, whole_head: bool) -> Stage:
         return Stage.create(index, self.arch, self.hp, self.gguf, layers, self.hp.n_layer, self.n_ctx, head_rows,
-                            whole_head)
+                            whole_head, self.kv_types)
 
     async def connect(self, p: Place, endpoint: str):
         """A new connection to `endpoint` (`p`'s, or a spare's) with `p`'s stage's weights (reconnect)."""
@@ -170,7 +172,7 @@ class ModelLoader:
         short = []
         for p, shard, rows, info in zip(places, shards, heads, infos):
             p.layers = range(hp.n_layer)
-            p.stage = Stage.tensor_member(shard.rank, self.arch, hp, self.gguf, shard, self.n_ctx, rows)
+            p.stage = Stage.tensor_member(shard.rank, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types)
             reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
             need, free = -(-buffer_bytes(p.stage) // PAGE) * PAGE + reserve, endpoint_free(info)
             if free is not None and need > free:

@@ -45,16 +45,20 @@ class BuiltGraph:
     exchanges: list = field(default_factory=list)  # a tensor-parallel member's all-reduced partials, in order
 
 
-class StageKV:
-    """Per-layer K and V caches of one stage (metadata; placed by the executor)."""
+KV_TYPES = {"f16": F16, "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0}  # -ctk/-ctv, llama.cpp's names
 
-    def __init__(self, hp: HParams, layers: range, n_ctx: int):
+
+class StageKV:
+    """Per-layer K and V caches of one stage (metadata; placed by the executor), of the types
+    `kv_types` (K's, V's: f16, or q8_0/q4_0 as llama.cpp's -ctk/-ctv)."""
+
+    def __init__(self, hp: HParams, layers: range, n_ctx: int, kv_types: tuple = (F16, F16)):
         self.n_ctx = n_ctx  # cache rows; what Phi-3 picks its LongRoPE factors by
         self.ctx = Context(2 * len(layers) + 4)
         self._layers = {}
         for il in layers:
-            k = self.ctx.new_tensor(F16, [hp.n_embd_kv, n_ctx], f"cache_k_l{il}")
-            v = self.ctx.new_tensor(F16, [hp.n_embd_kv, n_ctx], f"cache_v_l{il}")
+            k = self.ctx.new_tensor(kv_types[0], [hp.n_embd_kv, n_ctx], f"cache_k_l{il}")
+            v = self.ctx.new_tensor(kv_types[1], [hp.n_embd_kv, n_ctx], f"cache_v_l{il}")
             self._layers[il] = (k, v)
 
     def layer(self, il: int):
@@ -92,7 +96,7 @@ class Stage:
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
-               head_rows: range | None = None, holds_whole_head: bool = False) -> "Stage":
+               head_rows: range | None = None, holds_whole_head: bool = False, kv_types: tuple = (F16, F16)) -> "Stage":
         """`holds_whole_head` (with `head_rows`): the last stage holds the whole head too (others ignore it)."""
         first, last = layers.start == 0, layers.stop == n_layer
         holds_whole_head = last and (head_rows is None or holds_whole_head)
@@ -105,7 +109,7 @@ class Stage:
                 names.append(head_source(gguf.tensors))
         names += arch.extra_weights(gguf.tensors)  # on every stage, e.g. llama 3.x's RoPE frequency factors
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
-        stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx), head_rows,
+        stage = cls(index, arch, hp, layers, first, last, weights, StageKV(hp, layers, n_ctx, kv_types), head_rows,
                     holds_whole_head)
         if head_rows is not None and len(head_rows):
             src = head_source(gguf.tensors)
@@ -115,7 +119,8 @@ class Stage:
         return stage
 
     @classmethod
-    def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range) -> "Stage":
+    def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range,
+                      kv_types: tuple = (F16, F16)) -> "Stage":
         """Member `shard.rank` of a tensor-parallel group: every layer, cut to its shard
         (model/tensor_split.py), the embedding and norms whole, and `head_rows` of the head."""
         from coordinator.model.tensor_split import local_hparams, shard_cuts
@@ -124,7 +129,7 @@ class Stage:
         names += ["token_embd.weight", "output_norm.weight"] + arch.extra_weights(gguf.tensors)
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
         cuts = shard_cuts(hp, shard, gguf.tensors)
-        stage = cls(index, arch, local, range(hp.n_layer), True, True, weights, StageKV(local, range(hp.n_layer), n_ctx),
+        stage = cls(index, arch, local, range(hp.n_layer), True, True, weights, StageKV(local, range(hp.n_layer), n_ctx, kv_types),
                     head_rows, shard=shard)
         stage.own_ctx = Context(len(cuts) + 1)
         for name, cut in cuts.items():

@@ -116,7 +116,8 @@ def cmd_bench(args) -> int:
         coords = {}
         try:
             for name, (eps, opts) in rows.items():
-                opts = {"threads": args.threads, "micro_batch": args.micro_batch, **opts}
+                opts = {"threads": args.threads, "micro_batch": args.micro_batch, "cache_type_k": args.cache_type_k,
+                        "cache_type_v": args.cache_type_v, **opts}
                 coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
                                            **opts, **security_options(args))
         except BaseException:

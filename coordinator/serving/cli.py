@@ -105,11 +105,14 @@ def _refused(message: str, nargs=0):
     return Refused
 
 
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+
+
 def _kv_type(text: str) -> str:
-    """-ctk/-ctv: the KV cache's type; f16 is the only one (docs/architecture.md, "Not yet")."""
-    if text != "f16":
-        raise argparse.ArgumentTypeError(f"a KV cache of type {text!r} is not supported yet: the KV cache is f16 "
-                                         f"(the only value taken)")
+    """-ctk/-ctv: the KV cache's type, as llama.cpp names them (docs/architecture.md, "KV cache")."""
+    if text not in KV_CACHE_TYPES:
+        raise argparse.ArgumentTypeError(f"a KV cache of type {text!r} is not supported: choose "
+                                         f"{', '.join(KV_CACHE_TYPES)}")
     return text
 
 
@@ -165,9 +168,10 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                         "else $GGML_RPC_SECRET); local workers get it too")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, verifying workers against this CA")
     p.add_argument("-ctk", "--cache-type-k", type=_kv_type, default="f16", metavar="TYPE",
-                   help="llama.cpp's KV cache type of K: f16 only (other types are not supported yet)")
+                   help="the KV cache's type of K on the workers: f16 (default), q8_0 (about half the memory per "
+                        "token), q4_0 (about a quarter)")
     p.add_argument("-ctv", "--cache-type-v", type=_kv_type, default="f16", metavar="TYPE",
-                   help="llama.cpp's KV cache type of V: f16 only (other types are not supported yet)")
+                   help="the KV cache's type of V: f16 (default), q8_0, q4_0")
     p.add_argument("-hf", "-hfr", "--hf-repo", action=_refused("downloading a model is not supported: give its "
                                                                   "GGUF file with -m PATH", nargs=1),
                    help=argparse.SUPPRESS)

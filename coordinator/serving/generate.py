@@ -20,7 +20,8 @@ def cmd_generate(args) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size,
                             **security_options(args), threads=args.threads, progress=sys.stderr.isatty(),
                             head_split=args.head_split, step_links=args.step_links,
-                            micro_batch=args.micro_batch, split_mode=args.split_mode, **resume_options(args))
+                            micro_batch=args.micro_batch, split_mode=args.split_mode, cache_type_k=args.cache_type_k,
+                            cache_type_v=args.cache_type_v, **resume_options(args))
         except (ConnectionError, OSError, ValueError) as exc:
             return cannot_start(exc)
         with c:

@@ -547,11 +547,17 @@ def rule_soft_max(t, tensors):
     _need(t.type == F32, t, "result must be f32")
 
 
+FA_KV_TYPES = (F16, F32, lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
+
+
 def rule_flash_attn(t, tensors):
     srcs = _srcs(t, tensors, 3, 5)
     q, k, v = srcs[:3]
-    _types(t, q, (F32,), "q"); _types(t, k, (F16, F32), "k"); _types(t, v, (F16, F32), "v")
+    # K by its type's vec_dot (q converted to its dot type), V by to_float: a quantized KV cache (-ctk/-ctv)
+    _types(t, q, (F32,), "q"); _types(t, k, FA_KV_TYPES, "k"); _types(t, v, FA_KV_TYPES, "v")
     _need(k.ne[0] == q.ne[0] and v.ne[1] == k.ne[1], t, "q/k/v head dims")
+    for x, role in ((k, "k"), (v, "v")):  # a head's row is whole blocks, else the dot or the conversion overruns
+        _need(x.ne[0] % type_traits(x.type).blck_size == 0, t, f"{role} head size must be whole blocks")
     # heads: q's k-head = iq2 / (q.ne2 / k.ne2), likewise for v and dim 3: a ratio of 0 divides by zero
     _need(q.ne[2] % k.ne[2] == 0 and q.ne[3] % k.ne[3] == 0 and k.ne[2] == v.ne[2] and k.ne[3] == v.ne[3], t,
           "q/k/v heads")

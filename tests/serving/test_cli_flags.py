@@ -89,9 +89,10 @@ def test_embeddings_and_pooling_flags():
     (("--pooling", "none"), "argument --pooling: 'none' is not supported: /v1/embeddings returns one pooled"),
     (("--pooling", "rank"), "argument --pooling: 'rank' is not supported: there is no reranking endpoint"),
     (("--pooling", "max"), "argument --pooling: 'max' is not a pooling: choose mean, last or cls"),
-    (("-ctk", "q8_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q8_0' is not supported yet"),
-    (("--cache-type-k", "q4_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q4_0' is not supported yet"),
-    (("-ctv", "q8_0"), "argument -ctv/--cache-type-v: a KV cache of type 'q8_0' is not supported yet"),
+    (("-ctk", "q5_0"), "argument -ctk/--cache-type-k: a KV cache of type 'q5_0' is not supported: choose f16, "
+                       "q8_0, q4_0"),
+    (("--cache-type-k", "iq4_nl"), "argument -ctk/--cache-type-k: a KV cache of type 'iq4_nl' is not supported"),
+    (("-ctv", "bf16"), "argument -ctv/--cache-type-v: a KV cache of type 'bf16' is not supported"),
     (("-hf", "ggml-org/gemma-3-270m-GGUF"), "-hf: downloading a model is not supported: give its GGUF file with -m"),
     (("--hf-repo", "x/y"), "--hf-repo: downloading a model is not supported"),
     (("-xyz",), "unrecognized argument: -xyz (ggml-coordinator serve --help lists the flags)"),
@@ -108,12 +109,12 @@ def test_llama_server_flags_that_are_refused_say_so(capsys, argv, message):
 
 def test_ctk_is_not_c_and_hf_is_not_help(capsys):
     """-ctk f16 is the KV type (taken), never -c with 'tk'; -hf never prints the help and exits 0."""
-    a = parsed("-ctk", "f16", "-ctv", "f16")
-    assert (a.cache_type_k, a.cache_type_v) == ("f16", "f16")
+    a = parsed("-ctk", "q8_0", "-ctv", "q4_0")
+    assert (a.cache_type_k, a.cache_type_v) == ("q8_0", "q4_0")
     err = refused(capsys, "-hf", "repo")
     assert "usage:" in err and "-hf:" in err
     for command in ("generate", "bench"):  # every command has them
         argv = ("-p", "x") if command == "generate" else ()
-        assert "KV cache of type 'q8_0' is not supported yet" in refused(capsys, *argv, "-ctk", "q8_0",
-                                                                           command=command)
+        assert "KV cache of type 'q5_1' is not supported: choose f16, q8_0, q4_0" in refused(
+            capsys, *argv, "-ctk", "q5_1", command=command)
         assert "-hf: downloading a model is not supported" in refused(capsys, *argv, "-hf", "r", command=command)
