@@ -10,8 +10,9 @@ another; it is killed when its client leaves.
 `ComputePool` keeps one spare process started ahead (the first compute of a new
 client, or the restart after a crash, takes it and a new spare starts), a
 daemon-wide lock that serializes computes (each process computes with all the
-daemon's threads: one graph at a time uses the machine), and the sum of the
-processes' intermediates, counted against --mem.
+daemon's threads: one graph at a time uses the machine) and hands them out
+fairly between clients (`FairLock`: the client that has used the least compute
+time goes next), and the sum of the processes' intermediates, counted against --mem.
 
 Calls are driven by the event loop itself, so the loop never blocks on compute
 and pays no thread hop per call. When a child dies (abort, segfault) or
@@ -33,6 +34,7 @@ from typing import Callable
 import structlog
 
 from rpc_daemon.compute import link as compute_link
+from rpc_daemon.compute.fair_lock import FairLock
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.loop import within
 
@@ -80,20 +82,20 @@ class ComputePool:
         self._spare: tuple[subprocess.Popen, socket.socket] | None = None
         self._dying: list[subprocess.Popen] = []  # killed, not reaped yet
         self._reaper: asyncio.TimerHandle | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock: FairLock | None = None
         self._closed = False
         self._respawn = False
         # --mem left for buffers' neighbours (set by the daemon): max_bytes - client buffers
         self.budget_base: Callable[[], int] | None = None
 
     @property
-    def lock(self) -> asyncio.Lock:
-        """Daemon-wide: one graph computes at a time, whoever's it is. asyncio.Lock
-        is FIFO and lets no newcomer past a waiter, and a connection asks for it
-        once per request: so connections with computes pending take turns (a
-        lock that let the releaser re-take it would let one client starve the rest)."""
+    def lock(self) -> FairLock:
+        """Daemon-wide: one graph computes at a time, whoever's it is. A connection
+        asks for it once per request, as `lock(client_id)`: among the clients
+        waiting, the one that has held it least goes next (FairLock), so a client
+        with long computes cannot take the machine from one with short ones."""
         if self._lock is None:
-            self._lock = asyncio.Lock()
+            self._lock = FairLock()
         return self._lock
 
     @property
@@ -147,6 +149,8 @@ class ComputePool:
         proc = self.by_client.pop(client_id, None)
         if proc is not None:
             self._bury(proc.shut())
+        if self._lock is not None:
+            self._lock.forget(client_id)
 
     def _bury(self, child: subprocess.Popen | None) -> None:
         if child is None:
@@ -347,7 +351,7 @@ class ComputeProcess:
         client's arena for every buffer the graph uses; `client_arena` is the
         arena's (size, fd); `spec` is sent only if the child lacks the graph;
         `fds` go to the child after those of the arenas (tensor links' sockets)."""
-        async with self.pool.lock:
+        async with self.pool.lock(self.client_id):
             if self._closed:
                 raise ComputeFailed("the daemon is shutting down")
             if self.proc is None:

@@ -40,6 +40,12 @@ def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
     p.add_argument("--compute-timeout", type=float, default=_C.compute_timeout,
                    help=f"seconds one graph compute may take (default {_C.compute_timeout:g})")
     p.add_argument("--max-clients", type=int, default=_C.max_clients)
+    p.add_argument("--min-rate", type=float, default=_C.min_rate, metavar="BYTES_PER_S",
+                   help=f"an authenticated client that sends a frame it has started slower than this, averaged "
+                        f"over --min-rate-window, is disconnected (and loses its --max-clients slot) "
+                        f"(default {_C.min_rate:g}; 0 = no floor)")
+    p.add_argument("--min-rate-window", type=float, default=_C.min_rate_window, metavar="S",
+                   help=f"seconds the --min-rate floor is averaged over (default {_C.min_rate_window:g})")
     p.add_argument("--metrics-port", type=int, default=_C.metrics_port,
                    help="serve Prometheus metrics over HTTP on this port (same --host)")
     security_cli.add_args(p)
@@ -52,12 +58,15 @@ def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonC
         p.error("--port must be 0..65535")
     if args.threads < 1 or args.mem < 0 or args.cache_max < 0:
         p.error("--threads must be >= 1, --mem and --cache-max >= 0")
+    if args.min_rate < 0 or args.min_rate_window <= 0:
+        p.error("--min-rate must be >= 0 (0: no floor), --min-rate-window > 0")
     if args.cache_max and args.cache is None:
         p.error("--cache-max bounds the tensor cache: give --cache [DIR] too")
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, cache_max=args.cache_max << 20, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, min_rate=args.min_rate,
+                          min_rate_window=args.min_rate_window)
     return security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
 
 

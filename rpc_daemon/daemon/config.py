@@ -49,6 +49,10 @@ class DaemonConfig:
     insecure: bool = False  # a non-loopback bind without a secret, acknowledged
     max_requests_per_second: float = 2000.0  # per client, token bucket; 0 = unlimited
     request_burst: int = 4000
+    # the slowest an authenticated client may send a frame it has started: bytes/s over min_rate_window
+    # seconds (ratelimit.RateFloor); below it the connection, and its --max-clients slot, goes. 0 = off
+    min_rate: float = 16384.0
+    min_rate_window: float = 10.0
 
 
 # Descriptors the daemon holds per connected client, whatever its buffer count: its socket,

@@ -28,7 +28,7 @@ from rpc_daemon.daemon.buffers import BufferRegistry, SharedBuffer, arena_size_f
 from rpc_daemon.daemon.config import DaemonConfig, fd_client_limit
 from rpc_daemon.daemon.handlers import COMMANDS, CommandRow, Session, overlap, runs_beside
 from rpc_daemon.daemon.peers import MAX_DEFERRED, Deferred, PeerLinks
-from rpc_daemon.daemon.ratelimit import TokenBucket
+from rpc_daemon.daemon.ratelimit import RateFloor, TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache, default_max_bytes
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.memory import physical_memory
@@ -122,6 +122,9 @@ class Connection(asyncio.BufferedProtocol):
         self._inflight = 0  # bytes of queued (and running) requests held in daemon memory: headers, blobs
         self.bucket = TokenBucket(daemon.config.max_requests_per_second, daemon.config.request_burst)
         self._warn_budget = TokenBucket(5.0, 20)  # refusals logged per client: no log flood
+        # after authentication, a frame in progress arrives at --min-rate or the connection goes (_check_idle)
+        self._floor = RateFloor(daemon.config.min_rate, daemon.config.min_rate_window)
+        self._rx_total = 0
         self._can_write = asyncio.Event()  # cleared while the client does not read its replies
         self._can_write.set()
         self._wbuf = 0
@@ -160,6 +163,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.daemon.stats["bytes_in"] += nbytes
+        self._rx_total += nbytes
         self.last_activity = time.monotonic()
         if hoptrace.ON and not self.reader.partial:
             hoptrace.mark("daemon rx")
@@ -287,7 +291,29 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.abort()  # it does not read: flushing its replies would never end
             self.abort("idle timeout")
             return
+        if self._too_slow():
+            return
         self._watchdog = asyncio.get_running_loop().call_later(1.0, self._check_idle)
+
+    def _too_slow(self) -> bool:
+        """An authenticated client sending a frame slower than the floor (--min-rate over
+        --min-rate-window) loses its connection, and so its --max-clients slot. Only time
+        the daemon spends reading counts (not its own backpressure); before authentication
+        the hello timeout bounds the whole connection instead."""
+        transport = self.transport
+        in_frame = (self.hello_done and self.reader.partial and not self.reader.held and transport is not None
+                    and not transport.is_closing() and transport.is_reading())
+        rate = self._floor.sample(time.monotonic(), self._rx_total, in_frame)
+        if rate is None:
+            return False
+        cfg = self.daemon.config
+        why = (f"sending slower than the floor: a frame in progress arrived at {rate:.0f} bytes/s over "
+               f"{cfg.min_rate_window:g} s, under --min-rate {cfg.min_rate:g}")
+        self.log.warning("closing slow client", rate_bytes_per_s=round(rate), min_rate=cfg.min_rate,
+                         window_s=cfg.min_rate_window)
+        self._reply(None, Status.LIMIT_EXCEEDED, why, quiet=True)  # (logged just above)
+        self.abort(why)
+        return True
 
     def abort(self, why: str) -> None:
         if self.transport is not None and not self.transport.is_closing():

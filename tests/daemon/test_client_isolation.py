@@ -9,7 +9,7 @@ reach another client's memory even through a graph that validation let by.
   out-of-bounds reads and writes (with --unsafe-no-validation) at many offsets
   never see nor change another client's bytes.
 * A client that floods the worker with computes does not starve another
-  client's: they take turns.
+  client's (fair shares of compute time: test_fairness.py).
 """
 from __future__ import annotations
 
@@ -279,11 +279,12 @@ FLOOD = 24  # computes client A has queued at the daemon at once (below its 64-r
 
 
 def test_flooding_client_does_not_starve_another(start_daemon):
-    """Computes run one at a time daemon-wide, through a FIFO lock that each
+    """Computes run one at a time daemon-wide, through a lock that each
     connection asks for once per request (its requests run in order on its own
-    task). So a client with a backlog of computes holds one place in the line,
-    and another client's compute waits for at most the one running: they
-    alternate. Measured as order, not time: while A has FLOOD long computes
+    task) and that goes to the waiting client that has held it least
+    (FairLock, tests/daemon/test_fairness.py). So a client with a backlog of
+    computes holds one place in the line, and another client's compute waits
+    for at most the one running. Measured as order, not time: while A has FLOOD long computes
     pipelined, B runs 5 small ones in turn, and each of B's computes must
     complete with at most 2 of A's completing meanwhile (the one running, and one
     of slack for replies read in the same loop pass); a lock that let A's next

@@ -720,6 +720,9 @@ class PlainTransport:
         self.paused = False
         self.events.append("resume_reading")
 
+    def is_reading(self):
+        return not self.paused and not self.closing
+
     def get_write_buffer_size(self):
         return len(self.out)
 
