@@ -94,6 +94,13 @@ def test_auto_takes_the_layer_split_where_exchanges_cost_more_than_they_save(tmp
         assert c.health()["split_mode"] == "layer"
 
 
+def wide_model(tmp_path) -> str:
+    """A llama whose 4 layers are 75 MB of f16: big enough that splitting its layers pays on loopback."""
+    from tiny_models import Dims, write_plain_llama
+    return write_plain_llama(tmp_path / "wide.gguf", Dims(n_embd=768, n_layer=4, n_head=12, n_head_kv=4, n_ff=3072),
+                             "f16", layer_std=0.02)
+
+
 def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tmp_path, workers):
     """A model whose layers are worth splitting (75 MB of f16 layers): on loopback 2 x n_layer exchanges
     cost ~1 ms a token against ~7 ms saved; behind 20 ms one way (bench/delay_proxy.py) they cost 80 ms."""
@@ -103,10 +110,7 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
     if root not in sys.path:
         sys.path.insert(0, root)
     from bench.delay_proxy import Link, ProxyThread
-    from tiny_models import Dims, write_plain_llama
-
-    model = write_plain_llama(tmp_path / "wide.gguf", Dims(n_embd=768, n_layer=4, n_head=12, n_head_kv=4,
-                                                           n_ff=3072), "f16", layer_std=0.02)
+    model = wide_model(tmp_path)
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
         assert c.health()["split_mode"] == "tensor"
@@ -118,11 +122,9 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
 def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path, start_daemon):
     """75 MB of f16 layers on workers that each take 64 MiB (--mem): every member holds only its shard of
     every layer, of the KV cache and of the head; the upload's plan is checked against the free memory."""
-    from tiny_models import Dims, write_plain_llama
     from coordinator.cluster.executors import buffer_bytes
 
-    model = write_plain_llama(tmp_path / "wide.gguf", Dims(n_embd=768, n_layer=4, n_head=12, n_head_kv=4,
-                                                           n_ff=3072), "f16", layer_std=0.02)
+    model = wide_model(tmp_path)
     a, b = start_daemon("-t", "1", "--mem", "64"), start_daemon("-t", "1", "--mem", "64")
     with Coordinator(["local"], model=model, n_ctx=64) as whole:
         whole_bytes = buffer_bytes(whole._places[0].stage)
@@ -137,14 +139,16 @@ def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path
         Coordinator([c.endpoint, d.endpoint], model=model, n_ctx=64, n_batch=64, split_mode="tensor")
 
 
-def generate_tokens(c: Coordinator, n: int, fault=None) -> tuple[list[int], DecodeResult]:
+def generate_tokens(c: Coordinator, n: int, fault=None, resuming: bool = False) -> tuple[list[int], DecodeResult]:
+    """n greedy tokens after PROMPT from an empty cache (decode_resuming with `resuming`); `fault(step)`
+    runs before each step. The tokens, and the first code that was not OK (else OK)."""
     c.kv_clear()
-    ids = c.tokenize(PROMPT)
-    pending, pos, out = ids, 0, []
+    decode = c.decode_resuming if resuming else c.decode
+    pending, pos, out = c.tokenize(PROMPT), 0, []
     for step in range(n):
         if fault is not None:
             fault(step)
-        code = c.decode(Batch.single(pending, pos), greedy=True)
+        code = decode(Batch.single(pending, pos), greedy=True)
         if code != DecodeResult.OK:
             return out, code
         pos += len(pending)
@@ -198,18 +202,8 @@ def test_resume_in_tensor_mode_gives_the_same_text(tmp_path, workers):
                      liveness_timeout=LIVENESS, resume_within=20.0) as c:
         reference, code = generate_tokens(c, 16)
         assert code == DecodeResult.OK
-
-        c.kv_clear()
-        ids = c.tokenize(PROMPT)
-        pending, pos, out = ids, 0, []
-        for step in range(16):
-            if step == 6:
-                ws.kill(1, restart_after=0.5)
-            code = c.decode_resuming(Batch.single(pending, pos), greedy=True)
-            assert code == DecodeResult.OK, c.last_error
-            pos += len(pending)
-            out.append(c.token(-1))
-            pending = [out[-1]]
+        out, code = generate_tokens(c, 16, lambda step: step == 6 and ws.kill(1, restart_after=0.5), resuming=True)
+        assert code == DecodeResult.OK, c.last_error
         assert out == reference
         assert c.stats["kv_rebuilds"] >= 1
 
@@ -223,16 +217,8 @@ def test_a_spare_takes_a_members_shard_and_the_text_is_the_same(tmp_path, worker
                      liveness_timeout=LIVENESS, resume_within=20.0, spares=[ws.endpoint(2)]) as c:
         reference, code = generate_tokens(c, 16)
         assert code == DecodeResult.OK
-        c.kv_clear()
-        pending, pos, out = c.tokenize(PROMPT), 0, []
-        for step in range(16):
-            if step == 5:
-                ws.kill(1)  # not restarted
-            code = c.decode_resuming(Batch.single(pending, pos), greedy=True)
-            assert code == DecodeResult.OK, c.last_error
-            pos += len(pending)
-            out.append(c.token(-1))
-            pending = [out[-1]]
+        out, code = generate_tokens(c, 16, lambda step: step == 5 and ws.kill(1), resuming=True)  # not restarted
+        assert code == DecodeResult.OK, c.last_error
         assert out == reference
         assert c.stats["spare_takeovers"] == 1, c.stats
         shards = {e["endpoint"]: e["shard"]["rank"] for e in c.endpoints()}
