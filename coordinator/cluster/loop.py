@@ -129,6 +129,8 @@ class LoopThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        if not self.thread.is_alive():  # its epoll, self-pipe and eventfd: 5 descriptors per Coordinator, else
+            self.loop.close()
 
 
 async def _aclose_when_idle(agen) -> None:
