@@ -97,7 +97,7 @@ class Pipeline:
                 step = steps[i]
                 if carried is None:  # the first stage: the inputs common to every stage
                     mask, mask_swa = step.masks()
-                    common, hidden = self._common(step.pos, step.rows, mask, mask_swa), None
+                    common, hidden = self.common_inputs(step.pos, step.rows, mask, mask_swa), None
                 else:
                     common, hidden = carried
                 out = await _run_on(p, common, step.tokens, hidden, step.out_rows, step.shape)
@@ -109,7 +109,7 @@ class Pipeline:
         except FlowFailed as failed:
             raise step_failed(failed.errors) from None
 
-    def _common(self, tok_pos, rows, mask, mask_swa) -> dict:
+    def common_inputs(self, tok_pos, rows, mask, mask_swa) -> dict:
         common = {"positions": tok_pos.astype(np.int32), "kv_rows": rows.astype(np.int64), "mask": mask}
         if self.hp.n_swa:
             common["mask_swa"] = mask_swa
@@ -140,7 +140,7 @@ class Pipeline:
         shape = StepShape(n, n_kv, len(out_rows), greedy and not normed,
                           head_on_last=wanted and self.head_shards and head == "whole" and not normed, normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
-                            self._common(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
+                            self.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
 
     def _head_places(self, head: str) -> tuple:
         """The places whose shares compute a step's head placed `head`."""
@@ -241,7 +241,7 @@ class Pipeline:
         for step, head_places, (out, head_results) in zip(steps, heads, linked):
             if head_places:
                 self._timed_head(head_places, step.shape)
-                results.append(self._combine_head(head_places, head_results, step.shape))
+                results.append(self.combine_head(head_places, head_results, step.shape))
             else:  # no head round: the last stage's output, or nothing wanted
                 results.append(await self.finish(step, out))
         return results
@@ -258,7 +258,7 @@ class Pipeline:
         if failures:
             raise step_failed(failures)
         self._timed_head(places, shape)
-        return self._combine_head(places, results, shape)
+        return self.combine_head(places, results, shape)
 
     def _timed_head(self, places, shape: StepShape) -> None:
         """The shards' compute times of a head round, into the placement's estimate."""
@@ -267,7 +267,7 @@ class Pipeline:
         self.head_placement.record_head(key, [p.executor.head_seconds.get(key) for p in places],
                                    "here" if here else "split")
 
-    def _combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
+    def combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
         """The head shards' replies (in `places` order) as one result."""
         if shape.argmax:
             best, value = [], []

@@ -2,7 +2,7 @@
 at once, each its shard (model/tensor_split.py), and the partial sums go
 member to member over their tensor links (rpc_daemon/daemon/tensor_links.py);
 each member ends in its rows of the output head, which come back here and are
-put side by side as the head shards' are (pipeline.Pipeline._combine_head).
+put side by side as the head shards' are (pipeline.Pipeline.combine_head).
 
 The group is linked before its first step and again after any failure or
 reconnect (a member's new connection is a new session: its link is gone).
@@ -34,7 +34,6 @@ class TensorGroup:
         self.link_id = 0
         self.linked_with: tuple | None = None  # the executors the current link joins
         self.step_no = 0
-        self.links_made = 0
         self._cancels: set = set()  # TENSOR_CANCELs in flight (not awaited; held until they end)
 
     @property
@@ -55,7 +54,8 @@ class TensorGroup:
         await self._on_all([p.executor.tensor_join(link, rank, n, peers[:rank], LINK_TIMEOUT)
                             for rank, p in enumerate(places)])
         self.linked_with = members
-        self.links_made += 1
+        stats = self.pipeline.stats
+        stats["tensor_links"] = stats.get("tensor_links", 0) + 1
 
     async def _on_all(self, coros) -> list:
         """One request per member, all at once; each one's result in member order. The moment one
@@ -88,7 +88,7 @@ class TensorGroup:
         mask, mask_swa = kv.masks(n_kv, tok_pos, tok_seq)
         shape = StepShape(n, n_kv, len(out_rows), greedy and not normed, normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, False, shape,
-                            self.pipeline._common(tok_pos, rows, mask, mask_swa), mask, mask_swa)
+                            self.pipeline.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa)
 
     async def step(self, step: PreparedStep) -> np.ndarray:
         results = await self.run(step.common, step.tokens, step.out_rows, step.shape)
@@ -98,7 +98,7 @@ class TensorGroup:
         if step.shape.normed:  # every member computed the same normed rows: the first's
             normed = read_output(self.places[0], results[0], step.shape).hidden
             return checked_logits(normed.reshape(step.shape.n_outputs, hp.n_embd), self.places[0].endpoint)
-        return self.pipeline._combine_head(self.places, results, step.shape)
+        return self.pipeline.combine_head(self.places, results, step.shape)
 
     async def run(self, common: dict, tokens, out_rows, shape: StepShape) -> list[bytes]:
         """One step on every member at once: each member's reply (its head rows' output)."""
@@ -112,5 +112,5 @@ class TensorGroup:
         """Journal steps again on every member, in order (their KV rows rewritten)."""
         for step in steps:
             mask, mask_swa = step.masks()
-            common = self.pipeline._common(step.pos, step.rows, mask, mask_swa)
+            common = self.pipeline.common_inputs(step.pos, step.rows, mask, mask_swa)
             await self.run(common, step.tokens, step.out_rows, step.shape)

@@ -190,9 +190,11 @@ def test_a_stopped_member_is_reported_as_itself_and_its_peer_waits_no_longer(tmp
         health = {e["endpoint"]: e["ok"] for e in c.health()["endpoints"]}
         assert health[ws.endpoint(0)] is True, c.health()
         # a new connection clears the latch; the group is linked again and decodes as before
+        links = c.stats["tensor_links"]
         c.reconnect(ws.endpoint(1))
         tokens, code = generate_tokens(c, 6)
         assert code == DecodeResult.OK, c.last_error
+        assert c.stats["tensor_links"] == links + 1  # linked again once, for the new connection
 
 
 def test_resume_in_tensor_mode_gives_the_same_text(tmp_path, workers):
