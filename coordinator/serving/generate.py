@@ -38,10 +38,12 @@ def cmd_generate(args) -> int:
             elapsed = time.perf_counter() - started
             n = c.stats["generated"] - generated0
             n_layer = c.hp.n_layer
-            share = ", ".join(f"{e['endpoint']} layers {e['layers'][0]}-{e['layers'][1] - 1} "
-                              f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})"
-                              + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}"
-                                 if e["head_rows"] else "") for e in c.endpoints())
+            share = ", ".join(f"{e['endpoint']} " + (
+                f"shard {e['shard']['rank'] + 1}/{e['shard']['of']} of every layer"  # tensor-parallel
+                if e.get("shard") else f"layers {e['layers'][0]}-{e['layers'][1] - 1} "
+                                       f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})")
+                + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}" if e["head_rows"] else "")
+                for e in c.endpoints())
             if args.log_format == "json":
                 say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
                     endpoints=c.endpoints())
