@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.decode.pipeline import Pipeline
-from coordinator.decode.step_io import PreparedStep, step_failed
+from coordinator.decode.step_io import PreparedStep, StepFailed, step_failed
 from coordinator.decode.flow import FlowFailed, flow
 
 DEFAULT_MICRO_BATCH = 64  # tokens; prompt chunks of 64 keep ggml's matmuls efficient on the CPU
@@ -150,6 +150,11 @@ class MicroBatches:
         Raises StepFailed for a failure of any micro-batch (after the requests
         in flight have ended); nothing is kept of the others."""
         pipe, steps = self.pipeline, step.steps
+        try:
+            pipe.report_late()
+        except StepFailed:
+            _finished(step.done)
+            raise
         if linkable(steps, pipe.hp.n_embd) and all(f is None or f.done() for f in step.after):
             # nothing earlier in flight (a single stream, a prompt): the micro-batches may go worker to
             # worker (step links), every request at once; later steps wait for them as for any step

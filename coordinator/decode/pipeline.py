@@ -66,6 +66,29 @@ class Pipeline:
         self.links_paused_until = 0.0  # relayed until then, after a failed push (pause_links)
         self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
         self.group = None  # a TensorGroup (decode/tensor_group.py) when the places are one tensor-parallel group
+        self._unconfirmed: set = set()  # linked requests whose step ended before their reply (held until it comes)
+        self._late: list = []  # (place, its executor then, failure) of those that failed: the next step reports them
+
+    def unconfirmed(self, p, request: asyncio.Task) -> None:
+        """A linked request of place `p` whose step ended before its reply, which
+        only confirms that its push arrived (step_links.py). If it fails (the
+        worker was lost after its push), the next step reports that failure,
+        unless `p` has reconnected since (a new executor)."""
+        executor = p.executor
+        self._unconfirmed.add(request)
+
+        def ended(task: asyncio.Task) -> None:
+            self._unconfirmed.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self._late.append((p, executor, task.exception()))
+        request.add_done_callback(ended)
+
+    def report_late(self) -> None:
+        """Raise StepFailed for the unconfirmed requests that failed since the
+        last step, if their worker's connection is still the one they used."""
+        late, self._late = [exc for p, executor, exc in self._late if p.executor is executor], []
+        if late:
+            raise step_failed(late)
 
     def pause_links(self, seconds: float) -> None:
         """Relay every step for `seconds` (a worker could not push to its next hop)."""
@@ -77,6 +100,7 @@ class Pipeline:
         with `greedy` their argmax tokens (i32[n_outputs]), or with `normed` their
         final hidden states, normalized (f32[n_outputs, n_embd]); the KV rows
         `rows` written on every worker. Raises StepFailed."""
+        self.report_late()
         return await _failures_as_step_failed(self._step(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed))
 
     async def replay(self, steps: list, through: int) -> None:

@@ -18,6 +18,11 @@ pushes failed; they are relayed here over the destination's own connection.
 When any request fails, the step's other waits are cancelled at once
 (STEP_INPUT `cancel`): they end with INPUT_MISSING, a consequence reported only
 when nothing else failed.
+
+A stage that pushed answers once its push is acknowledged. The step does not
+wait for those answers once its outputs are in (the outputs prove every push
+arrived): that saves a one-way delay per token behind slow links. A worker lost
+after its push is then reported by the next decode (Pipeline.unconfirmed).
 """
 from __future__ import annotations
 
@@ -63,10 +68,11 @@ def _destination(p, tag: int) -> dict:
     return {"to": p.endpoint, "token": p.executor.step_token, "tag": tag}
 
 
-def _send_all(pipe, steps: list, plans: list, jobs: list, waits: list) -> None:
+def _send_all(pipe, steps: list, plans: list, jobs: list, waits: list, acks: set) -> None:
     """Every request of the linked steps, sent at once (each connection's in
     step order), into `jobs` (place, task, destinations) and, for those that
-    wait for an input, `waits` (place, tag, task), as they are sent."""
+    wait for an input, `waits` (place, tag, task), as they are sent; `acks`:
+    the requests whose reply only confirms their push (every stage's but the last)."""
     places = pipe.places
     last = len(places) - 1
     for (step, head_places), (stage_tags, head_tags, targets) in zip(steps, plans):
@@ -80,6 +86,8 @@ def _send_all(pipe, steps: list, plans: list, jobs: list, waits: list) -> None:
             reply_output = k == last and None in head_tags
             jobs.append((p, p.executor.send_linked(p.stage, step.shape, inputs, False, step_input, dests,
                                                    reply_output), targets[k]))
+            if k < last:
+                acks.add(jobs[-1][1])
             if k:
                 waits.append((p, stage_tags[k], jobs[-1][1]))
         last_stage = jobs[-1][1]
@@ -130,7 +138,9 @@ async def run(pipe, steps: list) -> list | None:
     waits = []  # (place, tag, task): every request that waits for an input
     relays: list[asyncio.Task] = []
     refused: list[BaseException] = []  # relays refused (a lost destination fails its own requests instead)
+    acks: set = set()  # requests whose reply only says their push arrived: the step need not wait for them
     cancelled = False
+    finished = False  # the step's outputs are in: a reply that comes later changes nothing here
 
     def cancel_waits() -> None:
         """Every request of the step still waiting for its input stops waiting (the
@@ -148,7 +158,7 @@ async def run(pipe, steps: list) -> list | None:
             task.add_done_callback(_background.discard)
 
     try:
-        _send_all(pipe, steps, plans, jobs, waits)
+        _send_all(pipe, steps, plans, jobs, waits, acks)
     except BaseException:  # a bug of ours half way: what was sent must not wait for what never comes
         cancel_waits()
         for _, task, _ in jobs:
@@ -157,7 +167,7 @@ async def run(pipe, steps: list) -> list | None:
 
     def settled(job) -> None:
         p, task, dests = job
-        if task.cancelled():
+        if task.cancelled() or finished:  # (an unconfirmed request's failure: Pipeline.unconfirmed)
             return
         if task.exception() is not None:
             cancel_waits()
@@ -190,7 +200,13 @@ async def run(pipe, steps: list) -> list | None:
     lost: set[str] = set()
     try:
         while pending:  # every request ends (or fails) within its own connection's bounds
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if pending <= acks and not cancelled:
+                # every output is in, so every push arrived: what is left are the earlier stages' replies,
+                # which only confirm that. The step ends without them (they come one one-way delay after
+                # the last stage's compute, or never from a worker lost since); a failure among them is the
+                # next decode's to report (Pipeline.unconfirmed)
+                break
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             lost |= {t.exception().endpoint for t in done if not t.cancelled() and isinstance(t.exception(), StageFailed)
                      and t.exception().lost_connection}
             # a request that pushes to a lost worker is given up (its late reply dropped, its connection kept):
@@ -207,8 +223,13 @@ async def run(pipe, steps: list) -> list | None:
             task.cancel()
         raise
     await asyncio.gather(*relays, return_exceptions=True)  # a lost destination shows as its own requests' failure
+    finished = True
+    for p, task, _ in jobs:
+        if task in pending:
+            pipe.unconfirmed(p, task)
 
-    failures = [task.exception() for _, task, _ in jobs if not task.cancelled() and task.exception() is not None]
+    failures = [task.exception() for _, task, _ in jobs
+                if task.done() and not task.cancelled() and task.exception() is not None]
     failures += refused
     if any(isinstance(exc, NotLinked) for exc in failures):
         cancel_waits()
@@ -216,7 +237,7 @@ async def run(pipe, steps: list) -> list | None:
     if failures:  # a wait that ended for want of its input is reported only if nothing else failed
         raise step_failed([exc for exc in failures if not isinstance(exc, InputMissing)]
                           + [exc for exc in failures if isinstance(exc, InputMissing)])
-    results = [task.result() for _, task, _ in jobs]
+    results = [task.result() if task.done() else None for _, task, _ in jobs]  # (an unconfirmed stage's: unused)
     outputs = []
     for step, head_places in steps:  # each step's replies: its stages', then its shards'
         mine, results = results[:len(places) + len(head_places)], results[len(places) + len(head_places):]

@@ -221,6 +221,45 @@ def test_a_fault_mid_step_with_the_head_here_is_reported_as_the_last_worker(tiny
         assert np.array_equal(c.logits(-1), here)
 
 
+@pytest.mark.parametrize("action", ["stop", "kill"])
+def test_a_worker_lost_after_its_push_is_reported_by_the_same_decode_or_the_next(tiny_model, start_daemon, action):
+    """A's reply to a linked step only confirms that its push arrived, so the
+    step ends when B's output is in, without waiting for it (one one-way delay
+    less per token behind slow links). A stopped or killed after its push, in
+    place of that reply: the decode returns B's logits (stopped: always, as the
+    loss shows only after the liveness bound; killed: unless the loss is seen
+    first), equal to a clean run's; the decode after it reports A with its kind
+    within the usual bound, B not latched."""
+    spec = f"cmd={GRAPH_CMDS},after=1,point=reply,action={action}"  # decode 2's stage request
+    a, b = start_daemon("-t", "1", "--test-fault", spec), start_daemon("-t", "1")
+    kind = "timeout" if action == "stop" else "closed"
+    with Coordinator([a.endpoint, b.endpoint], model=tiny_model, n_ctx=64, liveness_timeout=BOUND,
+                     head_split=False) as c:
+        ids = c.tokenize(PROMPT)
+        assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
+        code = c.decode(Batch.single([5], len(ids)))
+        if code is DecodeResult.OK:
+            after_push = c.logits(-1).copy()
+            assert c.stats["linked_steps"] == 2
+            started = time.monotonic()
+            code = c.decode(Batch.single([6], len(ids) + 1))
+            assert time.monotonic() - started <= (AT_ONCE if action == "kill" else BOUND) * SLACK
+        else:
+            assert action == "kill", c.last_error  # a stopped A cannot be seen lost before B's reply
+            after_push = None
+        assert code is DecodeResult.ENDPOINT_FAILED, c.last_error
+        assert (c.last_failed_endpoint, c.last_cause) == (a.endpoint, kind), c.last_error
+        assert [f.endpoint for f in c.failed_endpoints()] == [a.endpoint], c.failed_endpoints()
+        if action == "stop":
+            a.signal(signal.SIGCONT)
+    if after_push is not None:
+        with Coordinator([start_daemon("-t", "1").endpoint, b.endpoint], model=tiny_model, n_ctx=64,
+                         head_split=False) as c:
+            assert c.decode(Batch.single(ids, 0)) is DecodeResult.OK, c.last_error
+            assert c.decode(Batch.single([5], len(ids))) is DecodeResult.OK, c.last_error
+            assert np.array_equal(c.logits(-1), after_push)
+
+
 def test_a_failed_compute_cancels_the_waiting_stages_without_latching(tiny_model, start_daemon):
     """B's stage compute process dies (a healthy worker's FAILED): COMPUTE_FAILED on B,
     nothing latched, A's head shard stops waiting at once (cancelled), and the
