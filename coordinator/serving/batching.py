@@ -20,6 +20,19 @@ token (its logits are sampled). Nothing moves on the workers: the rows stay
 where they are, and the KV journal keeps the steps they depend on (they are
 live rows), so a resume rebuilds them too.
 
+Context shift (llama-server's --context-shift; Scheduler(context_shift=True)): a
+slot whose next token would not fit its context (pos + 1 >= n_ctx_slot, where
+it would otherwise end with "length") keeps its first n_keep tokens, drops the
+n_discard = (pos - n_keep) // 2 after them, and goes on generating
+(`shift_span`, llama-server's arithmetic). It is done by re-evaluation, not by
+rotating cached keys: the sequence's rows from n_keep on are removed
+(kv_seq_rm) and the kept remainder, with the token just sampled, is decoded
+again at its new positions behind the first n_keep rows, in a step of its own
+as a prompt is (`step_slots`). The positions are llama-server's; the keys are
+fresh, as a fresh decode of the kept history computes them. The journal needs
+nothing new: the removed rows are dead, the re-decoded ones are recorded as
+any step's, so a resume rebuilds them too.
+
 Embeddings (`embed`) take free slots too, but not through the loop: each
 input is decoded on a sequence of its own in steps of their own
 (Coordinator.aembed, one whole step between the loop's), several inputs in
@@ -106,6 +119,8 @@ class Slot:
     cached: int = 0  # prompt tokens whose KV rows were reused, not decoded (usage.prompt_tokens_details)
     kv: list[int] | None = None  # the tokens its sequence's KV rows hold (positions 0..); None: not set up yet
     request_id: str | None = None  # the HTTP request's id (X-Request-Id), shown by /slots
+    n_keep: int = 0  # a context shift keeps this many tokens of the prompt (-1: all of it; plus BOS)
+    shifts: int = 0  # context shifts done
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -131,19 +146,39 @@ def reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
     return min(common_prefix(cached, prompt), len(prompt) - 1)
 
 
+def shift_span(n_tokens: int, n_prompt: int, n_keep: int, add_bos: bool, n_ctx: int) -> tuple[int, int]:
+    """llama-server's context shift (server-context.cpp, pre_decode): of a slot's `n_tokens` cached
+    tokens, keep the first n_keep (the request's; -1: the whole prompt of `n_prompt`; one more for the
+    BOS the model adds, as llama-server counts it; at most n_ctx - 4) and discard the next n_discard,
+    half of the rest (at most all of it but one). Returns (n_keep, n_discard)."""
+    keep = n_prompt if n_keep < 0 else n_keep
+    if add_bos:
+        keep += 1
+    keep = max(0, min(n_ctx - 4, keep))
+    n_left = n_tokens - keep
+    return keep, min(max(n_left // 2, 0), max(0, n_left - 1))
+
+
+def feeding(slot: Slot) -> bool:
+    """It decodes more than its last sampled token next: its prompt, or what a context shift keeps."""
+    return slot.first_token_at is None or len(slot.pending) > 1
+
+
 def step_slots(slots: list[Slot]) -> list[Slot]:
-    """The slots the next step decodes: the first one still feeding its prompt, alone, else all.
+    """The slots the next step decodes: the first one still feeding its prompt (or the tokens a
+    context shift decodes again), alone, else all.
     A step's token count picks ggml's kernels (docs/architecture.md, "Kernels and what a result
     depends on"): a prompt in a step of its own gets the same bits as the request alone, and so
     does a sampled token in a step of up to 7 (the per-row classes 1-7, 8-63, 64+)."""
     for slot in slots:
-        if slot.first_token_at is None:
+        if feeding(slot):
             return [slot]
     return slots
 
 
 class Scheduler:
-    def __init__(self, coord, n_slots: int, n_ctx_slot: int, metrics=None, max_queue: int | None = None):
+    def __init__(self, coord, n_slots: int, n_ctx_slot: int, metrics=None, max_queue: int | None = None,
+                 context_shift: bool = False):
         if not 1 <= n_slots <= MAX_SEQ:  # a slot is a KV sequence id
             raise ValueError(f"the number of slots must be in 1..{MAX_SEQ}, not {n_slots}")
         self.coord = coord
@@ -151,6 +186,7 @@ class Scheduler:
         self.n_ctx_slot = n_ctx_slot
         self.metrics = metrics
         self.max_queue = max_queue  # requests allowed to wait for a slot; None: any number
+        self.context_shift = context_shift  # a slot at the end of its context shifts it (else: "length")
         self.waiting = 0
         self.free: dict[int, float] = {seq: 0.0 for seq in range(n_slots)}  # free sequence -> when it was freed
         self.cache: dict[int, list[int]] = {}  # sequence -> the tokens its KV rows hold (positions 0..)
@@ -205,7 +241,7 @@ class Scheduler:
 
     async def submit(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop: Sequence[str], *,
                      logprobs: int | None = None, echo: bool = False, share_from: Slot | None = None,
-                     cache_prompt: bool = True, request_id: str | None = None) -> Slot:
+                     cache_prompt: bool = True, request_id: str | None = None, n_keep: int = 0) -> Slot:
         """A slot for this request, once one is free; ShuttingDown if the
         server stops first; QueueFull at once if it would have to wait
         behind max_queue others. `logprobs`: alternatives per token (None: no
@@ -215,12 +251,13 @@ class Scheduler:
         (kv_seq_cp) and last logits instead of decoding the prompt again.
         `cache_prompt`: reuse the KV rows of the longest prefix of the prompt a
         free slot holds (the slot is chosen for it); without, the prompt is
-        decoded whole. `request_id`: the request's id, for /slots."""
+        decoded whole. `request_id`: the request's id, for /slots. `n_keep`: the tokens a context
+        shift keeps (shift_span; only with context_shift)."""
         seq = await self._queue_for(prompt if cache_prompt else [])
         sizes = [sum(s.group == g for s in self.active) for g in range(self.n_groups)]
         slot = Slot(seq, prompt, max_tokens, sampler, TextStream(self.coord.tokenizer, tuple(stop)),
                     pending=list(prompt), group=sizes.index(min(sizes)), logprobs=logprobs, echo=echo,
-                    cache_prompt=cache_prompt, request_id=request_id)
+                    cache_prompt=cache_prompt, request_id=request_id, n_keep=n_keep)
         sampler.accept(prompt)  # the penalties look back at the prompt too, as llama-server's
         if echo and logprobs is not None:
             slot.prompt_lp = [TokenLogprob(prompt[0], None)]  # nothing predicts the first token
@@ -551,7 +588,23 @@ class Scheduler:
             return self._finish(slot, "stop", piece)
         if piece:
             slot.events.put_nowait(SlotEvent("text", piece, logprobs=self._take_logprobs(slot)))
-        if slot.generated >= slot.max_tokens or slot.pos + 1 >= self.n_ctx_slot:
+        if slot.generated >= slot.max_tokens:
             return self._finish(slot, "length")
+        if slot.pos + 1 >= self.n_ctx_slot:
+            if not self.context_shift:
+                return self._finish(slot, "length")
+            return self._shift(slot, token)
         slot.pending = [token]
+
+    def _shift(self, slot: Slot, token: int) -> None:
+        """The slot's context is full: keep its first n_keep rows, drop n_discard tokens after them, and
+        decode the rest again behind them, with `token` (just sampled) last (shift_span; the module's doc)."""
+        n_keep, n_discard = shift_span(slot.pos, len(slot.prompt), slot.n_keep,
+                                       bool(getattr(self.coord.tokenizer, "add_bos", False)), self.n_ctx_slot)
+        kept = slot.kv[n_keep + n_discard:]
+        self.coord.kv_seq_rm(slot.seq, n_keep)
+        log.info("context shift", seq=slot.seq, n_keep=n_keep, n_left=slot.pos - n_keep, n_discard=n_discard,
+                 request_id=slot.request_id)
+        slot.kv, slot.pos, slot.pending = slot.kv[:n_keep], n_keep, kept + [token]
+        slot.shifts += 1
 

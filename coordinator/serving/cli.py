@@ -233,10 +233,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--jinja", action="store_true", help="accepted: chat templates are always Jinja here")
     s.add_argument("--no-jinja", action=_refused("chat templates are always Jinja here (built-ins included)"),
                    help=argparse.SUPPRESS)
-    s.add_argument("--context-shift", action=_refused("not supported yet: a request that does not fit its slot's "
-                                                      "context is refused (400 context_length_exceeded)"),
-                   help=argparse.SUPPRESS)
-    s.add_argument("--no-context-shift", action="store_true", help="accepted: the context is never shifted")
+    s.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
+                   help="llama-server's flag: a generation that reaches its slot's context keeps the request's "
+                        "n_keep prompt tokens, drops half of the rest and goes on (the kept tokens are decoded "
+                        "again: one prefill per shift), and max_tokens may pass the context; a prompt must still "
+                        "fit (default: off, a generation ends there with finish_reason \"length\")")
     s.add_argument("--embedding", "--embeddings", dest="embeddings", action="store_true",
                    help="serve /v1/embeddings (without it, 501 as llama-server answers); completions are served "
                         "too, on the same slots")

@@ -57,17 +57,21 @@ class CompletionServer:
     def __init__(self, coord, model_name: str, n_slots: int, n_ctx_slot: int, reconnect_interval: float = 1.0,
                  api_key: str | None = None, cors_origin: str = "*", max_queue: int | None = None,
                  chat_template: str | None = None, metrics_endpoint: bool = True, n_predict: int | None = None,
-                 slots_endpoint: bool = True, pooling: str | None = None):
+                 slots_endpoint: bool = True, pooling: str | None = None, context_shift: bool = False):
         """`chat_template`: a built-in template's name or a Jinja file (--chat-template;
         ChatTemplateError if it is neither); default the model's own, else a generic fallback.
         `metrics_endpoint`: serve /metrics (--metrics/--no-metrics). `n_predict`: the most tokens a
         request generates, and what it gets when it asks no number (-n); None: no limit.
         `slots_endpoint`: serve llama-server's /slots (--slots/--no-slots). `api_key`: one key or a list.
-        `pooling`: /v1/embeddings' (mean, last, cls: --embeddings --pooling); None: embeddings refused."""
+        `pooling`: /v1/embeddings' (mean, last, cls: --embeddings --pooling); None: embeddings refused.
+        `context_shift` (--context-shift): a generation that reaches its slot's context shifts it and goes
+        on (batching.py), and max_tokens may pass the context; else it ends there ("length")."""
         self.coord = coord
         self.model_name = model_name
         self.metrics = Metrics(coord)
-        self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics, max_queue=max_queue)
+        self.scheduler = Scheduler(coord, n_slots, n_ctx_slot, self.metrics, max_queue=max_queue,
+                                   context_shift=context_shift)
+        self.context_shift = context_shift
         self.cluster = ClusterView(coord, self.scheduler, model_name)
         self.health_check = ServerHealth(coord, self.scheduler)
         self.api_key = access.ApiKey(api_key) if api_key else None
@@ -228,7 +232,7 @@ class CompletionServer:
         """llama-server's /apply-template: a chat body's messages (and tools, chat_template_kwargs) rendered
         by the chat template, ready for the assistant's answer: {"prompt": text}."""
         req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot, self.n_vocab, self.n_predict,
-                                    self.call_format)
+                                    self.call_format, self.context_shift)
         return web.json_response({"prompt": openai_api.chat_prompt(self.chat, req.messages, self.bos_token,
                                                                    self.eos_token, req.template_kwargs,
                                                                    req.tools)})
@@ -296,7 +300,8 @@ class CompletionServer:
         return openai_api.request_body(text)
 
     async def completions(self, request) -> web.StreamResponse:
-        req = openai_api.parse_completion(await self._body(request), self.n_vocab, self.n_ctx_slot, self.n_predict)
+        req = openai_api.parse_completion(await self._body(request), self.n_vocab, self.n_ctx_slot, self.n_predict,
+                                          self.context_shift)
         gen = req.generation
         if isinstance(req.prompt, str):
             ids, echo = await self._tokenize(req.prompt, gen.max_tokens or 1), req.prompt
@@ -312,12 +317,12 @@ class CompletionServer:
         openai_api.check_text_fits(text, self.n_ctx_slot, param)
         kw = {"add_special": False, "parse_special": True} if chat else {}
         ids = await asyncio.get_running_loop().run_in_executor(None, lambda: self.coord.tokenize(text, **kw))
-        openai_api.check_fits(len(ids), max_tokens, self.n_ctx_slot, param)
+        openai_api.check_fits(len(ids), max_tokens, self.n_ctx_slot, param, self.context_shift)
         return ids
 
     async def chat_completions(self, request) -> web.StreamResponse:
         req = openai_api.parse_chat(await self._body(request), self.n_ctx_slot, self.n_vocab, self.n_predict,
-                                    self.call_format)
+                                    self.call_format, self.context_shift)
         gen = req.generation
         text = openai_api.chat_prompt(self.chat, req.messages, self.bos_token, self.eos_token, req.template_kwargs,
                                       req.tools)
@@ -329,7 +334,7 @@ class CompletionServer:
     async def native_completion(self, request) -> web.StreamResponse:
         """llama-server's /completion: its fields and reply shape (llama_server_api.py)."""
         req = llama_server_api.parse_native_completion(await self._body(request), self.n_vocab, self.n_ctx_slot,
-                                                       self.n_predict)
+                                                       self.n_predict, context_shift=self.context_shift)
         gen = req.generation
         if isinstance(req.prompt, str):
             ids = await self._tokenize(req.prompt, gen.max_tokens or 1)
@@ -347,7 +352,8 @@ class CompletionServer:
             raise ApiError(400, f"infill is not supported by this model: it has no fill-in-the-middle tokens "
                                 f"({', '.join(fim.missing)}; the GGUF's tokenizer.ggml.fim_pre_token_id, "
                                 f"fim_suf_token_id, fim_mid_token_id)")
-        req = llama_server_api.parse_infill(await self._body(request), self.n_vocab, self.n_ctx_slot, self.n_predict)
+        req = llama_server_api.parse_infill(await self._body(request), self.n_vocab, self.n_ctx_slot, self.n_predict,
+                                            self.context_shift)
         gen = req.completion.generation
         for param, text in (("input_prefix", req.input_prefix), ("input_suffix", req.input_suffix),
                             ("prompt", req.completion.prompt)):
@@ -360,7 +366,7 @@ class CompletionServer:
                 fim, plain, req.input_prefix, req.input_suffix, req.input_extra, prompt, self.coord.n_batch,
                 self.n_predict or -1, self.n_ctx_slot, tok.bos_id if tok.add_bos else None)
         ids = await asyncio.get_running_loop().run_in_executor(None, assemble)
-        openai_api.check_fits(len(ids), gen.max_tokens or 1, self.n_ctx_slot)
+        openai_api.check_fits(len(ids), gen.max_tokens or 1, self.n_ctx_slot, context_shift=self.context_shift)
         return await self._serve_native(request, ids, gen, self.coord.detokenize(ids))
 
     async def _serve_native(self, request, ids: list[int], gen: openai_api.Generation,
@@ -382,7 +388,7 @@ class CompletionServer:
                                                   slot.generated, ended - first)
                 return llama_server_api.native_final(content, self.model_name, slot.seq, slot.generated, len(ids),
                                                      prompt_text, finish_reason, slot.text.stop_word, slot.cached,
-                                                     timing, probabilities)
+                                                     timing, probabilities, truncated=slot.shifts > 0)
             if not gen.stream:
                 parts, entries = [], []
                 while True:
@@ -457,7 +463,7 @@ class CompletionServer:
                 slots.append(await self.scheduler.submit(ids, max_tokens, sampler, gen.stop, logprobs=gen.logprobs,
                                                          echo=echo, share_from=slots[0] if slots else None,
                                                          cache_prompt=gen.cache_prompt,
-                                                         request_id=request.get("request_id")))
+                                                         request_id=request.get("request_id"), n_keep=gen.n_keep))
         except ShuttingDown:
             raise openai_api.shutting_down() from None
         except QueueFull as exc:

@@ -73,7 +73,8 @@ def server_options(args) -> dict:
     return {"api_key": args.api_key, "cors_origin": args.cors_origin, "max_queue": args.max_queue,
             "chat_template": args.chat_template, "metrics_endpoint": args.metrics,
             "n_predict": args.n_predict if args.n_predict > 0 else None, "slots_endpoint": args.slots,
-            "pooling": args.pooling if args.embeddings else None}
+            "pooling": args.pooling if args.embeddings else None,
+            "context_shift": bool(getattr(args, "context_shift", False))}
 
 
 def cmd_serve(args) -> int:

@@ -83,11 +83,12 @@ class NativeCompletion:
 
 
 def parse_native_completion(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = None,
-                            path: str = "/completion", prompt_required: bool = True) -> NativeCompletion:
+                            path: str = "/completion", prompt_required: bool = True,
+                            context_shift: bool = False) -> NativeCompletion:
     """A /completion body: /v1/completions' fields (openai_api.FIELDS, the same checks and refusals)
     but those of the OpenAI reply shape (NOT_NATIVE), plus `n_probs` (0..20 alternatives per token in
     `completion_probabilities`). `n_predict` defaults to -1 (the rest of the slot's context), as
-    llama-server's; one completion per request. `limit`: serve's -n."""
+    llama-server's; one completion per request. `limit`: serve's -n; `context_shift`: its --context-shift."""
     prompt = body.get("prompt")
     if prompt is None and not prompt_required:
         prompt = ""
@@ -98,13 +99,13 @@ def parse_native_completion(body: dict, n_vocab: int, n_ctx_slot: int, limit: in
     n_probs = typed_param(body, "n_probs", int, 0, 0, openai_api.MAX_LOGPROBS)
     rest = {k: v for k, v in body.items() if k not in NATIVE_ONLY and k not in NOT_NATIVE}
     openai_api.check_fields(rest, openai_api.COMPLETIONS, path)
-    gen = openai_api.parse_generation(rest, None, n_ctx_slot, openai_api.COMPLETIONS, n_vocab, limit)
+    gen = openai_api.parse_generation(rest, None, n_ctx_slot, openai_api.COMPLETIONS, n_vocab, limit, context_shift)
     if gen.n != 1:
         raise ApiError(400, f"{path} answers one completion per request: ask several ('n') on /v1/completions",
                        param="n" if body.get("n") is not None else "n_cmpl")
     gen = dataclasses.replace(gen, logprobs=n_probs or None)
     if not isinstance(prompt, str):
-        openai_api.check_fits(len(prompt), gen.max_tokens or 1, n_ctx_slot)
+        openai_api.check_fits(len(prompt), gen.max_tokens or 1, n_ctx_slot, context_shift=context_shift)
     return NativeCompletion(prompt, gen)
 
 
@@ -152,12 +153,12 @@ def native_partial(content: str, id_slot: int, n_decoded: int, n_prompt: int,
 
 def native_final(content: str, model: str, id_slot: int, n_decoded: int, n_prompt: int, prompt: str,
                  finish_reason: str, stopping_word: str, n_cached: int, timing: dict,
-                 probabilities: list[dict] | None = None) -> dict:
+                 probabilities: list[dict] | None = None, truncated: bool = False) -> dict:
     """/completion's answer (not streamed), or a stream's last event (`content` "" there): llama-server's
-    fields that apply here (no `generation_settings`)."""
+    fields that apply here (no `generation_settings`). `truncated`: the context was shifted."""
     out = {"index": 0, "content": content, "tokens": [], "id_slot": id_slot, "stop": True, "model": model,
            "tokens_predicted": n_decoded, "tokens_evaluated": n_prompt, "prompt": prompt,
-           "has_new_line": "\n" in content, "truncated": False,
+           "has_new_line": "\n" in content, "truncated": truncated,
            "stop_type": stop_type(finish_reason, stopping_word), "stopping_word": stopping_word,
            "tokens_cached": n_cached, "timings": timing}
     if probabilities:
@@ -220,7 +221,8 @@ class InfillRequest:
     completion: NativeCompletion  # prompt: the text after the prefix (the start of the middle)
 
 
-def parse_infill(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = None) -> InfillRequest:
+def parse_infill(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = None,
+                 context_shift: bool = False) -> InfillRequest:
     """An /infill body: input_prefix and input_suffix (strings, required), input_extra ([{filename, text}],
     optional), `prompt` (a string, optional: the middle's start) and /completion's fields."""
     for name in ("input_prefix", "input_suffix"):
@@ -241,7 +243,8 @@ def parse_infill(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = 
     if body.get("prompt") is not None and not isinstance(body.get("prompt"), str):
         raise ApiError(400, "'prompt' must be a string", param="prompt")
     rest = {k: v for k, v in body.items() if k not in INFILL_FIELDS}
-    completion = parse_native_completion(rest, n_vocab, n_ctx_slot, limit, "/infill", prompt_required=False)
+    completion = parse_native_completion(rest, n_vocab, n_ctx_slot, limit, "/infill", prompt_required=False,
+                                         context_shift=context_shift)
     return InfillRequest(body["input_prefix"], body["input_suffix"], chunks, completion)
 
 

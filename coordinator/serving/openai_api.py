@@ -141,8 +141,9 @@ FIELDS = _fields(
                                           "cached_tokens`); false: the whole prompt is decoded"),
     Field("n_cache_reuse", BOTH, ACCEPTED, "no reuse of chunks past the common prefix (KV shifting); "
                                            "`cache_prompt` reuses the prefix", kind=int),
-    Field("n_keep", BOTH, ACCEPTED, "tokens kept by a context shift, which is never done (a request that does not "
-                                    "fit is refused)", kind=int),
+    Field("n_keep", BOTH, HONOURED, "with `--context-shift`, the prompt tokens a context shift keeps (default 0; "
+                                    "-1: the whole prompt; plus BOS, as llama-server counts); without it the "
+                                    "context is never shifted"),
     Field("id_slot", BOTH, REFUSED, "the scheduler picks the slot", neutral=(-1,)),
     Field("n_indent", BOTH, REFUSED, "no indentation stop", neutral=(0,)),
     Field("t_max_predict_ms", BOTH, REFUSED, "no time limit", neutral=(0,)),
@@ -174,6 +175,7 @@ FIELDS = _fields(
 )
 MAX_CHOICES = 64  # n: at most this many choices (OpenAI allows 128)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound)
+MAX_SHIFTED_TOKENS = 1 << 20  # --context-shift: max_tokens may pass the slot's context, up to this
 # what chat_template_kwargs may not set: the server does
 TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
@@ -258,6 +260,7 @@ class Generation:
     ignore_eos: bool = False
     cache_prompt: bool = True  # reuse the KV rows of the prompt's prefix a slot holds (llama-server's default)
     grammar: str | None = None  # structured output: the llguidance grammar (serving/structured_output.py)
+    n_keep: int = 0  # the prompt tokens a context shift keeps (-1: all of them); only with --context-shift
 
     def samplers(self, eog_ids=()) -> list[Sampler]:
         """One sampler per choice: choice i draws with seed + i (a random seed each
@@ -323,7 +326,17 @@ def token_ids(value, name: str, n_vocab: int) -> list[int]:
     return value
 
 
-def check_fits(n_prompt: int, max_tokens: int, n_ctx_slot: int, param: str = "prompt") -> None:
+def check_fits(n_prompt: int, max_tokens: int, n_ctx_slot: int, param: str = "prompt",
+               context_shift: bool = False) -> None:
+    """The prompt and max_tokens new tokens fit a slot's context. With `context_shift` (serve's
+    --context-shift) max_tokens may pass it, the prompt alone must leave room for a token (as
+    llama-server: a prompt is never truncated, a too-long one is refused)."""
+    if context_shift:
+        if n_prompt >= n_ctx_slot:
+            raise ApiError(400, f"prompt of {n_prompt} tokens exceeds the context of {n_ctx_slot} tokens per slot "
+                                f"(a context shift moves generated tokens; the prompt must fit with one more "
+                                f"token)", param=param, code="context_length_exceeded")
+        return
     if n_prompt + max_tokens > n_ctx_slot:
         raise ApiError(400, f"prompt of {n_prompt} tokens plus max_tokens {max_tokens} exceeds the context of "
                             f"{n_ctx_slot} tokens per slot", param=param, code="context_length_exceeded")
@@ -337,10 +350,12 @@ def check_text_fits(text: str, n_ctx_slot: int, param: str = "prompt") -> None:
 
 
 def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int, endpoint: str = COMPLETIONS,
-                     n_vocab: int | None = None, limit: int | None = None) -> Generation:
+                     n_vocab: int | None = None, limit: int | None = None,
+                     context_shift: bool = False) -> Generation:
     """The generation fields of a body whose fields check_fields has passed. `limit`: serve's
-    -n/--n-predict, the most tokens a request generates and what it gets when it asks no number."""
-    max_tokens = _max_tokens(body, default_max_tokens, n_ctx_slot, limit)
+    -n/--n-predict, the most tokens a request generates and what it gets when it asks no number.
+    `context_shift` (serve's --context-shift): max_tokens may pass the slot's context."""
+    max_tokens = _max_tokens(body, default_max_tokens, MAX_SHIFTED_TOKENS if context_shift else n_ctx_slot, limit)
     temperature = typed_param(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = typed_param(body, "top_p", float, 1.0, 1e-6, 1.0)
     top_k = typed_param(body, "top_k", int, 0, 0, 1 << 20)
@@ -364,6 +379,7 @@ def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int
         logit_bias=parse_logit_bias(body.get("logit_bias"), n_vocab))
     ignore_eos = typed_param(body, "ignore_eos", bool, False)
     cache_prompt = typed_param(body, "cache_prompt", bool, True)
+    n_keep = typed_param(body, "n_keep", int, 0)  # any negative: the whole prompt, as llama-server
     n = typed_param(body, "n", int, None, 1, MAX_CHOICES)
     n_cmpl = typed_param(body, "n_cmpl", int, None, 1, MAX_CHOICES)
     if n is not None and n_cmpl is not None and n != n_cmpl:
@@ -379,7 +395,7 @@ def parse_generation(body: dict, default_max_tokens: int | None, n_ctx_slot: int
     except ValueError as exc:  # NaN, and whatever else the sampler refuses
         raise ApiError(400, str(exc)) from None
     return Generation(max_tokens, sampler, stop, stream, _include_usage(body, stream), n or n_cmpl or 1, logprobs,
-                      echo, ignore_eos, cache_prompt, grammar)
+                      echo, ignore_eos, cache_prompt, grammar, n_keep=n_keep)
 
 
 def _max_tokens(body: dict, default: int | None, n_ctx_slot: int, limit: int | None = None) -> int | None:
@@ -487,15 +503,17 @@ def parse_prompt(prompt, n_vocab: int) -> str | list[int]:
                    param="prompt")
 
 
-def parse_completion(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = None) -> CompletionRequest:
+def parse_completion(body: dict, n_vocab: int, n_ctx_slot: int, limit: int | None = None,
+                     context_shift: bool = False) -> CompletionRequest:
     """A /v1/completions body (from request_body). A prompt of token ids is
     checked to fit here; a text prompt once tokenized (check_text_fits, check_fits).
-    `limit`: serve's -n (parse_generation)."""
+    `limit`: serve's -n, `context_shift`: its --context-shift (parse_generation)."""
     prompt = parse_prompt(body.get("prompt"), n_vocab)
     check_fields(body, COMPLETIONS)
-    generation = parse_generation(body, COMPLETION_MAX_TOKENS, n_ctx_slot, COMPLETIONS, n_vocab, limit)
+    generation = parse_generation(body, COMPLETION_MAX_TOKENS, n_ctx_slot, COMPLETIONS, n_vocab, limit,
+                                  context_shift)
     if not isinstance(prompt, str):
-        check_fits(len(prompt), generation.max_tokens or 1, n_ctx_slot)
+        check_fits(len(prompt), generation.max_tokens or 1, n_ctx_slot, context_shift=context_shift)
     return CompletionRequest(prompt, generation)
 
 
@@ -532,7 +550,7 @@ def parse_messages(messages) -> list[dict]:
 
 
 def parse_chat(body: dict, n_ctx_slot: int, n_vocab: int | None = None, limit: int | None = None,
-               call_format: str = tool_calls.HERMES) -> ChatRequest:
+               call_format: str = tool_calls.HERMES, context_shift: bool = False) -> ChatRequest:
     """A /v1/chat/completions body (from request_body). Chat clients leave
     max_tokens out expecting the whole answer: then it is None, up to the slot's context.
     `call_format`: the format a forced tool call is written in (tools.call_format of the template)."""
@@ -547,7 +565,7 @@ def parse_chat(body: dict, n_ctx_slot: int, n_vocab: int | None = None, limit: i
     if taken:
         raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(taken)}: the server does",
                        param="chat_template_kwargs")
-    generation = parse_generation(body, None, n_ctx_slot, CHAT, n_vocab, limit)
+    generation = parse_generation(body, None, n_ctx_slot, CHAT, n_vocab, limit, context_shift)
     try:
         tools = tool_requests.parse(body)
         grammar = tool_requests.grammar(tools, call_format)

@@ -68,9 +68,20 @@ def test_ssl_files(tmp_path, capsys):
     assert "cannot serve HTTPS" in refused(capsys, "--ssl-cert-file", "/nonexistent.pem", "--ssl-key-file", tls.key)
 
 
-def test_jinja_and_no_context_shift_are_taken():
+def test_jinja_is_taken():
     assert parsed("--jinja").jinja is True
-    assert parsed("--no-context-shift").no_context_shift is True
+
+
+def test_context_shift_flags():
+    """llama-server's --context-shift / --no-context-shift: off by default, the last one given wins,
+    and it reaches the server's options."""
+    from coordinator.serving.lifecycle import server_options
+    assert parsed().context_shift is False and server_options(parsed())["context_shift"] is False
+    assert parsed("--context-shift").context_shift is True
+    assert server_options(parsed("--context-shift"))["context_shift"] is True
+    assert parsed("--no-context-shift").context_shift is False
+    assert parsed("--context-shift", "--no-context-shift").context_shift is False
+    assert parsed("--no-context-shift", "--context-shift").context_shift is True
 
 
 def test_embeddings_and_pooling_flags():
@@ -85,7 +96,6 @@ def test_embeddings_and_pooling_flags():
 
 @pytest.mark.parametrize("argv, message", [
     (("--no-jinja",), "--no-jinja: chat templates are always Jinja here"),
-    (("--context-shift",), "--context-shift: not supported yet"),
     (("--pooling", "none"), "argument --pooling: 'none' is not supported: /v1/embeddings returns one pooled"),
     (("--pooling", "rank"), "argument --pooling: 'rank' is not supported: there is no reranking endpoint"),
     (("--pooling", "max"), "argument --pooling: 'max' is not a pooling: choose mean, last or cls"),

@@ -83,7 +83,7 @@ EXAMPLES = {
     "reasoning_format": "deepseek", "reasoning_control": True, "verbosity": "low", "moderation": {},
     "user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"}, "store": True, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {},
-    "cache_prompt": (False, lambda r: r.generation.cache_prompt is False), "n_cache_reuse": 256, "n_keep": -1, "id_slot": 2, "n_indent": 4,
+    "cache_prompt": (False, lambda r: r.generation.cache_prompt is False), "n_cache_reuse": 256, "n_keep": (-1, lambda r: r.generation.n_keep == -1), "id_slot": 2, "n_indent": 4,
     "t_max_predict_ms": 500, "dynatemp_range": 0.5, "dynatemp_exponent": 1.0, "mirostat": 2, "mirostat_tau": 5.0,
     "mirostat_eta": 0.1, "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
     "dry_sequence_breakers": ["\n"], "xtc_probability": 0.5, "xtc_threshold": 0.1, "top_n_sigma": 1.0,
