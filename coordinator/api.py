@@ -100,8 +100,8 @@ class Coordinator:
             self._generations = Generations(self._resume, self.tokenizer, self.n_ctx, self.n_batch, self.stats)
             self._run(self._loader.load(self._endpoints, self._pipeline, config.split, self.head_shards,
                                         config.progress, config.on_upload, config.split_mode,
-                                        min(config.request_timeout or 600.0, 600.0)))
-            if self._pipeline.group is not None:  # every member computes every step: nothing to pipeline
+                                        min(config.request_timeout or 600.0, 600.0), config.tensor_group))
+            if self._pipeline.groups:  # tensor-parallel: steps go group after group, not pipelined
                 self._decoder.micro.micro_batch = 0
         except BaseException:
             self.close()

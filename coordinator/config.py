@@ -104,6 +104,14 @@ class CoordinatorConfig:
     saves, else layer. Logits differ from the layer split's by the order of
     summation only.
 
+    `tensor_group` (with a tensor split): the workers of one tensor-parallel
+    group; the endpoints, in order, form groups of that many, the groups hold
+    consecutive ranges of layers (in proportion to their members' split) and
+    run one after another (a pipeline of tensor-parallel groups: for more
+    workers than one group should hold, or groups far apart). None (the
+    default): every endpoint in one group. At least 2, and it must divide the
+    number of endpoints.
+
     `cache_type_k`, `cache_type_v` (llama.cpp's -ctk/-ctv): the KV cache's K
     and V types on the workers: "f16" (the default), "q8_0" (about half the
     memory per token) or "q4_0" (about a quarter); rows are quantized as they
@@ -148,6 +156,7 @@ class CoordinatorConfig:
     micro_batch: int = DEFAULT_MICRO_BATCH
     step_links: bool = True
     split_mode: str = "layer"
+    tensor_group: int | None = None
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
 
@@ -174,4 +183,12 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be 'f16', 'q8_0' or 'q4_0', not {kind!r}")
         if self.split_mode not in ("layer", "tensor", "auto"):
             raise ValueError(f"split_mode must be 'layer', 'tensor' or 'auto', not {self.split_mode!r}")
+        if self.tensor_group is not None:
+            size = self.tensor_group
+            if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+                raise ValueError(f"tensor_group must be a number of workers, at least 2, not {size!r}")
+            if len(endpoints) % size:
+                raise ValueError(f"tensor_group={size}: {len(endpoints)} endpoints do not form groups of {size}")
+            if self.split_mode == "layer":
+                raise ValueError("tensor_group needs split_mode='tensor' or 'auto' (the layer split has no groups)")
         return replace(self, endpoints=endpoints, split=split, spares=spares, n_ctx=n_ctx)

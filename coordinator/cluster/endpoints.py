@@ -51,8 +51,8 @@ def _shard(p: Place) -> dict | None:
     shard = p.stage.shard if p.stage is not None else None
     if shard is None:
         return None
-    return {"rank": shard.rank, "of": shard.n, "heads": _bounds(shard.heads), "kv_heads": _bounds(shard.kv_heads),
-            "kv_replicated": shard.replicated_kv, "ffn_rows": _bounds(shard.ffn)}
+    return {"rank": shard.rank, "of": shard.n, "group": p.stage.tensor_group, "heads": _bounds(shard.heads),
+            "kv_heads": _bounds(shard.kv_heads), "kv_replicated": shard.replicated_kv, "ffn_rows": _bounds(shard.ffn)}
 
 
 class EndpointSet:

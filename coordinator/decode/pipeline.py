@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from coordinator.cluster.failures import StageFailed
-from coordinator.decode import step_links
+from coordinator.decode import step_links, tensor_group
 from coordinator.decode.flow import FlowFailed, flow
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.kv_cells import KVCells
@@ -65,7 +65,8 @@ class Pipeline:
         self.links = links
         self.links_paused_until = 0.0  # relayed until then, after a failed push (pause_links)
         self.stats = stats if stats is not None else {}  # counts "linked_steps" (the rest were relayed)
-        self.group = None  # a TensorGroup (decode/tensor_group.py) when the places are one tensor-parallel group
+        # TensorGroups (decode/tensor_group.py) when the places are tensor-parallel groups, one after another
+        self.groups: list = []
         self._unconfirmed: set = set()  # linked requests whose step ended before their reply (held until it comes)
         self._late: list = []  # (place, its executor then, failure) of those that failed: the next step reports them
 
@@ -111,8 +112,9 @@ class Pipeline:
         stage k-1 replays step i+1, each taking the steps in order, as its KV
         rows need. Raises StepFailed; after the first failure no stage starts
         another step, and the requests in flight end before it is raised."""
-        if self.group is not None:  # every member holds a shard of every layer: all replay every step
-            await _failures_as_step_failed(self.group.replay(steps))
+        if self.groups:  # every member of a group holds a shard of its layers: the whole group replays
+            upto = next(i for i, g in enumerate(self.groups) if self.places[through] in g.places)
+            await _failures_as_step_failed(tensor_group.replay(self.groups[: upto + 1], steps))
             return
         places = self.places[: through + 1]
 
@@ -231,9 +233,9 @@ class Pipeline:
                                 lambda: self.kv.pos >= 0)
 
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed=False) -> np.ndarray:
-        if self.group is not None:
-            step = self.group.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed)
-            result = await self.group.step(step)
+        if self.groups:
+            step = self.groups[0].prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed)
+            result = await tensor_group.chain(self.groups, step)
             self.record(step)
             return result
         step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed=normed)

@@ -1,8 +1,11 @@
-"""A decode step over a tensor-parallel group: every member computes every layer
-at once, each its shard (model/tensor_split.py), and the partial sums go
-member to member over their tensor links (rpc_daemon/daemon/tensor_links.py);
-each member ends in its rows of the output head, which come back here and are
-put side by side as the head shards' are (pipeline.Pipeline.combine_head).
+"""A decode step over a tensor-parallel group: every member computes the group's
+layers at once, each its shard (model/tensor_split.py), and the partial sums go
+member to member over their tensor links (rpc_daemon/daemon/tensor_links.py).
+The last group's members end in their rows of the output head, which come back
+here and are put side by side as the head shards' are
+(pipeline.Pipeline.combine_head); an earlier group's (a pipeline of groups,
+Coordinator(tensor_group=)) end in the hidden state, the same on every member,
+which the next group takes from the first member's reply (`chain`).
 
 The group is linked before its first step and again after any failure or
 reconnect (a member's new connection is a new session: its link is gone).
@@ -26,19 +29,22 @@ LINK_TIMEOUT = 10.0  # seconds the members' TENSOR_LINK join may take
 
 
 class TensorGroup:
-    def __init__(self, pipeline, exchange_timeout: float):
+    def __init__(self, pipeline, exchange_timeout: float, places: list | None = None):
         """`exchange_timeout`: the longest a member waits for a peer's partial (a failed peer's
-        wait is cancelled sooner, as soon as this process knows of the failure)."""
+        wait is cancelled sooner, as soon as this process knows of the failure). `places`: the
+        members (default: every place of the pipeline)."""
         self.pipeline = pipeline
         self.exchange_timeout = exchange_timeout
+        self.places = list(pipeline.places if places is None else places)
         self.link_id = 0
         self.linked_with: tuple | None = None  # the executors the current link joins
         self.step_no = 0
         self._cancels: set = set()  # TENSOR_CANCELs in flight (not awaited; held until they end)
 
     @property
-    def places(self) -> list:
-        return self.pipeline.places
+    def last(self) -> bool:
+        """The group ends in the output head (its members hold the last layer)."""
+        return self.places[0].stage.last
 
     async def ensure_linked(self) -> None:
         """Link the members (again) unless the current link joins exactly their connections."""
@@ -90,8 +96,9 @@ class TensorGroup:
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, False, shape,
                             self.pipeline.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa)
 
-    async def step(self, step: PreparedStep) -> np.ndarray:
-        results = await self.run(step.common, step.tokens, step.out_rows, step.shape)
+    async def step(self, step: PreparedStep, hidden=None) -> np.ndarray:
+        """The step's result from this group, the last (`hidden`: the group before's output)."""
+        results = await self.run(step.common, step.tokens, step.out_rows, step.shape, hidden)
         hp = self.pipeline.hp
         if not step.wanted:
             return np.empty(0, np.int32) if step.shape.argmax else np.empty((0, hp.n_vocab), np.float32)
@@ -100,17 +107,38 @@ class TensorGroup:
             return checked_logits(normed.reshape(step.shape.n_outputs, hp.n_embd), self.places[0].endpoint)
         return self.pipeline.combine_head(self.places, results, step.shape)
 
-    async def run(self, common: dict, tokens, out_rows, shape: StepShape) -> list[bytes]:
-        """One step on every member at once: each member's reply (its head rows' output)."""
+    async def run(self, common: dict, tokens, out_rows, shape: StepShape, hidden=None) -> list[bytes]:
+        """One step on every member at once: each member's reply (its head rows' output, or the
+        hidden state). `hidden`: the group before's output (None for the first group)."""
         await self.ensure_linked()
         self.step_no += 1
         tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout}
-        return await self._on_all([p.executor.run(p.stage, shape, stage_inputs(p, common, tokens, None, out_rows),
+        return await self._on_all([p.executor.run(p.stage, shape, stage_inputs(p, common, tokens, hidden, out_rows),
                                                   tensor=tensor) for p in self.places])
 
-    async def replay(self, steps: list) -> None:
-        """Journal steps again on every member, in order (their KV rows rewritten)."""
-        for step in steps:
-            mask, mask_swa = step.masks()
-            common = self.pipeline.common_inputs(step.pos, step.rows, mask, mask_swa)
-            await self.run(common, step.tokens, step.out_rows, step.shape)
+    async def hidden(self, common: dict, tokens, out_rows, shape: StepShape, hidden=None) -> np.ndarray:
+        """A group before the last: its output hidden state (every member's is the same: the first's)."""
+        results = await self.run(common, tokens, out_rows, shape, hidden)
+        return read_output(self.places[0], results[0], shape).hidden
+
+
+async def chain(groups: list, step: PreparedStep) -> np.ndarray:
+    """A step through a pipeline of tensor-parallel groups, one after another."""
+    hidden = None
+    for group in groups[:-1]:
+        hidden = await group.hidden(step.common, step.tokens, step.out_rows, step.shape, hidden)
+    return await groups[-1].step(step, hidden)
+
+
+async def replay(groups: list, steps: list) -> None:
+    """Journal steps again through `groups` (the first ones of the pipeline), in order, each
+    step through them one after another (their KV rows rewritten)."""
+    for step in steps:
+        mask, mask_swa = step.masks()
+        common = groups[0].pipeline.common_inputs(step.pos, step.rows, mask, mask_swa)
+        hidden = None
+        for group in groups:
+            if group.last:
+                await group.run(common, step.tokens, step.out_rows, step.shape, hidden)
+            else:
+                hidden = await group.hidden(common, step.tokens, step.out_rows, step.shape, hidden)

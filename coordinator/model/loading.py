@@ -18,7 +18,7 @@ from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.pipeline import Pipeline
 from coordinator.model.architectures.common import head_source
 from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, human,
-                                          plan_rows, split_weights)
+                                          plan_rows, plan_split, split_weights)
 from coordinator.model.stage import KV_TYPES, Stage
 from coordinator.model.tensor_split import TensorSplitError, plan_shards
 from rpc_daemon.service.memory import available_memory
@@ -61,15 +61,19 @@ class ModelLoader:
         return ex
 
     async def load(self, endpoints: EndpointSet, pipeline: Pipeline, split, head_shards: bool, progress: bool,
-                   on_upload, split_mode: str = "layer", exchange_timeout: float = 600.0) -> None:
+                   on_upload, split_mode: str = "layer", exchange_timeout: float = 600.0,
+                   tensor_group: int | None = None) -> None:
         """Connect every endpoint, plan the split, build the stages and upload
         their weights. `head_shards`: the stages hold shares of the output head.
-        `split_mode`: "layer", "tensor" or "auto" (tensor_choice)."""
+        `split_mode`: "layer", "tensor" or "auto" (tensor_choice); `tensor_group`: the
+        members of each tensor-parallel group (None: one group of all)."""
         places, head = endpoints.places, self.head
         infos = await endpoints.open_all(self.new_executor)
         weights = split_weights(split, infos, len(places))
-        if split_mode != "layer" and await self.tensor_choice(places, weights, split_mode, pipeline):
-            await self._load_tensor(endpoints, pipeline, infos, weights, progress, on_upload, exchange_timeout)
+        if split_mode != "layer" and await self.tensor_choice(places, weights, split_mode, pipeline,
+                                                              tensor_group or len(places)):
+            await self._load_tensor(endpoints, pipeline, infos, weights, progress, on_upload, exchange_timeout,
+                                    tensor_group or len(places))
             return
         reserve = compute_reserve(self.hp, self.n_batch, self.n_ctx)
 
@@ -117,11 +121,12 @@ class ModelLoader:
             head.measured_at = time.monotonic()
 
     # ------------------------------------------------------------ tensor parallelism
-    async def tensor_choice(self, places: list, weights: list, mode: str, pipeline: Pipeline) -> bool:
-        """Whether the places form one tensor-parallel group: "tensor" insists (a ValueError says
-        why it cannot), "auto" takes it where the measured round trips say the 2 x n_layer
-        exchanges of a token cost less than half the compute the split saves."""
-        why = self._tensor_refusal(places, weights)
+    async def tensor_choice(self, places: list, weights: list, mode: str, pipeline: Pipeline,
+                            group_size: int) -> bool:
+        """Whether the places form tensor-parallel groups of `group_size`: "tensor" insists (a
+        ValueError says why it cannot), "auto" takes it where the measured round trips say the
+        2 x n_layer exchanges of a token cost less than half the compute the split saves."""
+        why = self._tensor_refusal(places, weights, group_size)
         if why is not None:
             if mode == "tensor":
                 raise ValueError(f"split_mode='tensor': {why}")
@@ -131,7 +136,8 @@ class ModelLoader:
             return True
         rtt = await self._slowest_rtt(places)
         layer_bytes = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors if n.startswith("blk."))
-        saved = layer_bytes / TENSOR_BANDWIDTH * (1 - max(weights) / sum(weights))
+        group = weights[:group_size]  # (a pipeline of groups: each group's share of its layers, alike)
+        saved = layer_bytes / TENSOR_BANDWIDTH * (1 - max(group) / sum(group)) * group_size / len(places)
         cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)
         chosen = cost < saved / 2
         log.info("split mode chosen by measurement", split_mode="tensor" if chosen else "layer",
@@ -139,7 +145,7 @@ class ModelLoader:
                  slowest_rtt_ms=round(rtt * 1e3, 3))
         return chosen
 
-    def _tensor_refusal(self, places: list, weights: list) -> str | None:
+    def _tensor_refusal(self, places: list, weights: list, group_size: int) -> str | None:
         if len(places) < 2:
             return "it needs at least 2 endpoints"
         for p in places:
@@ -148,8 +154,11 @@ class ModelLoader:
             if not getattr(p.executor, "tensor_links", False):
                 return (f"worker {p.endpoint} does not offer tensor links (an older ggml-rpc-server, or one that "
                         f"serves TLS: tensor links are not encrypted)")
+        if len(places) // group_size > self.hp.n_layer:
+            return f"{len(places) // group_size} groups but the model has only {self.hp.n_layer} layers"
         try:
-            plan_shards(self.hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights)
+            for i in range(0, len(places), group_size):
+                plan_shards(self.hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights[i: i + group_size])
         except TensorSplitError as exc:
             return str(exc)
         return None
@@ -168,39 +177,52 @@ class ModelLoader:
         return max(await asyncio.gather(*(fastest(p) for p in places)))
 
     async def _load_tensor(self, endpoints: EndpointSet, pipeline: Pipeline, infos: list, weights: list,
-                           progress: bool, on_upload, exchange_timeout: float) -> None:
-        """Every place a member of one tensor-parallel group: its shard of every layer, its share
-        of the head's rows; memory checked before any upload; the members linked."""
+                           progress: bool, on_upload, exchange_timeout: float, group_size: int) -> None:
+        """The places as tensor-parallel groups of `group_size` (in endpoint order), the groups
+        holding consecutive layer ranges in proportion to their members' weights: each member its
+        shard of its group's layers, the last group's its share of the head's rows; memory checked
+        before any upload; the members of each group linked."""
         from coordinator.decode.tensor_group import TensorGroup
-        places, hp = endpoints.places, self.hp
-        shards = plan_shards(hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights)
-        heads = plan_rows(hp.n_vocab, weights)
-        short = []
-        for p, shard, rows, info in zip(places, shards, heads, infos):
-            p.layers = range(hp.n_layer)
-            p.stage = Stage.tensor_member(shard.rank, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types)
-            reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
-            need, free = -(-buffer_bytes(p.stage) // PAGE) * PAGE + reserve, endpoint_free(info)
-            if free is not None and need > free:
-                short.append(f"{p.endpoint}: its shard needs {human(need)}, {human(free)} free")
+        places, hp, n = endpoints.places, self.hp, group_size
+        types = {name: t.type for name, t in self.gguf.tensors.items()}
+        members = [list(range(i, i + n)) for i in range(0, len(places), n)]
+        group_layers = plan_split(hp.n_layer, [sum(weights[i] for i in m) for m in members])
+        short, plan = [], []
+        for g, (indices, layers) in enumerate(zip(members, group_layers)):
+            w = [weights[i] for i in indices]
+            shards = plan_shards(hp, types, w)
+            heads = plan_rows(hp.n_vocab, w) if layers.stop == hp.n_layer else [None] * len(indices)
+            for i, shard, rows in zip(indices, shards, heads):
+                p = places[i]
+                p.layers = layers
+                p.stage = Stage.tensor_member(i, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types,
+                                              layers, g)
+                reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
+                need, free = -(-buffer_bytes(p.stage) // PAGE) * PAGE + reserve, endpoint_free(infos[i])
+                if free is not None and need > free:
+                    short.append(f"{p.endpoint}: its shard needs {human(need)}, {human(free)} free")
+                plan.append({"endpoint": p.endpoint, "group": g, "layers": [layers.start, layers.stop],
+                             "heads": [shard.heads.start, shard.heads.stop],
+                             "kv_heads": [shard.kv_heads.start, shard.kv_heads.stop],
+                             "kv_replicated": shard.replicated_kv, "ffn": [shard.ffn.start, shard.ffn.stop],
+                             "head_rows": None if rows is None else [rows.start, rows.stop]})
         if short:
             raise DoesNotFit("the model does not fit the workers' free memory in tensor-parallel shards: "
                              + "; ".join(short))
-        self.head.mode = "split"  # every member ends in its rows of the head
-        pipeline.group = TensorGroup(pipeline, exchange_timeout)
+        self.head.mode = "split"  # every member of the last group ends in its rows of the head
+        pipeline.groups = [TensorGroup(pipeline, exchange_timeout, [places[i] for i in m]) for m in members]
         await endpoints.load_all(self.gguf, progress, on_upload)
-        try:
-            await pipeline.group.ensure_linked()
-        except StepFailed as exc:
-            failure = exc.reported
+        linked = await asyncio.gather(*(group.ensure_linked() for group in pipeline.groups), return_exceptions=True)
+        failed = next((exc for exc in linked if isinstance(exc, BaseException)), None)
+        if failed is not None:
+            if not isinstance(failed, StepFailed):
+                raise failed
+            failure = failed.reported
             if isinstance(failure, StageFailed):
                 raise EndpointUnavailable(failure.endpoint, failure.cause, failure.message) from None
             raise failure from None
-        log.info("tensor-parallel split: every member holds a shard of every layer",
-                 members=[{"endpoint": p.endpoint, "heads": [s.heads.start, s.heads.stop],
-                           "kv_heads": [s.kv_heads.start, s.kv_heads.stop], "kv_replicated": s.replicated_kv,
-                           "ffn": [s.ffn.start, s.ffn.stop], "head_rows": [r.start, r.stop]}
-                          for p, s, r in zip(places, shards, heads)])
+        log.info("tensor-parallel split: every member holds a shard of its group's layers", groups=len(members),
+                 members=plan)
 
     async def _hold_head_here(self, last: Place, pipeline: Pipeline) -> None:
         """Hold in this process the output head's rows besides the last

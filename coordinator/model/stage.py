@@ -93,6 +93,7 @@ class Stage:
     # a member of a tensor-parallel group (model/tensor_split.Shard): every layer, its share of each, its
     # rows of the head; `hp` is then the shard's (its head counts and FFN rows)
     shard: object = None
+    tensor_group: int = 0  # which group of a pipeline of tensor-parallel groups (Coordinator(tensor_group=))
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
@@ -119,26 +120,31 @@ class Stage:
         return stage
 
     @classmethod
-    def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range,
-                      kv_types: tuple = (F16, F16)) -> "Stage":
-        """Member `shard.rank` of a tensor-parallel group: every layer, cut to its shard
-        (model/tensor_split.py), the embedding and norms whole, and `head_rows` of the head."""
+    def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range | None,
+                      kv_types: tuple = (F16, F16), layers: range | None = None, group: int = 0) -> "Stage":
+        """Member `shard.rank` of tensor-parallel group `group`: its `layers` (default: every
+        layer), each cut to its shard (model/tensor_split.py); with the first layer the embedding
+        whole, with the last the output norm whole and `head_rows` of the head."""
         from coordinator.model.tensor_split import local_hparams, shard_cuts
+        layers = range(hp.n_layer) if layers is None else layers
+        first, last = layers.start == 0, layers.stop == hp.n_layer
         local = local_hparams(hp, shard)
-        names = [n for n in gguf.tensors if n.startswith("blk.")]
-        names += ["token_embd.weight", "output_norm.weight"] + arch.extra_weights(gguf.tensors)
+        names = [n for n in gguf.tensors if n.startswith("blk.") and int(n.split(".")[1]) in layers]
+        names += (["token_embd.weight"] if first else []) + (["output_norm.weight"] if last else [])
+        names += arch.extra_weights(gguf.tensors)
         weights = {n: gguf.tensor(n) for n in dict.fromkeys(names)}
-        cuts = shard_cuts(hp, shard, gguf.tensors)
-        stage = cls(index, arch, local, range(hp.n_layer), True, True, weights, StageKV(local, range(hp.n_layer), n_ctx, kv_types),
-                    head_rows, shard=shard)
+        cuts = {name: cut for name, cut in shard_cuts(hp, shard, gguf.tensors).items() if name in weights}
+        stage = cls(index, arch, local, layers, first, last, weights, StageKV(local, layers, n_ctx, kv_types),
+                    head_rows if last else None, shard=shard, tensor_group=group)
         stage.own_ctx = Context(len(cuts) + 1)
         for name, cut in cuts.items():
             src = gguf.tensor(name)
             stage.weights[name] = stage.own_ctx.new_tensor(src.type, list(cut.ne), name)
             stage.cuts[name] = (name, cut)
-        src = head_source(gguf.tensors)
-        # a tied head multiplies by a view of the embedding's rows, which every member holds whole
-        stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
+        if last:
+            src = head_source(gguf.tensors)
+            # a tied head multiplies by a view of the embedding's rows where the member holds it whole
+            stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
         return stage
 
     @classmethod
@@ -179,11 +185,15 @@ class Stage:
         return self.last and not shape.normed and (self.head_rows is None or
                                                    (shape.head_on_last and self.holds_whole_head))
 
+    def member_head(self, shape: StepShape) -> bool:
+        """A tensor-parallel member of the last group: its step graph ends in its rows of the head."""
+        return self.shard is not None and self.last and not shape.normed
+
     # ------------------------------------------------------------ the reply's layout
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
     # token (i32) and maximum, then the row sums (f32), one value per output row.
     def output_size(self, shape: StepShape, head: bool = False) -> int:
-        if head or (self.shard is not None and not shape.normed):  # a member's step ends in its head rows
+        if head or self.member_head(shape):  # a last group member's step ends in its head rows
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
             return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
         if self.head_here(shape):
@@ -195,7 +205,7 @@ class Stage:
     def read_output(self, data: bytes, shape: StepShape, head: bool = False) -> StageOutput:
         """The arrays in a reply of output_size(shape, head) bytes."""
         n_out = shape.n_outputs
-        head = head or (self.shard is not None and not shape.normed)
+        head = head or self.member_head(shape)
         if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                best=np.frombuffer(data, np.float32, n_out, n_out * 4),
@@ -258,6 +268,8 @@ class Stage:
             x = self.arch.embed(b, tokens)
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
+        if self.shard is not None and not self.last:  # a group before the last: the hidden state, alike on all
+            return self._finish(ctx, gf, inputs, [x], b.exchanges)
         if self.shard is not None and shape.normed:  # every member holds the same normed rows
             return self._finish(ctx, gf, inputs, [b.final_norm(x)], b.exchanges)
         if self.shard is not None:  # every member holds the whole hidden state: its rows of the head from it

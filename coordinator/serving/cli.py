@@ -153,6 +153,9 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                             "default); every worker a shard of every layer, all computing every token together "
                             "(tensor: workers that offer tensor links, no TLS); or tensor where the measured "
                             "round trips say it is faster (auto). docs/operations.md, \"Which split\"")
+        p.add_argument("--tensor-group", dest="tensor_group", type=_count(2), default=None, metavar="N",
+                       help="with a tensor split: the endpoints, in order, form groups of N workers; each group "
+                            "a range of layers, the groups one after another (default: all in one group)")
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
                        help="hidden states come back through the coordinator between stages (default: worker "
                             "to worker when every worker offers it; docs/protocol.md, Step links)")

@@ -20,7 +20,8 @@ def cmd_generate(args) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size,
                             **security_options(args), threads=args.threads, progress=sys.stderr.isatty(),
                             head_split=args.head_split, step_links=args.step_links,
-                            micro_batch=args.micro_batch, split_mode=args.split_mode, cache_type_k=args.cache_type_k,
+                            micro_batch=args.micro_batch, split_mode=args.split_mode, tensor_group=args.tensor_group,
+                            cache_type_k=args.cache_type_k,
                             cache_type_v=args.cache_type_v, **resume_options(args))
         except (ConnectionError, OSError, ValueError) as exc:
             return cannot_start(exc)
@@ -39,7 +40,8 @@ def cmd_generate(args) -> int:
             n = c.stats["generated"] - generated0
             n_layer = c.hp.n_layer
             share = ", ".join(f"{e['endpoint']} " + (
-                f"shard {e['shard']['rank'] + 1}/{e['shard']['of']} of every layer"  # tensor-parallel
+                f"shard {e['shard']['rank'] + 1}/{e['shard']['of']} of "  # tensor-parallel
+                + ("every layer" if e["layers"] == [0, n_layer] else f"layers {e['layers'][0]}-{e['layers'][1] - 1}")
                 if e.get("shard") else f"layers {e['layers'][0]}-{e['layers'][1] - 1} "
                                        f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})")
                 + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}" if e["head_rows"] else "")

@@ -103,7 +103,8 @@ def _serve(args, socks) -> int:
                             **security_options(args), n_ctx=args.parallel * args.ctx_per_slot,
                             progress=sys.stderr.isatty(), head_split=args.head_split, step_links=args.step_links,
                             **resume_options(args), on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch,
-                            split_mode=args.split_mode, cache_type_k=args.cache_type_k,
+                            split_mode=args.split_mode, tensor_group=args.tensor_group,
+                            cache_type_k=args.cache_type_k,
                             cache_type_v=args.cache_type_v)
         except (ConnectionError, OSError, ValueError) as exc:
             return cannot_start(exc)

@@ -227,6 +227,59 @@ def test_a_spare_takes_a_members_shard_and_the_text_is_the_same(tmp_path, worker
         assert shards == {ws.endpoint(0): 0, ws.endpoint(2): 1}, shards
 
 
+# ---------------------------------------------------------------- a pipeline of tensor-parallel groups
+
+@pytest.mark.parametrize("victim", [1, 3], ids=["first group", "last group"])
+def test_a_pipeline_of_two_groups_matches_in_process_and_survives_a_lost_member(victim, tmp_path, workers):
+    """Four workers as two groups of two (tensor_group=2): group 0 holds the first layers, group 1 the
+    rest and the head, each member a shard of its group's layers; the logits match the in-process
+    path's, the plan says which worker is in which group; a member killed mid-generation is reported
+    as itself, and with resume_within a restart gives the same tokens (the first group's loss replays
+    that group only, the last group's both)."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    with Coordinator(["local"], model=model, n_ctx=128) as c:
+        ref = all_logits(c)
+    ws = workers(4)
+    endpoints = [ws.endpoint(i) for i in range(4)]
+    with Coordinator(endpoints, model=model, n_ctx=128, split_mode="tensor", tensor_group=2,
+                     liveness_timeout=LIVENESS, resume_within=20.0) as c:
+        views = c.endpoints()
+        assert c.health()["split_mode"] == "tensor"
+        assert [(e["shard"]["group"], e["shard"]["rank"]) for e in views] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        layers = [tuple(e["layers"]) for e in views]
+        assert layers[0] == layers[1] and layers[2] == layers[3] and layers[0][1] == layers[2][0] > 0, layers
+        assert [e["head_rows"] is not None for e in views] == [False, False, True, True], views
+        ours = all_logits(c)
+        deviation = float(np.abs(ours - ref).max())
+        assert deviation <= 1e-3 * float(np.abs(ref).max()), deviation
+        agree_where_clear(ours, ref, deviation)
+        reference, code = generate_tokens(c, 12)
+        assert code == DecodeResult.OK, c.last_error
+        links = c.stats["tensor_links"]
+        assert links == 2  # one link per group
+        out, code = generate_tokens(c, 12, lambda step: step == 5 and ws.kill(victim, restart_after=0.5),
+                                    resuming=True)
+        assert code == DecodeResult.OK, c.last_error
+        assert out == reference
+        assert c.stats["kv_rebuilds"] >= 1 and c.stats["tensor_links"] == links + 1
+        c.kv_clear()
+        ws.kill(2)
+        code = c.decode(Batch.single([5], 0))
+        assert code == DecodeResult.ENDPOINT_FAILED and c.last_failed_endpoint == ws.endpoint(2), c.last_error
+
+
+def test_tensor_groups_are_refused_where_they_cannot_form(tmp_path, workers):
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    ws = workers(3)
+    endpoints = [ws.endpoint(i) for i in range(3)]
+    with pytest.raises(ValueError, match="do not form groups of 2"):
+        Coordinator(endpoints, model=model, n_ctx=64, split_mode="tensor", tensor_group=2)
+    with pytest.raises(ValueError, match="at least 2"):
+        Coordinator(endpoints, model=model, n_ctx=64, split_mode="tensor", tensor_group=1)
+    with pytest.raises(ValueError, match="needs split_mode"):
+        Coordinator(endpoints[:2], model=model, n_ctx=64, tensor_group=2)
+
+
 # ---------------------------------------------------------------- the fault matrix, in tensor mode
 # B (member 1) faulted by its daemon's --test-fault at its third graph request (the third decode: every
 # decode is one request per member), while A (member 0) computes the same step and waits on B's partials.

@@ -147,7 +147,9 @@
       c[0].textContent = String(w.index);
       c[1].textContent = w.endpoint;
       c[2].textContent = w.shard
-        ? "all, shard " + (w.shard.rank + 1) + "/" + w.shard.of + ": heads " + w.shard.heads[0] + "–" +
+        ? (w.layers && (w.layers[0] > 0 || w.layers[1] < snapshot.n_layer)
+            ? w.layers[0] + "–" + (w.layers[1] - 1) + " (group " + (w.shard.group + 1) + ")" : "all") +
+          ", shard " + (w.shard.rank + 1) + "/" + w.shard.of + ": heads " + w.shard.heads[0] + "–" +
           (w.shard.heads[1] - 1) + (w.shard.kv_replicated ? " (KV copied)" : "") + ", FFN rows " +
           w.shard.ffn_rows[0] + "–" + (w.shard.ffn_rows[1] - 1)
         : w.layers[0] + "–" + (w.layers[1] - 1) + " (" + (w.layers[1] - w.layers[0]) + ")";
