@@ -10,13 +10,13 @@ llama-cpp-python sdist (ggml_ffi/ggml_build.py) unpacked at
 `$GGML_DISTRIBUTED_CACHE/llama.cpp-<sdist version>/src`, then
 
     cmake -S src -B build -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
-          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
     cmake --build build -j<cores> --target llama-bench llama-perplexity ggml-rpc-server llama-tokenize \\
-          llama-completion llama-quantize
+          llama-completion llama-quantize llama-server
 
-(the rpc-server target is called ggml-rpc-server in this llama.cpp tree; llama-cli
-needs the server, so tests/interop runs llama-completion; llama-quantize makes
-bench/bench_models.py's Q4_K_M model). About 8 minutes on 2 cores. Built once:
+(the rpc-server target is called ggml-rpc-server in this llama.cpp tree; tests/interop
+runs llama-completion, llama-cli's one-shot mode; llama-quantize makes
+bench/bench_models.py's Q4_K_M model; llama-server is bench/bench_serve.py's reference). About 8 minutes on 2 cores. Built once:
 `build/reference-build.json`, written last, records the recipe (sdist, flags,
 targets) and the CPU it was built for (-march=native), and a build of the same
 recipe for this CPU is kept (`--force` builds anyway). `--quiet` sends the tools'
@@ -74,10 +74,11 @@ ggml_build = _ggml_build()
 
 RPC_SERVER = "ggml-rpc-server"  # llama.cpp's rpc-server target in this tree (tools/rpc)
 CONFIGURE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
-# llama-cli needs the server (LLAMA_BUILD_SERVER); llama-completion is its one-shot mode, which
-# tests/interop runs; llama-quantize makes bench/bench_models.py's Q4_K_M
-TARGETS = ["llama-bench", "llama-perplexity", RPC_SERVER, "llama-tokenize", "llama-completion", "llama-quantize"]
+             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+# llama-completion is llama-cli's one-shot mode, which tests/interop runs; llama-quantize makes
+# bench/bench_models.py's Q4_K_M; llama-server is bench/bench_serve.py's reference row
+TARGETS = ["llama-bench", "llama-perplexity", RPC_SERVER, "llama-tokenize", "llama-completion", "llama-quantize",
+           "llama-server"]
 PRODUCTS = TARGETS + ["libggml-rpc.so"]  # what a build leaves in build/bin (the library: tests/interop)
 STAMP = "reference-build.json"  # in build/, written last: what the binaries were built from, and for which CPU
 LOG_TAIL = 60
