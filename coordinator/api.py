@@ -101,7 +101,7 @@ class Coordinator:
             self._run(self._loader.load(self._endpoints, self._pipeline, config.split, self.head_shards,
                                         config.progress, config.on_upload, config.split_mode,
                                         min(config.request_timeout or 600.0, 600.0), config.tensor_group))
-            if self._pipeline.groups:  # tensor-parallel: steps go group after group, not pipelined
+            if len(self._pipeline.groups) == 1:  # one tensor-parallel group computes every step: nothing to pipeline
                 self._decoder.micro.micro_batch = 0
         except BaseException:
             self.close()

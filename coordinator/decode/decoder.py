@@ -50,7 +50,7 @@ class Decoder:
     @property
     def pipelined(self) -> bool:
         """Steps are cut into micro-batches and several may be in flight at once."""
-        return self.micro.enabled and len(self.pipeline.places) > 1
+        return self.micro.enabled and self.pipeline.n_stages > 1
 
     async def decode(self, batch: Batch, greedy: bool = False, group: bool = True) -> DecodeOutcome:
         """One decode: its outcome, also kept as `last`. `group` (pipelined):

@@ -118,7 +118,7 @@ class MicroBatches:
         if isinstance(micro_batch, bool) or not (isinstance(micro_batch, int) and micro_batch >= 0):
             raise ValueError(f"micro_batch must be a number of tokens (0: no pipelining), not {micro_batch!r}")
         self.pipeline, self.micro_batch = pipeline, micro_batch
-        self._tails: list = [None] * len(pipeline.places)  # per stage: the last admitted step's `done`
+        self._tails: list = [None] * pipeline.n_stages  # per stage: the last admitted step's `done`
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +132,7 @@ class MicroBatches:
         `group`: see plan_cuts."""
         kv, pipe = self.pipeline.kv, self.pipeline
         saved, steps = [], []
-        cuts = plan_cuts(tok_pos, tok_seq, len(pipe.places), self.micro_batch, group)
+        cuts = plan_cuts(tok_pos, tok_seq, pipe.n_stages, self.micro_batch, group)
         relayed = not _fit_links(len(cuts), len(rows), pipe.hp.n_embd)
         for a, b in cuts:
             saved.append(kv.assign(rows[a:b], tok_pos[a:b], tok_seq[a:b]))
@@ -141,7 +141,7 @@ class MicroBatches:
             steps.append(pipe.prepare(list(tokens[a:b]), rows[a:b], tok_pos[a:b], tok_seq[a:b], mine, greedy,
                                       relayed=relayed))
         loop = asyncio.get_running_loop()
-        done = [loop.create_future() for _ in pipe.places]
+        done = [loop.create_future() for _ in range(pipe.n_stages)]
         after, self._tails = self._tails, done
         return Admitted(steps, saved, after, done)
 
@@ -167,12 +167,8 @@ class MicroBatches:
                 _finished(step.done)
                 return np.concatenate(results)
 
-        def on(p):
-            return lambda i, hidden: pipe.run_stage(p, steps[i], None if hidden is None else hidden.hidden)
-
-        stages = [on(p) for p in pipe.places] + [lambda i, out: pipe.finish(steps[i], out)]
         try:
-            results = await flow(len(steps), stages, after=step.after, done=step.done)
+            results = await flow(len(steps), pipe.flow_stages(steps), after=step.after, done=step.done)
         except FlowFailed as failed:
             raise step_failed(failed.errors) from None
         return np.concatenate(results)

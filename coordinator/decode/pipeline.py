@@ -91,6 +91,26 @@ class Pipeline:
         if late:
             raise step_failed(late)
 
+    @property
+    def n_stages(self) -> int:
+        """The stages a step goes through one after another: the places, or the tensor-parallel groups."""
+        return len(self.groups) if self.groups else len(self.places)
+
+    def flow_stages(self, steps: list[PreparedStep]) -> list:
+        """Prepared steps (micro-batches) as flow.py's stages: each place (or tensor-parallel group) in
+        turn, each taking the one before's output; the last stage's output is the step's result."""
+        if self.groups:
+            def group_stage(group):
+                if group is self.groups[-1]:
+                    return lambda i, hidden: group.step(steps[i], hidden)
+                return lambda i, hidden: group.hidden(steps[i].common, steps[i].tokens, steps[i].out_rows,
+                                                      steps[i].shape, hidden)
+            return [group_stage(group) for group in self.groups]
+
+        def on(p):
+            return lambda i, out: self.run_stage(p, steps[i], None if out is None else out.hidden)
+        return [on(p) for p in self.places] + [lambda i, out: self.finish(steps[i], out)]
+
     def pause_links(self, seconds: float) -> None:
         """Relay every step for `seconds` (a worker could not push to its next hop)."""
         self.links_paused_until = time.monotonic() + seconds
@@ -154,6 +174,8 @@ class Pipeline:
         """A step's inputs, fixed now: n_kv and the masks from the KV table as
         it is (the step's own rows assigned, those of later steps not yet);
         and where its head runs (`relayed`: it will not go over step links)."""
+        if self.groups:  # tensor-parallel: every member of the last group ends in its head rows
+            return self.groups[0].prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed)
         n = len(tokens)
         wanted = len(out_rows) > 0
         if not wanted:  # a graph cannot have 0 output rows: the last stage computes one, dropped in finish
@@ -234,7 +256,7 @@ class Pipeline:
 
     async def _step(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed=False) -> np.ndarray:
         if self.groups:
-            step = self.groups[0].prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed)
+            step = self.prepare(tokens, rows, tok_pos, tok_seq, out_rows, greedy, normed=normed)
             result = await tensor_group.chain(self.groups, step)
             self.record(step)
             return result
@@ -256,7 +278,7 @@ class Pipeline:
     async def _linked(self, *steps: PreparedStep) -> list[np.ndarray] | None:
         """The steps over step links when every worker offers them, each one's
         result; None: relay them."""
-        if not (self.links and step_links.usable(self)):
+        if self.groups or not (self.links and step_links.usable(self)):  # (groups: relayed, chain or flow)
             return None
         heads = [list(step.head_places) for step in steps]
         linked = await step_links.run(self, list(zip(steps, heads)))

@@ -268,6 +268,22 @@ def test_a_pipeline_of_two_groups_matches_in_process_and_survives_a_lost_member(
         assert code == DecodeResult.ENDPOINT_FAILED and c.last_failed_endpoint == ws.endpoint(2), c.last_error
 
 
+def test_micro_batches_flow_through_the_groups(tmp_path, workers):
+    """Two groups are two stages of the pipeline: a prompt cut into micro-batches has group 1 compute
+    piece k while group 0 computes piece k+1 (flow.py), with the logits of the whole prompt at once."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    with Coordinator(["local"], model=model, n_ctx=128) as c:
+        ref = all_logits(c)
+    ws = workers(4)
+    with Coordinator([ws.endpoint(i) for i in range(4)], model=model, n_ctx=128, split_mode="tensor",
+                     tensor_group=2, micro_batch=8) as c:
+        ours = all_logits(c)
+        assert c.stats["micro_batches"] >= 3, c.stats
+    deviation = float(np.abs(ours - ref).max())
+    assert deviation <= 1e-3 * float(np.abs(ref).max()), deviation
+    agree_where_clear(ours, ref, deviation)
+
+
 def test_tensor_groups_are_refused_where_they_cannot_form(tmp_path, workers):
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     ws = workers(3)
