@@ -233,6 +233,11 @@ class Coordinator:
         return self._decoder.pipelined
 
     @property
+    def pipeline_stages(self) -> int:
+        """The stages a step goes through one after another: the endpoints, or the tensor-parallel groups."""
+        return self._pipeline.n_stages
+
+    @property
     def micro_batch(self) -> int:
         return self._decoder.micro.micro_batch
 

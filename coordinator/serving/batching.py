@@ -194,7 +194,7 @@ class Scheduler:
         self.active: list[Slot] = []
         # one group of slots per stage when steps are pipelined, each stepped by its own loop
         pipelined = getattr(coord, "pipelined", False)
-        self.n_groups = max(1, min(n_slots, len(coord.endpoints()))) if pipelined else 1
+        self.n_groups = max(1, min(n_slots, coord.pipeline_stages)) if pipelined else 1
         self._wake = [asyncio.Event() for _ in range(self.n_groups)]
         self._tasks: list[asyncio.Task] = []
         self._started: dict[int, float] = {}  # group -> when its step in flight started
