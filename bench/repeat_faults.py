@@ -24,7 +24,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"=+ (.*(?:passed|failed|error).*) in [\d.]+s")
+SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|error).*?) in [\d.]+s", re.MULTILINE)
 
 
 def pytest_command(paths: list[str], timeout: float, extra: list[str]) -> list[str]:
