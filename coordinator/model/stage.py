@@ -68,6 +68,14 @@ class StageKV:
         return [t for kv in self._layers.values() for t in kv]
 
 
+@dataclass(frozen=True)
+class RowRange:
+    """A weight that is a byte range of a GGUF tensor's rows (a stage's rows of the output head)."""
+    source: str
+    start: int
+    stop: int
+
+
 @dataclass
 class Stage:
     index: int
@@ -85,7 +93,8 @@ class Stage:
     # computed whole here instead of split (StepShape.head_on_last; coordinator/decode/head_placement.py)
     holds_whole_head: bool = False
     head_weight: str | None = None  # the weight the head graph multiplies by (all its rows, or a cut)
-    # name -> (GGUF tensor, first byte, end byte): weights that are a row range of a GGUF tensor
+    # name -> the part of a GGUF tensor a weight holds: a RowRange (a stage's rows of the head, a tensor of
+    # their own), or a tensor-parallel shard's Cut of the GGUF tensor of the same name (model/tensor_split.py)
     cuts: dict = field(default_factory=dict)
     own_ctx: Context | None = None  # holds the tensors of `cuts`
     graphs: "collections.OrderedDict[tuple, BuiltGraph]" = field(default_factory=collections.OrderedDict)
@@ -140,7 +149,7 @@ class Stage:
         for name, cut in cuts.items():
             src = gguf.tensor(name)
             stage.weights[name] = stage.own_ctx.new_tensor(src.type, list(cut.ne), name)
-            stage.cuts[name] = (name, cut)
+            stage.cuts[name] = cut
         if last:
             src = head_source(gguf.tensors)
             # a tied head multiplies by a view of the embedding's rows where the member holds it whole
@@ -163,7 +172,7 @@ class Stage:
             self.own_ctx = Context(1)
         name = f"{src_name}[{rows.start}:{rows.stop}]"
         self.weights[name] = self.own_ctx.new_tensor(src.type, [src.ne[0], len(rows)], name)
-        self.cuts[name] = (src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
+        self.cuts[name] = RowRange(src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
         return name
 
     def weight_data(self, gguf, name: str) -> memoryview:
@@ -171,13 +180,11 @@ class Stage:
         cut = self.cuts.get(name)
         if cut is None:
             return gguf.tensor_data(name)
-        if len(cut) == 2:  # a tensor-parallel shard's part of it (model/tensor_split.Cut)
-            from coordinator.model.tensor_split import cut_bytes
-            src = gguf.tensor(cut[0])
-            return memoryview(cut_bytes(gguf.tensor_data(cut[0]), src.type, [int(src.ne[i]) for i in range(4)],
-                                        cut[1]))
-        src_name, start, stop = cut
-        return gguf.tensor_data(src_name)[start:stop]
+        if isinstance(cut, RowRange):
+            return gguf.tensor_data(cut.source)[cut.start:cut.stop]
+        from coordinator.model.tensor_split import cut_bytes  # a tensor-parallel shard's part of it
+        src = gguf.tensor(name)
+        return memoryview(cut_bytes(gguf.tensor_data(name), src.type, [int(src.ne[i]) for i in range(4)], cut))
 
     def head_here(self, shape: StepShape) -> bool:
         """This stage's layer graph ends in the whole output head (else the
