@@ -1,8 +1,12 @@
-"""A `ggml-coordinator serve` process for tests, and small aiohttp clients for its HTTP and SSE."""
+"""`ggml-coordinator serve` processes for tests (Server: on given workers; Serve: on its own
+local workers, with `served` as a module fixture's body), and small aiohttp clients for
+their HTTP and SSE, and the official openai client (`openai_client`)."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -103,3 +107,48 @@ def wait_healthy(server, timeout: float = 30.0) -> None:
             return
         time.sleep(0.2)
     assert status == 200, health
+
+
+class Serve:
+    """`ggml-coordinator serve --port 0 ...`: its URL is the one it prints once ready."""
+
+    def __init__(self, tmp_dir, *args: str, env: dict | None = None):
+        self.log_path = os.path.join(tmp_dir, "serve.log")
+        self.log = open(self.log_path, "w+")
+        cmd = [sys.executable, "-m", "coordinator", "serve", "--port", "0", "--local-workers", "2",
+               "--log-level", "info", "--log-format", "json", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, **(env or {})))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = re.search(r"serving (https?://\S+) \(model (.+?), ", self.text())
+            if m:
+                self.url, self.model = m.group(1), m.group(2)
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not say it serves:\n" + self.text())
+
+    def text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        stop_process(self.proc, 30)
+
+
+def served(tmp_path_factory, *args: str, env: dict | None = None):
+    """A module fixture's body (`yield from served(...)`): a Serve with `args`, stopped after the
+    module, which must then have exited cleanly."""
+    s = Serve(str(tmp_path_factory.mktemp("serve")), *args, env=env)
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, s.text()[-2000:]
+
+
+def openai_client(server, timeout: float = 120.0, api_key: str = "unused", **options):
+    """The official openai client on `server`'s /v1, without retries (a test sees the first answer)."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, timeout=timeout, max_retries=0, **options)

@@ -9,7 +9,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from test_http_openai import Serve, call, local_tokenizer
+from http_helpers import Serve, openai_client, served
+from test_http_openai import call, local_tokenizer
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
@@ -22,16 +23,12 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital o
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--embeddings", "--parallel", "2",
-              "--ctx-per-slot", str(CTX))
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.text()[-2000:]
+    yield from served(tmp_path_factory, "--embeddings", "--parallel", "2", "--ctx-per-slot", str(CTX))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai_client(server)
 
 
 def post(server, path: str, body) -> tuple[int, dict]:

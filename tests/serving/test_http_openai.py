@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import subprocess
@@ -16,7 +15,8 @@ from importlib.metadata import version
 import aiohttp
 import pytest
 
-from conftest import SLACK, stop_process
+from conftest import SLACK
+from http_helpers import Serve, served  # noqa: F401 (Serve: other modules' import of it)
 
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
@@ -74,44 +74,10 @@ def local_tokenizer():
     return Tokenizer.from_gguf(default_model_path())
 
 
-class Serve:
-    """`ggml-coordinator serve --port 0 ...`: its URL is the one it prints once ready."""
-
-    def __init__(self, tmp_dir, *args: str, env: dict | None = None):
-        self.log_path = os.path.join(tmp_dir, "serve.log")
-        self.log = open(self.log_path, "w+")
-        cmd = [sys.executable, "-m", "coordinator", "serve", "--port", "0", "--local-workers", "2",
-               "--log-level", "info", "--log-format", "json", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=dict(os.environ, **(env or {})))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            m = re.search(r"serving (https?://\S+) \(model (.+?), ", self.text())
-            if m:
-                self.url, self.model = m.group(1), m.group(2)
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not say it serves:\n" + self.text())
-
-    def text(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> None:
-        stop_process(self.proc, 30)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--alias", "my-gemma", "--cors-origin", ORIGIN,
-              "--parallel", "1", "--max-queue", "1", "--ctx-per-slot", "256",
-              env={"GGML_COORDINATOR_API_KEY": KEY})
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.text()[-2000:]
+    yield from served(tmp_path_factory, "--alias", "my-gemma", "--cors-origin", ORIGIN, "--parallel", "1",
+                      "--max-queue", "1", "--ctx-per-slot", "256", env={"GGML_COORDINATOR_API_KEY": KEY})
 
 
 def test_version_and_a_taken_port_fails_before_the_model_is_read():

@@ -10,7 +10,8 @@ import json
 import aiohttp
 import pytest
 
-from test_http_openai import Serve, request
+from http_helpers import served
+from test_http_openai import request
 
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
@@ -21,10 +22,7 @@ TIMING_KEYS = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "promp
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--parallel", "2", "--ctx-per-slot", "256")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.text()[-2000:]
+    yield from served(tmp_path_factory, "--parallel", "2", "--ctx-per-slot", "256")
 
 
 def post(server, path: str, body, headers: dict | None = None):

@@ -209,12 +209,8 @@ SCHEMAS = objects(field_schemas())
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from test_http_openai import Serve
-
-    s = Serve(str(tmp_path_factory.mktemp("serve")), "--parallel", "2", "--ctx-per-slot", "1024")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.text()[-2000:]
+    from http_helpers import served
+    yield from served(tmp_path_factory, "--parallel", "2", "--ctx-per-slot", "1024")
 
 
 def allowed_prefix(text: str, grammar: str) -> bool:
@@ -280,7 +276,8 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    from http_helpers import openai_client
+    return openai_client(server, timeout=300)
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},

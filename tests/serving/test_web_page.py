@@ -22,7 +22,8 @@ import aiohttp
 import pytest
 
 from conftest import SLACK, DaemonProcess
-from test_http_openai import Serve, call
+from http_helpers import Serve
+from test_http_openai import call
 
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
