@@ -1,7 +1,7 @@
 """A soak: `ggml-coordinator serve` under steady load and random worker faults.
 
     python bench/soak.py [--minutes 60] [--clients 6] [--seed 0] [--fault-every 30:90]
-                         [--sample-every 30] [--json PATH] [--keep-logs DIR]
+                         [--kinds kill9_restart,...] [--sample-every 30] [--json PATH] [--keep-logs DIR]
 
 Issue #29, "A soak". Everything runs on 127.0.0.1 and is started (and
 stopped, whatever happens: try/finally, atexit, PR_SET_PDEATHSIG) by this
@@ -22,8 +22,8 @@ script:
   5 to 400 tokens, temperature 0, max_tokens 16-64, half of them streamed;
   every request has a client-side timeout of 120 s (`--timeout`).
 * a fault every `--fault-every` seconds (uniform, default 30-90; seeded RNG),
-  the kinds taken in shuffled rounds so that every kind comes up, on a
-  worker holding a stage:
+  the kinds (`--kinds`, default all) taken in shuffled rounds so that every
+  kind comes up, on a worker holding a stage:
     kill9_restart   kill -9 (process group), restarted on its port 0-5 s later
     kill9_spare     kill -9, not restarted for 10-20 s: the spare takes the
                     stage, the worker goes home when it is back
@@ -54,9 +54,18 @@ Checks, printed at the end (and written as JSON with --json):
   (a connection cut, a stream ending without [DONE] or without an error
   event) is `lost` and must be 0;
 * resources: RSS and open fds of the serve process and of each daemon (its
-  process tree: the daemon and its compute child) sampled every
+  process tree: the daemon and its compute children; each process's own RSS,
+  anonymous/file/shared, is in the JSON's samples) sampled every
   `--sample-every` s; the last sample within 10 % of the median of the first
-  5 minutes' (the first third for runs shorter than 15 minutes);
+  5 minutes' (the first third for runs shorter than 15 minutes). A daemon
+  restarted meanwhile is judged by its last process's own drift. The spare,
+  once it has held a stage, is judged "settled": its last sample (idle: the
+  run waits for that) against the median of its idle samples in the same
+  window after its first stage moved back. Serving a stage raises a daemon's
+  own heap once, to its requests' high-water mark (the spare's tree 78 to 82
+  MB in its first takeovers, then flat: docs/operations.md, the soak), so its
+  fresh first minutes are no baseline for it; growth with every takeover
+  would still show. The plain ratio is printed beside it;
 * time to first token (streamed requests sent while healthy: no fault in the
   last 10 s nor until the first token, and the last /health poll 200 `ok`):
   p99 of the first 10 minutes against the last 10 (thirds for runs shorter
@@ -174,20 +183,29 @@ def _tree(pid: int) -> list[int]:
 
 
 def proc_usage(pid: int) -> dict | None:
-    """RSS (KiB) and open fds of pid's process tree; None if it is gone."""
+    """RSS (KiB) and open fds of pid's process tree, and each process's own
+    (`each`: pid, rss and its anon/file/shmem parts in KiB, fds: the daemon
+    apart from its compute processes); None if it is gone."""
     rss = fds = 0
-    procs = 0
+    each = []
     try:
         for p in _tree(pid):
+            one = {"pid": p}
             with open(f"/proc/{p}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        rss += int(line.split()[1])
-            fds += len(os.listdir(f"/proc/{p}/fd"))
-            procs += 1
+                    key = _STATUS_KEYS.get(line.split(":", 1)[0])
+                    if key:
+                        one[key] = int(line.split()[1])
+            one["fds"] = len(os.listdir(f"/proc/{p}/fd"))
+            rss += one.get("rss", 0)
+            fds += one["fds"]
+            each.append(one)
     except OSError:
         return None
-    return {"pid": pid, "procs": procs, "rss_kib": rss, "fds": fds}
+    return {"pid": pid, "procs": len(each), "rss_kib": rss, "fds": fds, "each": each}
+
+
+_STATUS_KEYS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
 
 
 class Daemon:
@@ -363,6 +381,7 @@ class Soak:
         self.samples: list[dict] = []
         self.notes: list[str] = []
         self.stopping = False
+        self.holding: list[str] = []  # the daemons holding a stage, as the last /health poll said
 
     # -- setup
 
@@ -541,7 +560,10 @@ class Soak:
             status, st = 0, "unreachable"
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                 async with session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    status, st = r.status, (await r.json(content_type=None)).get("status", "?")
+                    body = await r.json(content_type=None)
+                    status, st = r.status, body.get("status", "?")
+                    eps = [e.get("endpoint") for e in body.get("endpoints", [])]
+                    self.holding = [d.name for d, p in zip(self.daemons, self.proxies) if p.endpoint in eps]
             if not self.health or self.health[-1][1:] != (status, st):
                 self.transitions.append((round(self.now(), 2), status, st))
             self.health.append((self.now(), status, st))
@@ -556,11 +578,28 @@ class Soak:
                 await asyncio.sleep(0.1)
 
     def sample(self) -> None:
-        s = {"t": round(self.now(), 1), "serve": proc_usage(self.serve.pid)}
+        s = {"t": round(self.now(), 1), "serve": proc_usage(self.serve.pid), "holding": list(self.holding)}
         for d in self.daemons:
             s[d.name] = proc_usage(d.proc.pid) if d.alive() else None
             # a daemon SIGSTOPped is sampled too: its memory is what it is
         self.samples.append(s)
+
+    def idle(self, name: str, usage: dict | None, holding) -> bool:
+        """Whether daemon `name` holds no stage and serves no client: /health names
+        it nowhere and its process tree is the daemon and its spare compute process
+        (a client's own compute process is gone once its connection is: the stage
+        moved away, its memory freed)."""
+        return usage is not None and name not in holding and usage["procs"] <= 2
+
+    async def spare_idle(self, timeout: float) -> None:
+        """Until the spare is idle (a stage that moved home closes the spare's
+        connection after the replay, a moment after /health says ok), bounded."""
+        spare = self.daemons[2]
+        for _ in range(int(timeout * 2)):
+            if not spare.alive() or self.idle(spare.name, proc_usage(spare.proc.pid), self.holding):
+                return
+            await asyncio.sleep(0.5)
+        self.notes.append(f"the spare was not idle within {timeout:g} s of the end")
 
     async def holders(self, session) -> list[int]:
         with contextlib.suppress(Exception):
@@ -581,7 +620,7 @@ class Soak:
             await asyncio.sleep(wait)
             await loop.run_in_executor(None, self.restore)  # the previous fault over: every daemon up
             if not deck:
-                deck = list(KINDS)
+                deck = list(self.args.kinds)
                 self.rng.shuffle(deck)
             kind = deck.pop()
             victim = self.rng.choice((await self.holders(session)) or [0, 1])
@@ -688,6 +727,7 @@ class Soak:
             await loop.run_in_executor(None, self.restore, True)
             with contextlib.suppress(Exception):
                 await self.wait_healthy(session, 60)
+            await self.spare_idle(60)
             self.sample()  # the last values, everything back and idle
             self.stopping = True
             await asyncio.gather(*helpers, return_exceptions=True)
@@ -718,30 +758,55 @@ class Soak:
         # resources: the last sample against the median of the first window's, per role; a daemon
         # restarted since (another pid) is not comparable that way, and is judged by its last
         # process's own drift instead (its last sample against the median of its first window)
+        #
+        # The spare is judged after the same event instead: its first samples are of a daemon that
+        # has never served a stage, its last of one that has (a stage moved to it and back: its
+        # connection, buffers and compute process gone). Serving a stage raises the daemon's own
+        # heap once, to the high-water mark of its requests (Python's allocator keeps an arena
+        # while any object lives in it), and it stays at that mark however many takeovers follow
+        # (docs/operations.md, the soak). So once it has held a stage, the spare's last sample is
+        # compared with the median of its idle samples (no stage, no client) in the window after
+        # its first stage moved back ("settled"): growth with every takeover would show there.
+        # The plain comparison is reported beside it.
         window = 300.0 if dur >= 900 else dur / 3
         resources = {}
         for role in ("serve", "worker0", "worker1", "spare"):
-            got = [(s["t"], s[role]) for s in self.samples if s.get(role)]
+            got = [(s["t"], s[role], s.get("holding", [])) for s in self.samples if s.get(role)]
             if not got:
                 continue
             last_pid = got[-1][1]["pid"]
-            mine = [(t, u) for t, u in got if u["pid"] == last_pid]
-            restarted = any(u["pid"] != last_pid for t, u in got if t <= window)
+            mine = [(t, u, h) for t, u, h in got if u["pid"] == last_pid]
+            restarted = any(u["pid"] != last_pid for t, u, h in got if t <= window)
+            released = None  # the last process's first idle sample after it held a stage
+            if role == "spare":
+                held = [i for i, (t, u, h) in enumerate(mine) if role in h]
+                released = next((i for i in range(held[0] + 1, len(mine)) if self.idle(role, mine[i][1], mine[i][2])),
+                                None) if held else None
             for metric in ("rss_kib", "fds"):
-                first = [u[metric] for t, u in got if t <= window]
+                first = [u[metric] for t, u, h in got if t <= window]
                 last = got[-1][1][metric]
                 med = statistics.median(first) if first else None
                 ratio = (last / med) if med else None
-                own_first = [u[metric] for t, u in mine if t <= mine[0][0] + window]
+                own_first = [u[metric] for t, u, h in mine if t <= mine[0][0] + window]
                 own_med = statistics.median(own_first)
                 own_ratio = last / own_med if own_med else None
                 judged = own_ratio if restarted else ratio
-                resources[f"{role}.{metric}"] = {
+                entry = resources[f"{role}.{metric}"] = {
                     "first_median": med, "last": last, "ratio": round(ratio, 3) if ratio else None,
-                    "restarted": restarted, "starts": len({u["pid"] for t, u in got}),
+                    "restarted": restarted, "starts": len({u["pid"] for t, u, h in got}),
                     "last_process_first_median": own_med, "last_process_samples": len(mine),
-                    "last_process_ratio": round(own_ratio, 3) if own_ratio else None,
-                    "ok": judged is not None and abs(judged - 1) <= 0.10}
+                    "last_process_ratio": round(own_ratio, 3) if own_ratio else None}
+                if released is not None:
+                    t_rel = mine[released][0]
+                    settled = [u[metric] for t, u, h in mine[released:]
+                               if t <= t_rel + window and self.idle(role, u, h)]
+                    s_med = statistics.median(settled)
+                    judged = last / s_med if s_med else None
+                    entry["settled"] = {"since_t": t_rel, "samples": len(settled), "first_median": s_med,
+                                        "ratio": round(judged, 3) if judged else None,
+                                        "takeovers": sum(1 for a, b in zip(mine, mine[1:])
+                                                         if role in b[2] and role not in a[2])}
+                entry["ok"] = judged is not None and abs(judged - 1) <= 0.10
         # TTFT while healthy
         span = 600.0 if dur >= 1800 else dur / 3
         fault_ts = [f["t"] for f in self.faults]
@@ -871,11 +936,16 @@ def print_report(rep: dict) -> None:
     for r in rep["lost"][:5]:
         print(f"        lost: {r}")
     print(f"[{ok(rep['checks']['resources'])}] resources (last vs median of the first window; a daemon "
-          f"restarted meanwhile: its last process's own drift):")
+          f"restarted meanwhile: its last process's own drift; the spare, once it has held a stage: "
+          f"against its idle samples after that, 'settled'):")
     for k, v in rep["resources"].items():
         own = (f"  restarted ({v['starts']} processes): last process {v['last_process_first_median']} -> "
                f"{v['last']} ratio {v['last_process_ratio']} ({v['last_process_samples']} samples)"
                if v["restarted"] else "")
+        st = v.get("settled")
+        if st:
+            own += (f"  settled (idle after its first stage moved back, t={st['since_t']:g} s; "
+                    f"{st['takeovers']} takeovers sampled): {st['first_median']} -> {v['last']} ratio {st['ratio']}")
         print(f"        {k:15s} first {v['first_median']}  last {v['last']}  ratio {v['ratio']}{own}  "
               f"{'ok' if v['ok'] else 'OUT OF 10 %'}")
     t = rep["ttft"]
@@ -906,6 +976,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume-within", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault-every", default="30:90", help="MIN:MAX seconds between faults (default 30:90)")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"fault kinds to draw from, comma-separated (default: all, {','.join(KINDS)})")
     ap.add_argument("--sample-every", type=float, default=30.0, help="seconds between RSS/fd samples")
     ap.add_argument("--timeout", type=float, default=120.0, help="client-side timeout of every request")
     ap.add_argument("--ttft-drift", type=float, default=1.5, help="allowed ratio of the last p99 TTFT to the first")
@@ -919,6 +991,9 @@ def parse_args(argv=None):
     a.fault_every = (float(lo), float(hi or lo))
     if not 0 < a.fault_every[0] <= a.fault_every[1]:
         ap.error("--fault-every: MIN:MAX with 0 < MIN <= MAX")
+    a.kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
+    if not a.kinds or set(a.kinds) - set(KINDS):
+        ap.error(f"--kinds: a comma-separated list of {', '.join(KINDS)}")
     return a
 
 

@@ -31,7 +31,7 @@ from rpc_daemon.daemon.peers import MAX_DEFERRED, Deferred, PeerLinks
 from rpc_daemon.daemon.ratelimit import RateFloor, TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache, default_max_bytes
 from rpc_daemon.service import hoptrace
-from rpc_daemon.service.memory import physical_memory
+from rpc_daemon.service.memory import give_back_free_heap, physical_memory
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import llamacpp
@@ -375,8 +375,11 @@ class Connection(asyncio.BufferedProtocol):
         self.session.graphs.clear()
         # its compute process has mapped its memory: it is killed, never handed to anyone else
         self.daemon.compute.release(self.client_id)
+        held = self.daemon.buffers.arena(self.client_id) is not None
         self.daemon.buffers.release(self.client_id)  # its buffers and its arena
         self.daemon.connections.discard(self)
+        if held:  # a client that held buffers (a stage) is gone: so is the heap its requests grew
+            give_back_free_heap()
 
     async def _work(self) -> None:
         item = None
