@@ -158,6 +158,26 @@ class Executor(Protocol):
     async def cancel_input(self, tag: int) -> None: ...
 
 
+def _resolve(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    if not fut.done():  # cancelled meanwhile: nobody waits for it
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
+
+
+def _outputs(outputs) -> np.ndarray:
+    """A graph's outputs, one after another, copied once into bytes of their own
+    (uint8; writable: the arrays read from them need no second copy to be the caller's)."""
+    sizes = [lib.ggml_nbytes(out) for out in outputs]
+    data = np.empty(sum(sizes), np.uint8)
+    dst, off = ffi.from_buffer(data), 0
+    for out, n in zip(outputs, sizes):
+        ffi.memmove(dst + off, out.data, n)
+        off += n
+    return data
+
+
 class LocalExecutor:
     """The in-process path: the correctness reference and the local baseline."""
 
@@ -238,10 +258,30 @@ class LocalExecutor:
             self.head_seconds[shape.head_key] = time.perf_counter() - started
         if status != lib.GGML_STATUS_SUCCESS:
             raise StageFailed(FailureKind.COMPUTE, self.endpoint, f"local compute returned ggml status {status}")
-        return b"".join(ffi.buffer(out.data, lib.ggml_nbytes(out)) for out in g.outputs)
+        return _outputs(g.outputs)
 
     async def run(self, stage, shape, inputs: dict, head: bool = False) -> bytes:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, stage, shape, inputs, head)
+        # run_in_executor's two chained futures cost more Python per step than the step's own
+        # bookkeeping: the compute thread resolves one loop future, with one call_soon_threadsafe
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def job():
+            try:
+                result, exc = self._run(stage, shape, inputs, head), None
+            except BaseException as e:  # noqa: B036 (handed to the awaiting coroutine, as run_in_executor does)
+                result, exc = None, e
+            try:
+                loop.call_soon_threadsafe(_resolve, done, result, exc)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+                pass
+
+        started = self._pool.submit(job)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            started.cancel()  # not started yet: it never runs (as with run_in_executor)
+            raise
 
     async def close(self) -> None:
         # on the compute thread: a step whose caller gave up (cancelled, Ctrl-C) may

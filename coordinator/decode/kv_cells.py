@@ -48,6 +48,10 @@ class KVCells:
         if seq_masks is None or n_tokens == 0:
             return free[:n_tokens]
         seq_masks = np.asarray(seq_masks, dtype=np.uint64)
+        if n_tokens == 1:  # a token step: the loop below without its copies (27 -> 21 us, warm)
+            mine = np.flatnonzero((self.seqs & seq_masks[0]) != 0)
+            above = free[free > (int(mine[-1]) if mine.size else -1)]
+            return np.array([above[0] if above.size else free[0]], dtype=np.int64)
         seqs = self.seqs.copy()  # with the rows picked so far in this batch
         is_free = self.pos < 0
         out = np.empty(n_tokens, dtype=np.int64)

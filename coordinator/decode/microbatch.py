@@ -165,13 +165,38 @@ class MicroBatches:
                 raise
             if results is not None:
                 _finished(step.done)
-                return np.concatenate(results)
+                return _joined(results)
 
+        if len(steps) == 1 and len(pipe.places) == 1 and not pipe.groups:
+            return await self._alone(step)
         try:
             results = await flow(len(steps), pipe.flow_stages(steps), after=step.after, done=step.done)
         except FlowFailed as failed:
             raise step_failed(failed.errors) from None
-        return np.concatenate(results)
+        return _joined(results)
+
+    async def _alone(self, step: Admitted) -> np.ndarray:
+        """One micro-batch through the one stage (in process, or one worker): what
+        flow() does for it (after the step before has finished with the stage, then
+        the stage, `done` set, then the result; a failure raised as StepFailed),
+        without flow's tasks and queues, a step's largest Python cost there."""
+        pipe, s = self.pipeline, step.steps[0]
+        try:
+            if step.after[0] is not None:
+                await asyncio.shield(step.after[0])  # a cancelled step must not cancel its predecessor's future
+            try:
+                out = await pipe.run_stage(pipe.places[0], s, None)
+            except Exception as exc:
+                raise step_failed([exc]) from None
+            finally:
+                _finished(step.done)
+            try:
+                result = await pipe.finish(s, out)
+            except Exception as exc:
+                raise step_failed([exc]) from None
+        finally:
+            _finished(step.done)
+        return _joined([result])
 
     def rollback(self, step: Admitted) -> None:
         for s in reversed(step.saved):
@@ -196,6 +221,17 @@ def linkable(steps: list[PreparedStep], n_embd: int) -> bool:
 def _fit_links(n_pieces: int, n_tokens: int, n_embd: int) -> bool:
     """Few enough micro-batches, and hidden states small enough, to send at once over step links."""
     return n_pieces <= MAX_LINKED and n_tokens * n_embd * 4 <= MAX_LINKED_BYTES
+
+
+def _joined(results: list[np.ndarray]) -> np.ndarray:
+    """The micro-batches' results one after another. One result is taken as it is
+    when it is writable (a step's own array: the head's joined shards, or the
+    reply it was read from), not copied again (1 MiB a token for Gemma 3's
+    logits); a read-only one (a view of a reply's bytes) is copied, as before,
+    so a caller may still write into what logits(i) returns."""
+    if len(results) == 1 and results[0].flags.writeable:
+        return results[0]
+    return np.concatenate(results)
 
 
 def _finished(done: list) -> None:
