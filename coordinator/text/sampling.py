@@ -212,7 +212,7 @@ class Sampler:
         ids, p = self._distribution(z)
         if self.temperature == 0:
             return int(ids[0])
-        return int(ids[self.rng.choice(ids.size, p=p)])
+        return int(ids[draw_index(self.rng, p)])
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """What the next draw picks from: token ids and their probabilities (at
@@ -227,13 +227,28 @@ class Sampler:
         if ids.size < z.size:  # highest first, ties by position (a whole vocabulary is drawn from in id order)
             order = np.argsort(-v, kind="stable")
             ids, v = ids[order], v[order]
-        return ids, _softmax(v.astype(np.float64) / self.temperature)
+        return ids, _softmax(v, self.temperature)
 
 
-def _softmax(v: np.ndarray) -> np.ndarray:
-    v = v.astype(np.float64)
-    p = np.exp(v - v.max())
-    return p / p.sum()
+def draw_index(rng: np.random.Generator, p: np.ndarray) -> int:
+    """`rng.choice(p.size, p=p)`, the same index for the same generator state (numpy's own steps: the
+    cumulative sum scaled to end at 1, one uniform draw, the first entry above it), without choice()'s
+    checks of `p`, which our softmax makes valid: over a whole 262k vocabulary they cost 2-3 ms a token."""
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
+def _softmax(v: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """softmax(v / temperature) in float64, in place in one new array (a whole vocabulary's temporaries
+    cost more than the arithmetic: 3.5 ms a token against 1.3)."""
+    p = v.astype(np.float64)
+    if temperature != 1.0:
+        p /= temperature
+    p -= p.max()
+    np.exp(p, out=p)
+    p /= p.sum()
+    return p
 
 
 def token_logprobs(logits: np.ndarray, token: int | None, top_n: int) -> tuple[float | None, list[tuple[int, float]]]:

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.text.sampling import Sampler, TokenLogprob, token_logprobs
+from coordinator.text.sampling import Sampler, TokenLogprob, draw_index, token_logprobs
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = np.log(PROBS).astype(np.float32)  # softmax(LOGITS) == PROBS
@@ -132,6 +132,19 @@ def test_draws_follow_the_distribution():
     s = sampler(temperature=1.0, seed=5)
     counts = np.bincount([s.sample(LOGITS) for _ in range(4000)], minlength=4) / 4000
     np.testing.assert_allclose(counts, PROBS, atol=0.03)
+
+
+def test_draw_index_is_numpys_choice():
+    """A seed gives the draws numpy's Generator.choice gave before draw_index replaced it (whole vocabularies
+    and small candidate sets, peaked and flat), and leaves the generator in the same state."""
+    rng = np.random.default_rng(0)
+    for size, scale in ((262144, 3.0), (262144, 0.01), (40, 5.0), (2, 1.0), (1, 1.0)):
+        z = rng.standard_normal(size) * scale
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        ours, theirs = np.random.default_rng(size), np.random.default_rng(size)
+        assert [draw_index(ours, p) for _ in range(200)] == [int(theirs.choice(size, p=p)) for _ in range(200)]
+        assert ours.random() == theirs.random()
 
 
 def test_the_seed_fixes_the_draws_and_fork_keeps_the_settings():
