@@ -42,6 +42,7 @@ from coordinator.decode.pipeline import Pipeline
 from coordinator.decode.resume import RESUME_BACKOFF, Resumer
 from coordinator.decode.values import Batch, DecodeError, DecodeOutcome, DecodeResult, FailureKind
 from coordinator.model.architectures import architecture
+from coordinator.model.architectures.common import head_source
 from coordinator.model.default_model import default_model_path
 from coordinator.model.gguf_file import GGUFFile
 from coordinator.model.loading import ModelLoader
@@ -79,6 +80,7 @@ class Coordinator:
             "secret": load_secret(config.secret, config.secret_file), "tls_ca": config.tls_ca,
             # a reconnect or a spare's takeover need not hash the weights again
             "digests": ChunkDigests()}
+        self._head_share: float | None = None
         self._io = LoopThread()
         # decode steps in flight at once (pipelined); `async with` it: latching, reconnects and KV edits between steps
         gate = DecodeGate()
@@ -231,6 +233,15 @@ class Coordinator:
         """Steps are cut into micro-batches and several may be in flight at
         once (micro_batch > 0 and more than one endpoint)."""
         return self._decoder.pipelined
+
+    @property
+    def head_share(self) -> float:
+        """The output head's part of the weight bytes a token reads (the head and every layer)."""
+        if self._head_share is None:
+            head = len(self.gguf.tensor_data(head_source(self.gguf.tensors)))
+            layers = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors if n.startswith("blk."))
+            self._head_share = head / max(head + layers, 1)
+        return self._head_share
 
     @property
     def pipeline_stages(self) -> int:
