@@ -239,8 +239,7 @@ class Coordinator:
         """The output head's part of the weight bytes a token reads (the head and every layer)."""
         if self._head_share is None:
             head = len(self.gguf.tensor_data(head_source(self.gguf.tensors)))
-            layers = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors if n.startswith("blk."))
-            self._head_share = head / max(head + layers, 1)
+            self._head_share = head / max(head + self.gguf.layer_bytes, 1)
         return self._head_share
 
     @property

@@ -99,6 +99,12 @@ class GGUFFile:
         off = self.offsets[name]
         return memoryview(self._mm)[off: off + lib.ggml_nbytes(t)]
 
+    @property
+    def layer_bytes(self) -> int:
+        """The bytes of every repeating layer's tensors (blk.*): what a token reads besides the
+        embeddings and the output head."""
+        return sum(len(self.tensor_data(n)) for n in self.tensors if n.startswith("blk."))
+
     def close(self) -> None:
         if getattr(self, "gguf", None) not in (None, NULL):
             lib.gguf_free(self.gguf)

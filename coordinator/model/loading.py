@@ -135,7 +135,7 @@ class ModelLoader:
         if mode == "tensor":
             return True
         rtt = await self._slowest_rtt(places)
-        layer_bytes = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors if n.startswith("blk."))
+        layer_bytes = self.gguf.layer_bytes
         group = weights[:group_size]  # (a pipeline of groups: each group's share of its layers, alike)
         saved = layer_bytes / TENSOR_BANDWIDTH * (1 - max(group) / sum(group)) * group_size / len(places)
         cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)

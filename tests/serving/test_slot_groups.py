@@ -26,7 +26,7 @@ def two():
 def head_fraction(coord) -> float:
     g = coord.gguf
     head = len(g.tensor_data(head_source(g.tensors)))
-    return head / (head + sum(len(g.tensor_data(n)) for n in g.tensors if n.startswith("blk.")))
+    return head / (head + g.layer_bytes)
 
 
 @pytest.mark.parametrize("micro_batch, groups", [(64, 2), (0, 1)])
