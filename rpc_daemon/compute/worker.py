@@ -18,6 +18,7 @@ import ctypes
 import mmap
 import os
 import re
+import select
 import signal
 import socket
 import sys
@@ -250,11 +251,33 @@ def warm_up(state: ComputeState) -> None:
         state.drop_graph("warm-up")
 
 
+# After a tensor-parallel step the next one usually follows within a round trip to
+# the coordinator: the process waits for it awake, as an exchange waits for its
+# peers (exchange.SPIN_S), because a sleeping core wakes slowly (a 1.1B llama over
+# 2 workers on a 2-core VM, the same run: 9.6 tokens/s sleeping at once, 13.4
+# waiting 5 ms awake first). After a layer-split step the next one waits for the
+# other workers' layers: that wait sleeps at once.
+NEXT_STEP_SPIN_S = 0.005
+
+
+def await_without_sleep(ready, seconds: float) -> None:
+    """Return when `ready` (a poll object) has an event or after `seconds`, yielding
+    the core to any other runnable task meanwhile instead of sleeping."""
+    until = time.perf_counter() + seconds
+    while not ready.poll(0) and time.perf_counter() < until:
+        os.sched_yield()
+
+
 def serve(sock: socket.socket, n_threads: int) -> None:
     state = ComputeState(n_threads)
     warm_up(state)
     try:
+        request_ready = select.poll()
+        request_ready.register(sock, select.POLLIN)
+        tensor_step = False
         while True:
+            if tensor_step:
+                await_without_sleep(request_ready, NEXT_STEP_SPIN_S)
             try:
                 header, blob, fds = compute_link.recv(sock)
                 if hoptrace.ON:
@@ -281,6 +304,7 @@ def serve(sock: socket.socket, n_threads: int) -> None:
                 reply, out = {"status": 0}, b""
             reply["compute_bytes"] = state.compute_bytes
             compute_link.send(sock, reply, out)
+            tensor_step = "tensor" in header
             if hoptrace.ON and header.get("kind") == "compute":
                 hoptrace.mark("compute sent")
     finally:
