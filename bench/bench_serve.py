@@ -189,6 +189,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="slots of both servers: serve --parallel, llama-server -np (default 8)")
     ap.add_argument("--ctx-per-slot", type=int, default=1024,
                     help="each slot's context on both (serve --ctx-per-slot; llama-server -c is this x --parallel)")
+    ap.add_argument("--split-mode", choices=("layer", "tensor", "auto"), default=None,
+                    help="our serve's --split-mode (default: serve's own default)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="ours only: no llama-server row")
     return ap.parse_args(argv)
@@ -247,7 +249,8 @@ def main(argv=None) -> int:
         workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
         running += workers
         server = Server([w.endpoint for w in workers], parallel=args.parallel,
-                        args=("--ctx-per-slot", str(args.ctx_per_slot)))
+                        args=("--ctx-per-slot", str(args.ctx_per_slot),
+                              *(("--split-mode", args.split_mode) if args.split_mode else ())))
         running.append(server)
         if args.reference:
             theirs, note = start_llama_server(args)
