@@ -148,11 +148,12 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
         p.add_argument("--no-head-split", dest="head_split", action="store_const", const="whole",
                        help="--head-split whole")
         p.add_argument("-sm", "--split-mode", dest="split_mode", choices=("layer", "tensor", "auto"),
-                       default=LIBRARY["split_mode"],
-                       help="llama.cpp's flag: each worker a range of layers, one after another (layer, the "
-                            "default); every worker a shard of every layer, all computing every token together "
-                            "(tensor: workers that offer tensor links, no TLS); or tensor where the measured "
-                            "round trips say it is faster (auto). docs/operations.md, \"Which split\"")
+                       default="auto",
+                       help="llama.cpp's flag: each worker a range of layers, one after another (layer); every "
+                            "worker a shard of every layer, all computing every token together (tensor: workers "
+                            "that offer tensor links, no TLS); or tensor where the measured round trips say it "
+                            "is faster, else layer (auto, the default here; the library's default is layer). "
+                            "docs/operations.md, \"Which split\"")
         p.add_argument("--tensor-group", dest="tensor_group", type=_count(2), default=None, metavar="N",
                        help="with a tensor split: the endpoints, in order, form groups of N workers; each group "
                             "a range of layers, the groups one after another (default: all in one group)")

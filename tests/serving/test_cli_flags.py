@@ -27,6 +27,16 @@ def test_defaults():
         -1, True, None, None, False, "f16", "f16")
 
 
+def test_the_commands_take_the_split_by_measurement_unless_told():
+    """generate and serve default to --split-mode auto (tensor where the exchanges pay); the library
+    keeps layer; -sm picks one."""
+    from coordinator.config import CoordinatorConfig
+    for command in (["serve"], ["generate", "-p", "hi"]):
+        assert parse_args([*command, *MODEL]).split_mode == "auto"
+        assert parse_args([*command, *MODEL, "-sm", "layer"]).split_mode == "layer"
+    assert CoordinatorConfig.split_mode == "layer"
+
+
 def test_n_predict():
     assert parsed("-n", "12").n_predict == 12
     assert parsed("--n-predict", "-1").n_predict == -1  # a negative number is a value, not a flag
