@@ -39,9 +39,8 @@ class TensorLink:
         for s in socks.values():
             s.setblocking(False)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._by_fd = {s.fileno(): r for r, s in socks.items()}
         self._inboxes: dict[int, bytearray] = {}
-        self._heads: dict[int, memoryview] = {}
+        self._heads = {r: memoryview(bytearray(EXCHANGE.size)) for r in socks}  # each peer's frame header
         self.exchanges = 0
         self.wait_s = 0.0  # time spent in exchanges (sending, waiting for peers, summing)
 
@@ -68,7 +67,7 @@ class TensorLink:
         need = EXCHANGE.size + nbytes
         header = exchange_header(step, index, nbytes)
         mine = memoryview(data).cast("B")
-        peers = [_Peer(r, s, self._head(r), self._inbox(r, nbytes)) for r, s in self.socks.items()]
+        peers = [_Peer(r, s, self._heads[r], self._inbox(r, nbytes)) for r, s in self.socks.items()]
         for p in peers:
             p.start_send([memoryview(header), mine])
         sleep_after = started + SPIN_S
@@ -106,13 +105,6 @@ class TensorLink:
             own[:] = total
         self.exchanges += 1
         self.wait_s += time.perf_counter() - started
-
-    def _head(self, r: int) -> memoryview:
-        """Rank r's frame header buffer, kept between exchanges."""
-        buf = self._heads.get(r)
-        if buf is None:
-            buf = self._heads[r] = memoryview(bytearray(EXCHANGE.size))
-        return buf
 
     def _inbox(self, r: int, nbytes: int) -> memoryview:
         """A buffer of `nbytes` for rank r's partials, kept between exchanges."""
