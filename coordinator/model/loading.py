@@ -6,6 +6,7 @@ for one endpoint when it is reconnected or a spare takes its stage
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import structlog
@@ -17,6 +18,7 @@ from coordinator.cluster.executors import buffer_bytes, make_executor
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.pipeline import Pipeline
 from coordinator.model.architectures.common import head_source
+from coordinator.model.layer_timing import layer_seconds
 from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, human,
                                           plan_rows, plan_split, split_weights)
 from coordinator.model.stage import KV_TYPES, Stage
@@ -25,10 +27,11 @@ from rpc_daemon.service.memory import available_memory
 
 log = structlog.get_logger("coordinator")
 
-# auto's estimate of what a tensor-parallel split saves: a token reads every layer weight once, at about this
-# many bytes a second per worker thread (measured here: a 1.1B Q4_K_M token at 1 thread, 0.6 GB in ~125 ms)
-TENSOR_BANDWIDTH = 5e9
 EXCHANGE_OVERHEAD = 60e-6  # seconds an exchange costs beyond the one-way delay (send, wake, sum)
+# auto takes the tensor split where a token's exchanges cost less than this share of the layer compute
+# it saves: the rest pays for what the estimate leaves out (work every member repeats, such as the
+# attention of a KV head copied to all, and members waiting on each other)
+TENSOR_PAYS = 0.5
 
 
 class ModelLoader:
@@ -71,7 +74,7 @@ class ModelLoader:
         infos = await endpoints.open_all(self.new_executor)
         weights = split_weights(split, infos, len(places))
         if split_mode != "layer" and await self.tensor_choice(places, weights, split_mode, pipeline,
-                                                              tensor_group or len(places)):
+                                                              tensor_group or len(places), infos):
             await self._load_tensor(endpoints, pipeline, infos, weights, progress, on_upload, exchange_timeout,
                                     tensor_group or len(places))
             return
@@ -122,10 +125,11 @@ class ModelLoader:
 
     # ------------------------------------------------------------ tensor parallelism
     async def tensor_choice(self, places: list, weights: list, mode: str, pipeline: Pipeline,
-                            group_size: int) -> bool:
+                            group_size: int, infos: list) -> bool:
         """Whether the places form tensor-parallel groups of `group_size`: "tensor" insists (a
         ValueError says why it cannot), "auto" takes it where the measured round trips say the
-        2 x n_layer exchanges of a token cost less than half the compute the split saves."""
+        2 x n_layer exchanges of a token cost less than TENSOR_PAYS of the layer compute the
+        split saves, as timed here (layer_timing.py)."""
         why = self._tensor_refusal(places, weights, group_size)
         if why is not None:
             if mode == "tensor":
@@ -135,14 +139,16 @@ class ModelLoader:
         if mode == "tensor":
             return True
         rtt = await self._slowest_rtt(places)
-        layer_bytes = self.gguf.layer_bytes
+        threads = min(max(1, int(info.get("threads") or 1)) for info in infos)
+        per_worker = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors) // len(places)
+        layer = await layer_seconds(self.arch, self.hp, self.gguf, min(threads, os.cpu_count() or 1), per_worker)
         group = weights[:group_size]  # (a pipeline of groups: each group's share of its layers, alike)
-        saved = layer_bytes / TENSOR_BANDWIDTH * (1 - max(group) / sum(group)) * group_size / len(places)
+        saved = self.hp.n_layer * layer * (1 - max(group) / sum(group)) * group_size / len(places)
         cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)
-        chosen = cost < saved / 2
+        chosen = cost < saved * TENSOR_PAYS
         log.info("split mode chosen by measurement", split_mode="tensor" if chosen else "layer",
                  exchanges_ms_per_token=round(cost * 1e3, 2), compute_saved_ms_per_token=round(saved * 1e3, 2),
-                 slowest_rtt_ms=round(rtt * 1e3, 3))
+                 slowest_rtt_ms=round(rtt * 1e3, 3), layer_ms=round(layer * 1e3, 3), timed_threads=threads)
         return chosen
 
     def _tensor_refusal(self, places: list, weights: list, group_size: int) -> str | None:
@@ -164,14 +170,17 @@ class ModelLoader:
         return None
 
     async def _slowest_rtt(self, places: list) -> float:
-        """The slowest worker's round trip, each worker's the fastest of 8 PINGs 5 ms apart: the path's own
-        delay, not a busy moment's (one median of 3 on loopback came out 2.9 ms, and auto chose layer)."""
+        """The slowest worker's round trip, each worker's the fastest of 3 bursts of 3 PINGs, 5 ms
+        apart: the path's own delay between awake processes, as the exchanges see it (their
+        compute processes wait awake), not a busy moment's nor a sleeping daemon's wake-up (on
+        loopback a PING 5 ms after the last took 0.13-0.63 ms, one right after it 0.11)."""
         async def fastest(p):
             rtts = []
-            for i in range(8):
-                if i:
+            for burst in range(3):
+                if burst:
                     await asyncio.sleep(0.005)
-                rtts.append(await p.executor.ping())
+                for _ in range(3):
+                    rtts.append(await p.executor.ping())
             rtts = [r for r in rtts if r is not None]
             return min(rtts) if rtts else float("inf")
         return max(await asyncio.gather(*(fastest(p) for p in places)))

@@ -119,6 +119,30 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
             assert c.health()["split_mode"] == "layer"
 
 
+def test_auto_times_a_layer_here_by_what_it_computes(tmp_path):
+    """auto weighs the exchanges against a layer timed on this machine (layer_timing.py): a layer
+    of 19 MB of f16 weights takes far longer than one of the tiny test model's 0.15 MB, and the
+    time is a plausible one (not zero, not a hang)."""
+    import asyncio
+
+    from coordinator.model.architectures import architecture
+    from coordinator.model.gguf_file import GGUFFile
+    from coordinator.model.layer_timing import layer_seconds
+
+    def timed(path):
+        gguf = GGUFFile(str(path))
+        try:
+            arch = architecture(gguf.architecture)
+            return asyncio.run(layer_seconds(arch, arch.hparams(gguf), gguf, 1, 1 << 20))
+        finally:
+            gguf.close()
+
+    tiny = timed(write_tiny_model(tmp_path / "llama.gguf", "llama"))
+    wide = timed(wide_model(tmp_path))
+    assert 0 < tiny < 0.05 * SLACK
+    assert wide > 5 * tiny
+
+
 def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path, start_daemon):
     """75 MB of f16 layers on workers that each take 64 MiB (--mem): every member holds only its shard of
     every layer, of the KV cache and of the head; the upload's plan is checked against the free memory."""

@@ -1,0 +1,58 @@
+"""How long one layer of a decode token takes on this machine: what auto's
+choice of split (model/loading.py, tensor_choice) weighs the exchanges of a
+tensor-parallel split against.
+
+One middle layer is loaded here and timed on a one-token step over a
+256-row KV cache, at the workers' thread count. Between repetitions the
+timing streams through as many other bytes as a worker reads for the rest of
+its token (its share of the weights, capped), so the layer meets the cache as
+it does in a real decode: a small model's whole token stays cached, a larger
+one's weights come from memory. Counting bytes alone gets small models wrong
+(gemma3-270m's layers: 68 MB, 14 ms a token at 5 GB/s, measured 34 ms cold
+at 1 thread: their many small ops cost more than their bytes).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from coordinator.cluster.executors import LocalExecutor
+from coordinator.model.architectures.common import StepShape
+from coordinator.model.stage import Stage
+from rpc_daemon.service.memory import available_memory
+
+N_KV = 256  # the KV rows the timed token attends over (one padded block)
+REPS = 5  # timed repetitions after one warm-up; the fastest counts (a descheduled moment does not)
+EVICT_CAP = 256 << 20  # bytes streamed between repetitions at most (more than any last-level cache)
+
+
+async def layer_seconds(arch, hp, gguf, threads: int, other_bytes: int) -> float:
+    """Seconds one layer of a one-token decode step takes here at `threads`,
+    with `other_bytes` (what a worker reads for the rest of its token) streamed
+    through the caches between repetitions."""
+    il = hp.n_layer // 2
+    stage = Stage.create(0, arch, hp, gguf, range(il, il + 1), hp.n_layer, N_KV)
+    executor = LocalExecutor(threads)
+    evict = np.ones(max(0, min(other_bytes, EVICT_CAP, available_memory() // 8)), np.uint8)
+    try:
+        await executor.open()
+        await executor.load(stage, gguf)
+        mask = np.full((1, N_KV), -np.inf, np.float16)
+        mask[0, N_KV - 1] = 0  # the token sees its own row: the softmax is well defined
+        inputs = {"positions": np.array([N_KV - 1], np.int32), "kv_rows": np.array([N_KV - 1], np.int64),
+                  "mask": mask, "hidden": np.random.default_rng(0).standard_normal(hp.n_embd).astype(np.float32)}
+        if hp.n_swa:
+            inputs["mask_swa"] = mask
+        shape = StepShape(1, N_KV, 1)
+        best = float("inf")
+        for rep in range(REPS + 1):
+            if evict.size:
+                evict[::64] += 1  # one write a cache line: every line of it through the caches
+            started = time.perf_counter()
+            await executor.run(stage, shape, inputs)
+            if rep:  # the first builds and places the graph
+                best = min(best, time.perf_counter() - started)
+        return best
+    finally:
+        await executor.close()
