@@ -179,6 +179,12 @@ def _clients(text: str) -> tuple[int, ...]:
     return levels
 
 
+def our_split_mode(url: str) -> str:
+    """The split our serve runs with (/props' split.split_mode): what auto chose, by default."""
+    with urllib.request.urlopen(url + "/props", timeout=10) as r:
+        return json.load(r)["split"]["split_mode"]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens of each client's stream (ignore_eos)")
@@ -257,6 +263,7 @@ def main(argv=None) -> int:
             if theirs is not None:
                 running.append(theirs)
         urls = {OURS: server.url, **({THEIRS: theirs.url} if theirs else {})}
+        split_mode = our_split_mode(server.url)
         for url in urls.values():
             asyncio.run(round_of(url, 2, 4))  # warm up: graphs sent to the workers, llama-server's first batches
         rows = {name: {} for name in urls}
@@ -275,6 +282,8 @@ def main(argv=None) -> int:
             proc.stop()
     ours = rows[OURS]
     repeat = ours.pop("repeat")
+    print(f"ours: ggml-coordinator serve, split mode {split_mode}"
+          + (" (chosen by --split-mode auto, serve's default)" if args.split_mode in (None, "auto") else ""))
     agg = table(ours)
     if 1 in agg and 8 in agg:
         print(f"throughput ratio 8 clients / 1 client: {agg[8] / agg[1]:.2f}")
