@@ -26,16 +26,18 @@ from ggml_ffi import ffi, lib
 from rpc_daemon.wire.tensor_frames import EXCHANGE, LinkBroken, check_exchange_header, exchange_header
 
 _POLL_IN, _POLL_OUT = select.POLLIN, select.POLLOUT
-# How long an exchange waits for its peers without sleeping (all_reduce): 20 ms
-# covers nearly every wait of a member for its peer within a step.
+# How long an exchange waits for its peers without sleeping (all_reduce), by
+# default (the daemon's --spin-ms): 20 ms covers nearly every wait of a member
+# for its peer within a step.
 SPIN_S = 0.02
 
 
 class TensorLink:
     """This process's sockets to the other members of its group, by rank."""
 
-    def __init__(self, link_id: int, rank: int, socks: dict[int, socket.socket]):
+    def __init__(self, link_id: int, rank: int, socks: dict[int, socket.socket], spin_s: float = SPIN_S):
         self.link_id, self.rank, self.socks = link_id, rank, socks
+        self.spin_s = spin_s  # how long a wait for the peers spins before it sleeps
         for s in socks.values():
             s.setblocking(False)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -56,7 +58,7 @@ class TensorLink:
         over each partial to sum, none to copy.
 
         The wait spins (non-blocking reads, yielding the core to any other
-        runnable task between them) for up to SPIN_S before it sleeps in
+        runnable task between them) for up to `spin_s` before it sleeps in
         poll(): a peer doing the same work arrives within microseconds to a
         few milliseconds, and a sleeping core wakes slowly, on a VM slower
         still (loopback, 2-core VM: bench/bench_exchange.py 173-289 us an
@@ -70,7 +72,7 @@ class TensorLink:
         peers = [_Peer(r, s, self._heads[r], self._inbox(r, nbytes)) for r, s in self.socks.items()]
         for p in peers:
             p.start_send([memoryview(header), mine])
-        sleep_after = started + SPIN_S
+        sleep_after = started + self.spin_s
         busy = peers
         while busy:
             for p in busy:

@@ -46,7 +46,7 @@ class ComputeFailed(Exception):
     pass
 
 
-def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
+def spawn_child(n_threads: int, spin_ms: float = 20.0) -> tuple[subprocess.Popen, socket.socket]:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for end in (parent, child):  # a whole logits reply fits: no ping-pong of partial reads
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER)
@@ -59,7 +59,7 @@ def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rpc_daemon.compute.worker", str(child.fileno()), str(n_threads)],
+            [sys.executable, "-m", "rpc_daemon.compute.worker", str(child.fileno()), str(n_threads), repr(spin_ms)],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
     except BaseException:
         parent.close()
@@ -75,8 +75,9 @@ def spawn_child(n_threads: int) -> tuple[subprocess.Popen, socket.socket]:
 class ComputePool:
     """Every compute process of the daemon: one per client that computes, and a spare."""
 
-    def __init__(self, n_threads: int, timeout: float = 600.0):
+    def __init__(self, n_threads: int, timeout: float = 600.0, spin_ms: float = 20.0):
         self.n_threads = n_threads
+        self.spin_ms = spin_ms  # DaemonConfig.spin_ms, for every compute process started
         self.timeout = timeout
         self.by_client: dict[int, ComputeProcess] = {}
         self._spare: tuple[subprocess.Popen, socket.socket] | None = None
@@ -117,7 +118,7 @@ class ComputePool:
     def warm(self) -> None:
         """Start the spare now, so a client's first compute need not wait for a process to start."""
         if self._spare is None and not self._closed:
-            self._spare = spawn_child(self.n_threads)
+            self._spare = spawn_child(self.n_threads, self.spin_ms)
 
     def take_child(self, client_id: int) -> tuple[subprocess.Popen, socket.socket]:
         """A fresh process for a client: the spare (then a new spare starts), else a new one."""
@@ -125,7 +126,7 @@ class ComputePool:
         if child is None or child[0].poll() is not None:
             if child is not None:
                 child[1].close()
-            child = spawn_child(self.n_threads)
+            child = spawn_child(self.n_threads, self.spin_ms)
         self._respawn = True  # the next spare starts once this call is done: not on its critical path
         log.info("compute process assigned", pid=child[0].pid, client=client_id)
         return child

@@ -26,7 +26,7 @@ import time
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
 from rpc_daemon.compute import link as compute_link
-from rpc_daemon.compute.exchange import SegmentedGraph, TensorLink
+from rpc_daemon.compute.exchange import SPIN_S, SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
 from rpc_daemon.wire.graph_codec import build_graph, context_size
 from rpc_daemon.wire.protocol import Status
@@ -73,8 +73,9 @@ def populate_resident(addr: int, size: int) -> None:
 
 
 class ComputeState:
-    def __init__(self, n_threads: int):
+    def __init__(self, n_threads: int, spin_s: float = SPIN_S):
         self.backend = CpuBackend(n_threads)
+        self.spin_s = spin_s  # an exchange's wait without sleeping (--spin-ms)
         # this process serves ONE client: its arena (every buffer of it) is mapped here
         # once, and nothing of any other client ever is
         self.client_arena: tuple[int, int] | None = None  # (address, size)
@@ -127,7 +128,7 @@ class ComputeState:
         if self.tensor_link is not None:
             self.tensor_link.close()
         socks = {r: socket.socket(fileno=fd) for r, fd in zip(header["peers"], fds)}
-        self.tensor_link = TensorLink(header["link"], header["rank"], socks)
+        self.tensor_link = TensorLink(header["link"], header["rank"], socks, self.spin_s)
 
     def drop_graph(self, key: str) -> None:
         seg = self.segmented.pop(key, None)
@@ -255,9 +256,10 @@ def warm_up(state: ComputeState) -> None:
 # the coordinator: the process waits for it awake, as an exchange waits for its
 # peers (exchange.SPIN_S), because a sleeping core wakes slowly (a 1.1B llama over
 # 2 workers on a 2-core VM, the same run: 9.6 tokens/s sleeping at once, 13.4
-# waiting 5 ms awake first). After a layer-split step the next one waits for the
+# waiting 5 ms awake first), for this share of the exchanges' spin (--spin-ms:
+# 5 ms of the default 20). After a layer-split step the next one waits for the
 # other workers' layers: that wait sleeps at once.
-NEXT_STEP_SPIN_S = 0.005
+NEXT_STEP_SPIN_SHARE = 0.25
 
 
 def await_without_sleep(ready, seconds: float) -> None:
@@ -268,8 +270,10 @@ def await_without_sleep(ready, seconds: float) -> None:
         os.sched_yield()
 
 
-def serve(sock: socket.socket, n_threads: int) -> None:
-    state = ComputeState(n_threads)
+def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
+    """Serve the daemon's requests on `sock`; `spin_s`: how long an exchange waits for a peer
+    without sleeping (TensorLink), the wait for the step after a tensor-parallel one a quarter of it."""
+    state = ComputeState(n_threads, spin_s)
     warm_up(state)
     try:
         request_ready = select.poll()
@@ -277,7 +281,7 @@ def serve(sock: socket.socket, n_threads: int) -> None:
         tensor_step = False
         while True:
             if tensor_step:
-                await_without_sleep(request_ready, NEXT_STEP_SPIN_S)
+                await_without_sleep(request_ready, spin_s * NEXT_STEP_SPIN_SHARE)
             try:
                 header, blob, fds = compute_link.recv(sock)
                 if hoptrace.ON:
@@ -322,7 +326,8 @@ def main() -> None:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     route_logs_to_structlog()
     fd, n_threads = int(sys.argv[1]), int(sys.argv[2])
-    serve(socket.socket(fileno=fd), n_threads)
+    spin_s = float(sys.argv[3]) / 1000 if len(sys.argv) > 3 else SPIN_S
+    serve(socket.socket(fileno=fd), n_threads, spin_s)
 
 
 if __name__ == "__main__":

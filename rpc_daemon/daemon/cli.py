@@ -39,6 +39,10 @@ def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
                    help=f"seconds before an idle client is dropped (default {_C.idle_timeout:g})")
     p.add_argument("--compute-timeout", type=float, default=_C.compute_timeout,
                    help=f"seconds one graph compute may take (default {_C.compute_timeout:g})")
+    p.add_argument("--spin-ms", type=float, default=_C.spin_ms, metavar="MS",
+                   help=f"tensor-parallel steps: the longest a compute process waits for a peer's partial sum "
+                        f"without sleeping, keeping its core busy (a quarter of it for the next step); 0 always "
+                        f"sleeps, which costs speed (default {_C.spin_ms:g})")
     p.add_argument("--max-clients", type=int, default=_C.max_clients)
     p.add_argument("--min-rate", type=float, default=_C.min_rate, metavar="BYTES_PER_S",
                    help=f"an authenticated client that sends a frame it has started slower than this, averaged "
@@ -60,13 +64,15 @@ def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonC
         p.error("--threads must be >= 1, --mem and --cache-max >= 0")
     if args.min_rate < 0 or args.min_rate_window <= 0:
         p.error("--min-rate must be >= 0 (0: no floor), --min-rate-window > 0")
+    if not 0 <= args.spin_ms <= 1000:
+        p.error("--spin-ms must be 0..1000")
     if args.cache_max and args.cache is None:
         p.error("--cache-max bounds the tensor cache: give --cache [DIR] too")
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, cache_max=args.cache_max << 20, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
                           metrics_port=args.metrics_port, min_rate=args.min_rate,
-                          min_rate_window=args.min_rate_window)
+                          min_rate_window=args.min_rate_window, spin_ms=args.spin_ms)
     return security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
 
 
@@ -89,7 +95,7 @@ def run_daemon(config: DaemonConfig, args: argparse.Namespace) -> int:
     # the first compute process starts up (~0.2 s of imports) alongside this process's own imports, on
     # another core: a restarted worker's first requests do not share the CPU with it after listening
     from rpc_daemon.compute.pool import spawn_child
-    spare = spawn_child(config.threads)
+    spare = spawn_child(config.threads, config.spin_ms)
     from rpc_daemon.daemon.app import serve
     from rpc_daemon.service.loop import run
     try:

@@ -34,6 +34,9 @@ class DaemonConfig:
     idle_timeout: float = 300.0
     hello_timeout: float = 10.0
     compute_timeout: float = 600.0
+    # the longest a tensor-parallel member's compute process waits for a peer's partial sum without
+    # sleeping (compute/exchange.py); it waits a quarter of it for the next step. 0: always sleep
+    spin_ms: float = 20.0
     max_clients: int = 64
     limits: Limits = Limits()
     unsafe_no_validation: bool = False  # tests only: lets graphs reach libggml unchecked

@@ -58,7 +58,7 @@ class Daemon:
         mem = config.mem or physical_memory()
         self.buffers = BufferRegistry(mem, arena_size_for(config.limits.max_client_bytes or mem))
         # one compute process per client that computes (and a spare), serialized daemon-wide
-        self.compute = ComputePool(config.threads, config.compute_timeout)
+        self.compute = ComputePool(config.threads, config.compute_timeout, config.spin_ms)
         self.buffers.compute_bytes = lambda: self.compute.compute_bytes
         self.compute.budget_base = lambda: self.buffers.max_bytes - self.buffers.allocated
         self.cache = None

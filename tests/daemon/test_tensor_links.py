@@ -163,3 +163,55 @@ def test_tensor_cancel_ends_a_join_that_waits_for_its_peers(pair):
     join = next(f for f in frames if f["status"] != 0)
     assert join["status"] == Status.LINK_FAILED and "cancelled" in join["error"], frames
     assert time.monotonic() - started < 0.3 + 2 * SLACK
+
+
+def _children_cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) of `pid`'s child processes (a daemon's compute processes)."""
+    total = 0.0
+    for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        try:
+            fields = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@pytest.mark.parametrize("spin_ms", [0, 300])
+def test_spin_ms_bounds_how_long_a_member_waits_for_its_peer_awake(start_daemon, spin_ms):
+    """--spin-ms: a member whose peer comes 0.6 s late keeps its core busy for --spin-ms of that wait
+    (300: most of 0.3 s of CPU time), then sleeps; with 0 it sleeps at once (next to no CPU time)."""
+    da, db = start_daemon("--spin-ms", str(spin_ms)), start_daemon("--spin-ms", str(spin_ms))
+    a, b = RawConn(da.port), RawConn(db.port)
+    try:
+        a.hello()
+        b.hello()
+        _, ra, rb = link(a, b, db.port)
+        assert ra["status"] == 0 and rb["status"] == 0, (ra, rb)
+        both(lambda: compute(a, [1, 2, 3, 4], 0), lambda: compute(b, [1, 2, 3, 4], 0))  # graphs placed
+        time.sleep(2.0)  # the spare compute process started after the first compute is done starting up
+        before = _children_cpu_seconds(da.proc.pid)
+
+        def late_b():
+            time.sleep(0.6)
+            return compute(b, [10, 20, 30, 40], 1)
+
+        (ha, _), (hb, _) = both(lambda: compute(a, [1, 2, 3, 4], 1), late_b)
+        assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+        spent = _children_cpu_seconds(da.proc.pid) - before
+        if spin_ms:
+            assert spent > 0.1, spent  # most of 0.3 s, less on a machine whose other cores are busy
+        else:
+            assert spent < 0.1, spent
+    finally:
+        a.close()
+        b.close()
+
+
+def test_spin_ms_is_a_bounded_number_of_milliseconds():
+    from rpc_daemon.daemon.cli import parse_args
+    assert parse_args([])[0].spin_ms == 20.0
+    assert parse_args(["--spin-ms", "0"])[0].spin_ms == 0.0
+    for bad in ("-1", "1001", "nan"):
+        with pytest.raises(SystemExit):
+            parse_args(["--spin-ms", bad])
