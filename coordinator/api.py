@@ -145,8 +145,11 @@ class Coordinator:
         failures. Decodes fail fast with ENDPOINT_FAILED unless it is "ok" or
         "degraded". Resuming (resume_within set): "resuming" while a latched
         endpoint is younger than resume_within (generations pause, they do not
-        fail), "degraded" while every stage serves but one is on a spare."""
-        return self._resume.health(self._endpoints.health(), self._endpoints.places)
+        fail), "degraded" while every stage serves but one is on a spare.
+        `split_choice`: how the split mode was settled (asked, chosen, and auto's figures)."""
+        health = self._resume.health(self._endpoints.health(), self._endpoints.places)
+        health["split_choice"] = dict(self._loader.split_choice)
+        return health
 
     async def aprobe(self, timeout: float = 1.0) -> list[dict]:
         """Ask every connected worker, now, for a PING round trip and its memory

@@ -43,6 +43,9 @@ class ModelLoader:
         self.kv_types = tuple(KV_TYPES[t] for t in kv_types)
         self.n_ctx, self.n_batch, self.threads = n_ctx, n_batch, threads
         self.executor_options, self.head = executor_options, head
+        # how the split mode was settled (tensor_choice): what was asked and, for auto, the figures
+        # it compared; Coordinator.health() reports it
+        self.split_choice: dict = {"asked": "layer"}
 
     def new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self.executor_options)
@@ -71,6 +74,7 @@ class ModelLoader:
         `split_mode`: "layer", "tensor" or "auto" (tensor_choice); `tensor_group`: the
         members of each tensor-parallel group (None: one group of all)."""
         places, head = endpoints.places, self.head
+        self.split_choice = {"asked": split_mode, "chosen": "layer"}
         infos = await endpoints.open_all(self.new_executor)
         weights = split_weights(split, infos, len(places))
         if split_mode != "layer" and await self.tensor_choice(places, weights, split_mode, pipeline,
@@ -135,8 +139,10 @@ class ModelLoader:
             if mode == "tensor":
                 raise ValueError(f"split_mode='tensor': {why}")
             log.info("layer split: tensor parallelism is not possible here", reason=why)
+            self.split_choice = {"asked": mode, "chosen": "layer", "reason": why}
             return False
         if mode == "tensor":
+            self.split_choice = {"asked": mode, "chosen": "tensor"}
             return True
         rtt = await self._slowest_rtt(places)
         threads = min(max(1, int(info.get("threads") or 1)) for info in infos)
@@ -146,9 +152,10 @@ class ModelLoader:
         saved = self.hp.n_layer * layer * (1 - max(group) / sum(group)) * group_size / len(places)
         cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)
         chosen = cost < saved * TENSOR_PAYS
-        log.info("split mode chosen by measurement", split_mode="tensor" if chosen else "layer",
-                 exchanges_ms_per_token=round(cost * 1e3, 2), compute_saved_ms_per_token=round(saved * 1e3, 2),
-                 slowest_rtt_ms=round(rtt * 1e3, 3), layer_ms=round(layer * 1e3, 3), timed_threads=threads)
+        figures = {"exchanges_ms_per_token": round(cost * 1e3, 2), "compute_saved_ms_per_token": round(saved * 1e3, 2),
+                   "slowest_rtt_ms": round(rtt * 1e3, 3), "layer_ms": round(layer * 1e3, 3), "timed_threads": threads}
+        self.split_choice = {"asked": mode, "chosen": "tensor" if chosen else "layer", **figures}
+        log.info("split mode chosen by measurement", split_mode=self.split_choice["chosen"], **figures)
         return chosen
 
     def _tensor_refusal(self, places: list, weights: list, group_size: int) -> str | None:

@@ -62,7 +62,7 @@ def health_answer(health: dict, endpoints: list[dict], head: dict, loaded: bool,
     spare_for = {e["endpoint"]: {"spare_for": e["spare_for"]} for e in health["endpoints"] if e.get("spare_for")}
     status = "unavailable" if reasons else "degraded" if degraded else "ok"
     body = {"status": status, "slots_busy": slots_busy, "slots": n_slots,
-            "split_mode": health.get("split_mode", "layer"),
+            "split_mode": health.get("split_mode", "layer"), "split_choice": health.get("split_choice"),
             "endpoints": [dict(e, **failures.get(e["endpoint"], {}), **spare_for.get(e["endpoint"], {}))
                           for e in endpoints],
             "head": head}

@@ -213,7 +213,8 @@ class CompletionServer:
 
     async def props(self, request) -> web.Response:
         from rpc_daemon.service.version import package_version
-        split = {"split_mode": self.coord.health().get("split_mode", "layer"),
+        health = self.coord.health()
+        split = {"split_mode": health.get("split_mode", "layer"), "split_choice": health.get("split_choice"),
                  "workers": [{k: e[k] for k in ("endpoint", "layers", "head_rows", "shard") if k in e}
                              for e in self.coord.endpoints()]}
         return web.json_response(llama_server_api.props(self.model_name, self.scheduler.n_slots, self.n_ctx_slot,

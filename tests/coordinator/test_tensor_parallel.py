@@ -92,6 +92,17 @@ def test_auto_takes_the_layer_split_where_exchanges_cost_more_than_they_save(tmp
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
         assert c.health()["split_mode"] == "layer"
+        choice = c.health()["split_choice"]  # the figures auto compared, as the start log has them
+        assert choice["asked"] == "auto" and choice["chosen"] == "layer", choice
+        assert choice["exchanges_ms_per_token"] >= choice["compute_saved_ms_per_token"] / 2, choice
+        assert choice["layer_ms"] > 0 and choice["slowest_rtt_ms"] > 0 and choice["timed_threads"] == 1, choice
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64) as c:
+        assert c.health()["split_choice"] == {"asked": "layer", "chosen": "layer"}
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor") as c:
+        assert c.health()["split_choice"] == {"asked": "tensor", "chosen": "tensor"}
+    with Coordinator([ws.endpoint(0), "local"], model=model, n_ctx=64, split_mode="auto") as c:
+        choice = c.health()["split_choice"]
+        assert choice["chosen"] == "layer" and "local" in choice["reason"], choice
 
 
 def wide_model(tmp_path) -> str:
@@ -114,9 +125,13 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
         assert c.health()["split_mode"] == "tensor"
+        choice = c.health()["split_choice"]
+        assert choice["chosen"] == "tensor" and choice["exchanges_ms_per_token"] < choice["compute_saved_ms_per_token"] / 2
     with ProxyThread(ws.endpoint(0), Link(0.02)) as p0, ProxyThread(ws.endpoint(1), Link(0.02)) as p1:
         with Coordinator([p0.endpoint, p1.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
             assert c.health()["split_mode"] == "layer"
+            choice = c.health()["split_choice"]
+            assert choice["chosen"] == "layer" and choice["slowest_rtt_ms"] >= 40, choice  # 20 ms each way
 
 
 def test_auto_times_a_layer_here_by_what_it_computes(tmp_path):

@@ -33,14 +33,15 @@ def answer(status: str, entries: list[dict], loaded: bool = True, problems: tupl
 
 def test_all_well():
     assert answer("ok", [lib_entry(A), lib_entry(B)]) == (200, {
-        "status": "ok", "slots_busy": 1, "slots": 4, "split_mode": "layer", "endpoints": [endpoint(A), endpoint(B)],
-        "head": HEAD})
+        "status": "ok", "slots_busy": 1, "slots": 4, "split_mode": "layer", "split_choice": None,
+        "endpoints": [endpoint(A), endpoint(B)], "head": HEAD})
 
 
 def test_the_split_mode_is_the_librarys():
-    status, body = health_answer({"status": "ok", "split_mode": "tensor", "endpoints": [lib_entry(A)]},
-                                 [endpoint(A)], HEAD, True, [], 0, 4)
-    assert status == 200 and body["split_mode"] == "tensor"
+    choice = {"asked": "auto", "chosen": "tensor", "exchanges_ms_per_token": 5.5, "compute_saved_ms_per_token": 15.0}
+    status, body = health_answer({"status": "ok", "split_mode": "tensor", "split_choice": choice,
+                                  "endpoints": [lib_entry(A)]}, [endpoint(A)], HEAD, True, [], 0, 4)
+    assert status == 200 and body["split_mode"] == "tensor" and body["split_choice"] == choice
 
 
 @pytest.mark.parametrize("status, reasons", [("failed", ["endpoints failed"]),

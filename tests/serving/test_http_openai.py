@@ -212,7 +212,12 @@ def test_tokenize_detokenize_props(server):
     status, _, props = request("GET", url + "/props")
     assert status == 200 and props["model_alias"] == "my-gemma" and props["total_slots"] == 1, props
     assert props["default_generation_settings"]["n_ctx"] == 256 and "{%" in props["chat_template"], props
-    assert props["split"]["split_mode"] == "layer" and len(props["split"]["workers"]) >= 1, props
+    # serve's default split (auto: either, by measurement), and the figures it was chosen by
+    split = props["split"]
+    assert split["split_mode"] in ("layer", "tensor") and len(split["workers"]) >= 1, props
+    choice = split["split_choice"]
+    assert choice["asked"] == "auto" and choice["chosen"] == split["split_mode"], choice
+    assert choice["exchanges_ms_per_token"] > 0 and choice["layer_ms"] > 0, choice
     assert all(w["shard"] is None and "layers" in w for w in props["split"]["workers"]), props
 
 

@@ -23,8 +23,9 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def cluster():
     workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
-    # resuming off: the worker-fault tests here check what a request sees without it (tests/coordinator/test_resume.py: with)
-    server = Server([w.endpoint for w in workers], args=("--resume-within", "0"))
+    # resuming off: the worker-fault tests here check what a request sees without it (tests/coordinator/test_resume.py: with);
+    # the layer split, whose output head placement they check (auto may take either for gemma, by measurement)
+    server = Server([w.endpoint for w in workers], args=("--resume-within", "0", "--split-mode", "layer"))
     yield server, workers
     server.stop()
     for w in workers:
@@ -74,6 +75,7 @@ def test_models_health_metrics(cluster):
     status, body = asyncio.run(get(server.url + "/health"))
     assert status == 200 and body["status"] == "ok"
     assert {e["endpoint"] for e in body["endpoints"]} == {w.endpoint for w in workers}
+    assert body["split_mode"] == "layer" and body["split_choice"] == {"asked": "layer", "chosen": "layer"}, body
     # where the output head ran (docs/architecture.md, "Where the output head runs"), and from what
     head = body["head"]
     assert head["mode"] == "auto" and head["choice"] in ("split", "whole"), head

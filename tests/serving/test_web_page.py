@@ -72,8 +72,10 @@ def browser(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
+    # the layer split, whose view (each worker a range of layers, a share of the head) the tests check
     server = Serve(str(tmp_path_factory.mktemp("serve")), "--endpoints", ",".join(w.endpoint for w in workers),
-                   "--parallel", "2", "--ctx-per-slot", "256", env={"GGML_COORDINATOR_API_KEY": KEY})
+                   "--parallel", "2", "--ctx-per-slot", "256", "--split-mode", "layer",
+                   env={"GGML_COORDINATOR_API_KEY": KEY})
     yield server, workers
     server.stop()
     for w in workers:
