@@ -2,8 +2,11 @@
 choice of split (model/loading.py, tensor_choice) weighs the exchanges of a
 tensor-parallel split against.
 
-One middle layer is loaded here and timed on a one-token step over a
-256-row KV cache, at the workers' thread count. Between repetitions the
+One middle layer (not the last, which ends in the output head: a 2-layer
+model's first) is loaded here and timed on a one-token step over a 256-row
+KV cache, at the workers' thread count, with every input of its graph filled
+and in range: libggml runs in this process, where a row id out of range
+would abort it. Between repetitions the
 timing streams through as many other bytes as a worker reads for the rest of
 its token (its share of the weights, capped), so the layer meets the cache as
 it does in a real decode: a small model's whole token stays cached, a larger
@@ -32,6 +35,8 @@ async def layer_seconds(arch, hp, gguf, threads: int, other_bytes: int) -> float
     with `other_bytes` (what a worker reads for the rest of its token) streamed
     through the caches between repetitions."""
     il = hp.n_layer // 2
+    if il == hp.n_layer - 1 and il > 0:  # the last layer ends in the output head: time one that does not
+        il -= 1
     stage = Stage.create(0, arch, hp, gguf, range(il, il + 1), hp.n_layer, N_KV)
     executor = LocalExecutor(threads)
     evict = np.ones(max(0, min(other_bytes, EVICT_CAP, available_memory() // 8)), np.uint8)
@@ -40,11 +45,23 @@ async def layer_seconds(arch, hp, gguf, threads: int, other_bytes: int) -> float
         await executor.load(stage, gguf)
         mask = np.full((1, N_KV), -np.inf, np.float16)
         mask[0, N_KV - 1] = 0  # the token sees its own row: the softmax is well defined
+        # every input the layer's graph reads, in range (a row id out of range would abort in libggml):
+        # the first layer embeds a token, the last picks its output row
         inputs = {"positions": np.array([N_KV - 1], np.int32), "kv_rows": np.array([N_KV - 1], np.int64),
-                  "mask": mask, "hidden": np.random.default_rng(0).standard_normal(hp.n_embd).astype(np.float32)}
+                  "mask": mask}
+        if stage.first:
+            inputs["tokens"] = np.zeros(1, np.int32)
+        else:
+            inputs["hidden"] = np.random.default_rng(0).standard_normal(hp.n_embd).astype(np.float32)
+        if stage.last:
+            inputs["out_rows"] = np.zeros(1, np.int32)
         if hp.n_swa:
             inputs["mask_swa"] = mask
         shape = StepShape(1, N_KV, 1)
+        graph, _ = stage.graph(shape)
+        unfed = sorted(set(graph.inputs) - set(inputs))
+        if unfed:  # an architecture with inputs of its own: not run with garbage in them
+            raise ValueError(f"the layer's graph has inputs this timing does not fill: {unfed}")
         best = float("inf")
         for rep in range(REPS + 1):
             if evict.size:

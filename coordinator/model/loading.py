@@ -28,6 +28,7 @@ from rpc_daemon.service.memory import available_memory
 log = structlog.get_logger("coordinator")
 
 EXCHANGE_OVERHEAD = 60e-6  # seconds an exchange costs beyond the one-way delay (send, wake, sum)
+FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be timed (a 1.1B Q4_K_M token: ~5e9)
 # auto takes the tensor split where a token's exchanges cost less than this share of the layer compute
 # it saves: the rest pays for what the estimate leaves out (work every member repeats, such as the
 # attention of a KV head copied to all, and members waiting on each other)
@@ -147,7 +148,11 @@ class ModelLoader:
         rtt = await self._slowest_rtt(places)
         threads = min(max(1, int(info.get("threads") or 1)) for info in infos)
         per_worker = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors) // len(places)
-        layer = await layer_seconds(self.arch, self.hp, self.gguf, min(threads, os.cpu_count() or 1), per_worker)
+        try:
+            layer = await layer_seconds(self.arch, self.hp, self.gguf, min(threads, os.cpu_count() or 1), per_worker)
+        except Exception as exc:  # an estimate must not stop the start: the bytes at memory speed instead
+            layer = self.gguf.layer_bytes / self.hp.n_layer / FALLBACK_BANDWIDTH
+            log.warning("could not time a layer here; estimating it from its bytes", error=str(exc))
         group = weights[:group_size]  # (a pipeline of groups: each group's share of its layers, alike)
         saved = self.hp.n_layer * layer * (1 - max(group) / sum(group)) * group_size / len(places)
         cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)

@@ -134,28 +134,37 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
             assert choice["chosen"] == "layer" and choice["slowest_rtt_ms"] >= 40, choice  # 20 ms each way
 
 
+TIME_A_LAYER = """
+import asyncio, sys
+from coordinator.model.architectures import architecture
+from coordinator.model.gguf_file import GGUFFile
+from coordinator.model.layer_timing import layer_seconds
+gguf = GGUFFile(sys.argv[1])
+arch = architecture(gguf.architecture)
+print(asyncio.run(layer_seconds(arch, arch.hparams(gguf), gguf, 1, 1 << 20)))
+"""
+
+
 def test_auto_times_a_layer_here_by_what_it_computes(tmp_path):
-    """auto weighs the exchanges against a layer timed on this machine (layer_timing.py): a layer
-    of 19 MB of f16 weights takes far longer than one of the tiny test model's 0.15 MB, and the
-    time is a plausible one (not zero, not a hang)."""
-    import asyncio
+    """auto weighs the exchanges against a layer timed in the coordinator (layer_timing.py), with
+    libggml in that process: every architecture's layer runs with every input filled and in range
+    (a 2-layer model's timed layer is its first: it embeds a token; an out-of-range row id would
+    abort the coordinator), in a child process here so an abort is a failure, not the end of the
+    run. A layer of 19 MB of f16 weights takes far longer than one of the tiny model's 0.15 MB."""
+    import subprocess
+    import sys
 
-    from coordinator.model.architectures import architecture
-    from coordinator.model.gguf_file import GGUFFile
-    from coordinator.model.layer_timing import layer_seconds
+    from tiny_models import MODELS
 
-    def timed(path):
-        gguf = GGUFFile(str(path))
-        try:
-            arch = architecture(gguf.architecture)
-            return asyncio.run(layer_seconds(arch, arch.hparams(gguf), gguf, 1, 1 << 20))
-        finally:
-            gguf.close()
+    def timed(path) -> float:
+        r = subprocess.run([sys.executable, "-c", TIME_A_LAYER, str(path)], capture_output=True, text=True,
+                           timeout=120 * SLACK)
+        assert r.returncode == 0, (path, r.stderr[-2000:])
+        return float(r.stdout.strip().splitlines()[-1])
 
-    tiny = timed(write_tiny_model(tmp_path / "llama.gguf", "llama"))
-    wide = timed(wide_model(tmp_path))
-    assert 0 < tiny < 0.05 * SLACK
-    assert wide > 5 * tiny
+    times = {name: timed(write_tiny_model(tmp_path / f"{name}.gguf", name)) for name in MODELS}
+    assert all(0 < t < 0.05 * SLACK for t in times.values()), times
+    assert timed(wide_model(tmp_path)) > 5 * times["llama"], times
 
 
 def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path, start_daemon):
