@@ -641,9 +641,12 @@ def _cli() -> list[str]:
 
 
 def test_cli_generate_with_local_workers(local):
+    """The README's command: generate on local workers. With the layer split it prints the text the
+    library decodes in process, and names each worker's layers; by default (--split-mode auto, which
+    may take either split for gemma3-270m, by measurement) it prints text and names the split it ran."""
     prompt = "The capital of France is"
-    r = subprocess.run(_cli() + ["generate", "-p", prompt, "-n", "8"], capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL)
+    r = subprocess.run(_cli() + ["generate", "-p", prompt, "-n", "8", "--split-mode", "layer"], capture_output=True,
+                       text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stdout
     assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*layers 0-\d+ \(\d+%\) head \d+%"
@@ -651,6 +654,11 @@ def test_cli_generate_with_local_workers(local):
     c = local["gemma3"]
     c.kv_clear()
     assert r.stdout == c.generate(prompt, max_tokens=8)
+    r = subprocess.run(_cli() + ["generate", "-p", prompt, "-n", "8"], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*(layers 0-\d+ \(\d+%\)|shard 1/2 of every layer)",
+                     r.stderr), r.stderr
 
 
 def test_cli_unreachable_endpoint_fails_fast():

@@ -218,7 +218,9 @@ def test_tokenize_detokenize_props(server):
     choice = split["split_choice"]
     assert choice["asked"] == "auto" and choice["chosen"] == split["split_mode"], choice
     assert choice["exchanges_ms_per_token"] > 0 and choice["layer_ms"] > 0, choice
-    assert all(w["shard"] is None and "layers" in w for w in props["split"]["workers"]), props
+    # each worker a range of layers, or (tensor) a shard of every layer
+    tensor = split["split_mode"] == "tensor"
+    assert all((w["shard"] is not None) == tensor and "layers" in w for w in split["workers"]), props
 
 
 def test_queue_limit_answers_429_and_shows_the_queue(server):
