@@ -46,7 +46,9 @@ class ComputeFailed(Exception):
     pass
 
 
-def spawn_child(n_threads: int, spin_ms: float = 20.0) -> tuple[subprocess.Popen, socket.socket]:
+def spawn_child(n_threads: int, spin_ms: float | None = None) -> tuple[subprocess.Popen, socket.socket]:
+    """A compute process on one end of a socket pair (the other returned); `spin_ms`: its
+    --spin-ms (None: the compute process's own default, exchange.SPIN_S)."""
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for end in (parent, child):  # a whole logits reply fits: no ping-pong of partial reads
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_BUFFER)
@@ -59,7 +61,8 @@ def spawn_child(n_threads: int, spin_ms: float = 20.0) -> tuple[subprocess.Popen
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rpc_daemon.compute.worker", str(child.fileno()), str(n_threads), repr(spin_ms)],
+            [sys.executable, "-m", "rpc_daemon.compute.worker", str(child.fileno()), str(n_threads),
+             *(() if spin_ms is None else (repr(spin_ms),))],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
     except BaseException:
         parent.close()
@@ -75,7 +78,7 @@ def spawn_child(n_threads: int, spin_ms: float = 20.0) -> tuple[subprocess.Popen
 class ComputePool:
     """Every compute process of the daemon: one per client that computes, and a spare."""
 
-    def __init__(self, n_threads: int, timeout: float = 600.0, spin_ms: float = 20.0):
+    def __init__(self, n_threads: int, timeout: float = 600.0, spin_ms: float | None = None):
         self.n_threads = n_threads
         self.spin_ms = spin_ms  # DaemonConfig.spin_ms, for every compute process started
         self.timeout = timeout
