@@ -237,41 +237,42 @@ def test_killed_worker_shows_failed_within_2s_then_recovered(browser, cluster):
         wait_for(browser, lambda d, e=w.endpoint: row_state(d, e) == "ok", 15, f"{w.endpoint} shown ok")
     killed_at = time.monotonic()
     victim.kill()  # SIGKILL
-    wait_for(browser, lambda d: row_state(d, victim.endpoint) == "failed", 2.0,
-             f"{victim.endpoint} shown failed within 2 s of its SIGKILL")
-    shown_after = time.monotonic() - killed_at
-    cause = text_of(browser, f'#workers tr[data-detail-for="{victim.endpoint}"] .cause')
-    assert victim.endpoint in cause, cause
-    event = wait_for(browser, lambda d: d.find_elements(
-        "css selector", f'#events li[data-kind="failed"][data-endpoint="{victim.endpoint}"]'), 2, "a failed event")
-    assert victim.endpoint in event[0].text
-    assert row_state(browser, workers[0].endpoint) == "ok"
-    # what was measured before the failure is shown with its age, not as live
-    memory = text_of(browser, f'#workers tr[data-endpoint="{victim.endpoint}"] .col-memory')
-    assert "ago" in memory, memory
-    status, _, body = asyncio.run(call("GET", server.url + "/cluster", headers=AUTH))
-    failed = body["workers"][1]
-    assert status == 200 and body["status"] == "resuming" and failed["state"] == "failed", body  # serve resumes by default
-    # the page's cause and the JSON's name the worker, in one of the forms docs/failure-semantics.md lists
-    # for a killed worker: "closed the connection" (FIN), or "lost: connection reset by peer" when the
-    # kernel answered bytes the worker had not read yet with a RST; the cause moves on with each
-    # reconnect attempt ("unreachable: connection refused")
-    named = re.compile(rf"^(worker {re.escape(victim.endpoint)} |connection to worker {re.escape(victim.endpoint)} lost: )")
-    assert named.match(cause), cause
-    assert named.match(failed["failure"]["cause"]), failed
-    assert failed["failure"]["kind"] in ("closed", "unreachable"), failed
-    assert failed["compute_busy"] is None and failed["step_rtt"] is None, failed
-    # the server retries it (1 s, then 2 s, ...): the first attempt finds nobody, and says so
-    wait_for(browser, lambda d: d.find_elements(
-        "css selector", f'#events li[data-kind="reconnect_failed"][data-endpoint="{victim.endpoint}"]'), 10,
-        "a failed reconnect attempt")
-    # resuming retries every 0.05-0.25 s: one attempt or several may have failed by now
-    detail = text_of(browser, f'#workers tr[data-detail-for="{victim.endpoint}"]')
-    assert re.search(r"\b[1-9]\d* reconnect attempts? failed\b", detail), detail
-    if SCREENSHOTS:
-        browser.save_screenshot(os.path.join(SCREENSHOTS, "web-cluster-worker-failed.png"))
-
-    workers[1] = DaemonProcess("-t", "1", port=victim.port)
+    try:
+        wait_for(browser, lambda d: row_state(d, victim.endpoint) == "failed", 2.0,
+                 f"{victim.endpoint} shown failed within 2 s of its SIGKILL")
+        shown_after = time.monotonic() - killed_at
+        cause = text_of(browser, f'#workers tr[data-detail-for="{victim.endpoint}"] .cause')
+        assert victim.endpoint in cause, cause
+        event = wait_for(browser, lambda d: d.find_elements(
+            "css selector", f'#events li[data-kind="failed"][data-endpoint="{victim.endpoint}"]'), 2, "a failed event")
+        assert victim.endpoint in event[0].text
+        assert row_state(browser, workers[0].endpoint) == "ok"
+        # what was measured before the failure is shown with its age, not as live
+        memory = text_of(browser, f'#workers tr[data-endpoint="{victim.endpoint}"] .col-memory')
+        assert "ago" in memory, memory
+        status, _, body = asyncio.run(call("GET", server.url + "/cluster", headers=AUTH))
+        failed = body["workers"][1]
+        assert status == 200 and body["status"] == "resuming" and failed["state"] == "failed", body  # serve resumes by default
+        # the page's cause and the JSON's name the worker, in one of the forms docs/failure-semantics.md lists
+        # for a killed worker: "closed the connection" (FIN), or "lost: connection reset by peer" when the
+        # kernel answered bytes the worker had not read yet with a RST; the cause moves on with each
+        # reconnect attempt ("unreachable: connection refused")
+        named = re.compile(rf"^(worker {re.escape(victim.endpoint)} |connection to worker {re.escape(victim.endpoint)} lost: )")
+        assert named.match(cause), cause
+        assert named.match(failed["failure"]["cause"]), failed
+        assert failed["failure"]["kind"] in ("closed", "unreachable"), failed
+        assert failed["compute_busy"] is None and failed["step_rtt"] is None, failed
+        # the server retries it (1 s, then 2 s, ...): the first attempt finds nobody, and says so
+        wait_for(browser, lambda d: d.find_elements(
+            "css selector", f'#events li[data-kind="reconnect_failed"][data-endpoint="{victim.endpoint}"]'), 10,
+            "a failed reconnect attempt")
+        # resuming retries every 0.05-0.25 s: one attempt or several may have failed by now
+        detail = text_of(browser, f'#workers tr[data-detail-for="{victim.endpoint}"]')
+        assert re.search(r"\b[1-9]\d* reconnect attempts? failed\b", detail), detail
+        if SCREENSHOTS:
+            browser.save_screenshot(os.path.join(SCREENSHOTS, "web-cluster-worker-failed.png"))
+    finally:  # the next tests need the worker back, whatever failed here
+        workers[1] = DaemonProcess("-t", "1", port=victim.port)
     wait_for(browser, lambda d: row_state(d, victim.endpoint) == "ok", 60, f"{victim.endpoint} shown recovered")
     wait_for(browser, lambda d: d.find_elements(
         "css selector", f'#events li[data-kind="recovered"][data-endpoint="{victim.endpoint}"]'), 5,
