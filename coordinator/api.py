@@ -31,7 +31,7 @@ from coordinator.cluster.executors import ChunkDigests
 from coordinator.cluster.failures import EndpointFailure, EndpointUnavailable
 from coordinator.cluster.loop import LoopThread
 from coordinator.config import CoordinatorConfig
-from coordinator.decode.batch_checks import checked_range, checked_seq
+from coordinator.decode.batch_checks import checked_greedy, checked_range, checked_seq
 from coordinator.decode.decoder import Decoder
 from coordinator.decode.gate import DecodeGate
 from coordinator.decode.generation import Generations
@@ -191,34 +191,37 @@ class Coordinator:
         return self._endpoints.backoff
 
     # ------------------------------------------------------------ decode
-    def decode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
+    def decode(self, batch: Batch, greedy: bool | int = False) -> DecodeResult:
         """Decode a batch. With greedy=True the last worker returns only each
         requested row's argmax token (read it with token(i)) instead of its
-        logits: 4 bytes a row on the wire instead of 4 x n_vocab."""
-        return self._run(self._decoder.decode(batch, greedy)).code
+        logits: 4 bytes a row on the wire instead of 4 x n_vocab. With greedy=k
+        (2..MAX_BEST_TOKENS) it returns each row's k best tokens, best first
+        (best_tokens(i); token(i) is the first): what a greedy sampler that bans
+        up to k - 1 tokens (ignore_eos) needs."""
+        return self._run(self._decoder.decode(batch, checked_greedy(greedy))).code
 
-    async def adecode(self, batch: Batch, greedy: bool = False) -> DecodeResult:
-        return (await self._io.call(self._decoder.decode(batch, greedy))).code
+    async def adecode(self, batch: Batch, greedy: bool | int = False) -> DecodeResult:
+        return (await self._io.call(self._decoder.decode(batch, checked_greedy(greedy)))).code
 
-    def decode_resuming(self, batch: Batch, greedy: bool = False) -> DecodeResult:
+    def decode_resuming(self, batch: Batch, greedy: bool | int = False) -> DecodeResult:
         """decode(), but with `resume_within` set a step that fails because an
         endpoint failed waits (at most resume_within seconds) for its stage to
         be back, on its worker or a spare, with the KV cache rebuilt, and is
         decoded again; only then, or past the bound, does it return. Without
         resume_within it is decode()."""
-        return self._run(self._resume.decode(batch, greedy)).code
+        return self._run(self._resume.decode(batch, checked_greedy(greedy))).code
 
-    async def adecode_resuming(self, batch: Batch, greedy: bool = False) -> DecodeResult:
-        return (await self._io.call(self._resume.decode(batch, greedy))).code
+    async def adecode_resuming(self, batch: Batch, greedy: bool | int = False) -> DecodeResult:
+        return (await self._io.call(self._resume.decode(batch, checked_greedy(greedy)))).code
 
-    async def adecode_outcome(self, batch: Batch, greedy: bool = False) -> DecodeOutcome:
+    async def adecode_outcome(self, batch: Batch, greedy: bool | int = False) -> DecodeOutcome:
         """adecode_resuming(), returning this step's own outcome: its code, its
         outputs (logits(i)/token(i)) and, failed, its error. For callers with
         several steps in flight at once (the HTTP server's groups of slots),
         where logits() and last_error are those of the step that finished last.
         Such a caller forms its own groups: only a long run of one sequence's
         tokens is cut into micro-batches, the sequences are not grouped again."""
-        return await self._io.call(self._resume.decode(batch, greedy, group=False))
+        return await self._io.call(self._resume.decode(batch, checked_greedy(greedy), group=False))
 
     def embed(self, batch: Batch) -> DecodeOutcome:
         """Decode `batch` for embeddings: for every token that wants an output
@@ -276,6 +279,13 @@ class Coordinator:
         """The greedy (argmax) token for batch token i after a decode that
         returned OK, with or without greedy=True; raises otherwise."""
         return self._decoder.last.token(i)
+
+    def best_tokens(self, i: int = -1) -> np.ndarray:
+        """Batch token i's best tokens, best first (i32), after a decode with
+        greedy=k that returned OK: its k highest logits' ids, the first the argmax
+        (lowest id on a tie), then by logit, a lower id first among equal ones
+        as far as each head shard's own k best show them; raises otherwise."""
+        return self._decoder.last.best_tokens(i)
 
     # ------------------------------------------------------------ KV management
     # The cell table is the decode step's: find_slot, assign and the masks run on

@@ -10,6 +10,16 @@ from coordinator.config import is_int
 from coordinator.decode.values import Batch
 
 
+MAX_BEST_TOKENS = 64  # decode(greedy=k): the most best tokens a row may ask for
+
+
+def checked_greedy(greedy) -> int:
+    """decode's `greedy` as a count of best tokens per row (0: logits; True: 1)."""
+    if not is_int(greedy) and not isinstance(greedy, bool) or not 0 <= int(greedy) <= MAX_BEST_TOKENS:
+        raise ValueError(f"greedy must be a bool or a count of best tokens 0..{MAX_BEST_TOKENS}, not {greedy!r}")
+    return int(greedy)
+
+
 def seq_ids_of(batch: Batch) -> list:
     return batch.seq_ids or [[0]] * len(batch.tokens)
 

@@ -22,8 +22,8 @@ from coordinator.decode import step_links, tensor_group
 from coordinator.decode.flow import FlowFailed, flow
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.kv_cells import KVCells
-from coordinator.decode.step_io import (PreparedStep, StepFailed, checked_logits, checked_tokens, read_output,
-                                        stage_inputs, step_failed)
+from coordinator.decode.step_io import (PreparedStep, StepFailed, checked_logits, checked_tokens, no_rows, ranked,
+                                        read_output, stage_inputs, step_failed)
 from coordinator.model.architectures.common import HParams, StepShape
 from coordinator.model.stage import StageOutput
 
@@ -185,7 +185,7 @@ class Pipeline:
             head = "whole"  # the stages hold no shares (the placement's mode is "whole" then)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), greedy and not normed,
+        shape = StepShape(n, n_kv, len(out_rows), 0 if normed else int(greedy),
                           head_on_last=wanted and self.head_shards and head == "whole" and not normed, normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
                             self.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))
@@ -236,7 +236,7 @@ class Pipeline:
         split), or the last stage's logits or tokens, checked."""
         greedy = step.shape.argmax
         if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
-            return np.empty(0, np.int32) if greedy else np.empty((0, self.hp.n_vocab), np.float32)
+            return no_rows(step.shape, self.hp.n_vocab)
         if step.shape.normed:
             return checked_logits(out.hidden.reshape(step.shape.n_outputs, self.hp.n_embd), self.places[-1].endpoint)
         if step.head_in_shares:
@@ -244,7 +244,10 @@ class Pipeline:
         last = self.places[-1].endpoint
         if greedy:
             checked_logits(out.sums, last)
-            return checked_tokens(out.tokens, self.hp.n_vocab, last)
+            tokens = checked_tokens(out.tokens, self.hp.n_vocab, last)
+            if greedy > 1:
+                return ranked(tokens, [checked_tokens(out.best_ids, self.hp.n_vocab, last)], [out.best_values], greedy)
+            return tokens
         return checked_logits(out.logits, last)
 
     def record(self, step: PreparedStep) -> None:
@@ -318,14 +321,18 @@ class Pipeline:
     def combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
         """The head shards' replies (in `places` order) as one result."""
         if shape.argmax:
-            best, value = [], []
+            best, value, best_ids, best_values = [], [], [], []
             for p, data in zip(places, results):
                 out, r = read_output(p, data, shape, head=True), p.stage.head_rows
                 checked_logits(out.sums, p.endpoint)
                 best.append(checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
                 value.append(out.best)
+                if out.best_ids is not None:
+                    best_ids.append(checked_tokens(out.best_ids, len(r), p.endpoint) + r.start)
+                    best_values.append(out.best_values)
             winner = np.argmax(np.stack(value), axis=0)
-            return np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
+            tokens = np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
+            return ranked(tokens, best_ids, best_values, shape.argmax) if shape.argmax > 1 else tokens
         logits = np.empty((shape.n_outputs, self.hp.n_vocab), dtype=np.float32)
         for p, data in zip(places, results):
             r = p.stage.head_rows

@@ -56,6 +56,26 @@ def checked_tokens(tokens: np.ndarray, n_vocab: int, endpoint: str) -> np.ndarra
     return tokens
 
 
+def no_rows(shape, n_vocab: int) -> np.ndarray:
+    """A step's result when no row wanted an output (its KV rows are written all the same)."""
+    if shape.argmax > 1:
+        return np.empty((0, shape.argmax), np.int32)
+    return np.empty(0, np.int32) if shape.argmax else np.empty((0, n_vocab), np.float32)
+
+
+def ranked(first: np.ndarray, ids: list, values: list, k: int) -> np.ndarray:
+    """Each row's k best tokens, best first (i32 [rows, k]), from the shards' best_tokens (`ids`
+    already in vocabulary numbering, and their `values`: lists of [rows, k_shard] arrays) and
+    the row's argmax (`first`, argmax_first's, exact on ties), which leads. Among equal logits
+    the lower id comes first, as far as the shards' top-k cuts let one see them."""
+    ids, values = np.concatenate(ids, axis=1), np.concatenate(values, axis=1)
+    order = np.lexsort((ids, -values), axis=1)
+    out = np.empty((len(first), k), np.int32)
+    for r, (lead, row) in enumerate(zip(first.tolist(), np.take_along_axis(ids, order, axis=1).tolist())):
+        out[r] = ([lead] + [t for t in row if t != lead])[:k]
+    return out
+
+
 def checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     if not np.isfinite(logits).all():
         raise StageFailed(FailureKind.COMPUTE, endpoint,

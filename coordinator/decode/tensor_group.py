@@ -21,7 +21,7 @@ import asyncio
 import numpy as np
 
 from coordinator.cluster.executors import TensorLinkFailed
-from coordinator.decode.step_io import PreparedStep, checked_logits, read_output, stage_inputs, step_failed
+from coordinator.decode.step_io import PreparedStep, checked_logits, no_rows, read_output, stage_inputs, step_failed
 from coordinator.model.architectures.common import StepShape
 from rpc_daemon.client import parse_endpoint
 
@@ -92,7 +92,7 @@ class TensorGroup:
         kv = self.pipeline.kv
         n_kv = kv.n_kv()
         mask, mask_swa = kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), greedy and not normed, normed=normed)
+        shape = StepShape(n, n_kv, len(out_rows), 0 if normed else int(greedy), normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, False, shape,
                             self.pipeline.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa)
 
@@ -101,7 +101,7 @@ class TensorGroup:
         results = await self.run(step.common, step.tokens, step.out_rows, step.shape, hidden)
         hp = self.pipeline.hp
         if not step.wanted:
-            return np.empty(0, np.int32) if step.shape.argmax else np.empty((0, hp.n_vocab), np.float32)
+            return no_rows(step.shape, hp.n_vocab)
         if step.shape.normed:  # every member computed the same normed rows: the first's
             normed = read_output(self.places[0], results[0], step.shape).hidden
             return checked_logits(normed.reshape(step.shape.n_outputs, hp.n_embd), self.places[0].endpoint)

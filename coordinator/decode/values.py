@@ -78,8 +78,17 @@ class StepOutput:
 
     def token(self, i: int) -> int:
         if self.tokens is not None:
-            return int(self.tokens[self._row(i)])
+            best = self.tokens[self._row(i)]
+            return int(best if best.ndim == 0 else best[0])
         return int(np.argmax(self.logits(i)))
+
+    def best_tokens(self, i: int) -> np.ndarray:
+        """Token i's best tokens, best first (greedy=k: k of them; greedy=True: the argmax alone)."""
+        if self.tokens is None:
+            self.logits(i)  # raises, saying why there are none
+            raise RuntimeError("no best tokens: the last decode returned logits (read logits(i))")
+        best = self.tokens[self._row(i)]
+        return best.reshape(-1)
 
     def hidden(self, i: int) -> np.ndarray:
         if self.hidden_ is None:
@@ -106,6 +115,9 @@ class DecodeOutcome:
 
     def token(self, i: int = -1) -> int:
         return self.output.token(i)
+
+    def best_tokens(self, i: int = -1) -> np.ndarray:
+        return self.output.best_tokens(i)
 
     def hidden(self, i: int = -1) -> np.ndarray:
         """An embedding step's (Coordinator.aembed_outcome) normalized final hidden state of token i."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from ggml_ffi import Context, lib
 from coordinator.model.architectures.common import (F16, F32, I32, I64, GraphBuilder, HParams, StepInputs, StepShape,
-                                       argmax_first, head_source)
+                                       argmax_first, best_tokens, head_source)
 
 MAX_CACHED_GRAPHS = 8
 TENSORS_PER_LAYER = 80
@@ -32,6 +32,8 @@ class StageOutput:
     tokens: np.ndarray | None = None  # i32[n_outputs]: each row's argmax (in this shard)
     best: np.ndarray | None = None  # f32[n_outputs]: that token's logit (head shards: to compare them)
     sums: np.ndarray | None = None  # f32[n_outputs]: each row's sum (not finite: a NaN or infinite logit)
+    best_ids: np.ndarray | None = None  # i32[n_outputs, k]: each row's k best tokens (in this shard), any order
+    best_values: np.ndarray | None = None  # f32[n_outputs, k]: their logits
 
 
 @dataclass
@@ -198,13 +200,21 @@ class Stage:
 
     # ------------------------------------------------------------ the reply's layout
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
-    # token (i32) and maximum, then the row sums (f32), one value per output row.
+    # token (i32) and maximum, then the row sums (f32), one value per output row;
+    # with shape.argmax = k > 1 then best_tokens' k ids (i32) and k logits per row.
+    @staticmethod
+    def best_k(shape: StepShape, rows: int) -> int:
+        """How many best tokens per row a head of `rows` rows returns (0: the argmax alone)."""
+        return min(shape.argmax, rows) if shape.argmax > 1 else 0
+
     def output_size(self, shape: StepShape, head: bool = False) -> int:
         if head or self.member_head(shape):  # a last group member's step ends in its head rows
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
-            return (3 if shape.argmax else len(self.head_rows)) * shape.n_outputs * 4
-        if self.head_here(shape):
-            return (2 if shape.argmax else self.hp.n_vocab) * shape.n_outputs * 4  # argmax: token and row sum
+            rows = len(self.head_rows)
+            return (3 + 2 * self.best_k(shape, rows) if shape.argmax else rows) * shape.n_outputs * 4
+        if self.head_here(shape):  # argmax: token and row sum
+            rows = self.hp.n_vocab
+            return (2 + 2 * self.best_k(shape, rows) if shape.argmax else rows) * shape.n_outputs * 4
         if self.last:
             return self.hp.n_embd * shape.n_outputs * 4
         return self.hp.n_embd * shape.n_tokens * 4
@@ -216,12 +226,14 @@ class Stage:
         if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                best=np.frombuffer(data, np.float32, n_out, n_out * 4),
-                               sums=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4))
+                               sums=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4),
+                               **_best_of(data, 3 * n_out * 4, n_out, self.best_k(shape, len(self.head_rows))))
         if head:
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, len(self.head_rows)))
         if self.head_here(shape) and shape.argmax:  # the argmax token and the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
-                               sums=np.frombuffer(data, np.float32, n_out, n_out * 4))
+                               sums=np.frombuffer(data, np.float32, n_out, n_out * 4),
+                               **_best_of(data, 2 * n_out * 4, n_out, self.best_k(shape, self.hp.n_vocab)))
         if self.head_here(shape):
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, self.hp.n_vocab))
         return StageOutput(hidden=np.frombuffer(data, np.float32))
@@ -233,7 +245,7 @@ class Stage:
             key = ("head", shape.n_outputs, shape.argmax)
         else:
             whole = self.head_here(shape)
-            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax and (whole or self.shard is not None),
+            key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax if whole or self.shard is not None else 0,
                    whole, shape.normed)
         evicted = []
         g = self.graphs.get(key)
@@ -281,14 +293,15 @@ class Stage:
             return self._finish(ctx, gf, inputs, [b.final_norm(x)], b.exchanges)
         if self.shard is not None:  # every member holds the whole hidden state: its rows of the head from it
             logits = lib.ggml_mul_mat(ctx.ptr, self._head_rows_weight(ctx.ptr), b.final_norm(x))
-            outputs = list(argmax_first(ctx.ptr, logits)) if shape.argmax else [logits]
+            outputs = self._argmax_outputs(ctx.ptr, logits, shape, len(self.head_rows)) if shape.argmax else [logits]
             return self._finish(ctx, gf, inputs, outputs, b.exchanges)
         if self.head_here(shape):
             out = b.output_head(x)
             if shape.argmax:
                 # greedy decoding needs one token id per row, not a megabyte of logits on the wire
                 first, _, total = argmax_first(ctx.ptr, out)
-                return self._finish(ctx, gf, inputs, [first, total])
+                k = self.best_k(shape, hp.n_vocab)
+                return self._finish(ctx, gf, inputs, [first, total, *(best_tokens(ctx.ptr, out, k) if k else ())])
         elif self.last:
             out = b.final_norm(x)  # the head shards, this stage's among them, take it from here
         else:
@@ -308,7 +321,12 @@ class Stage:
         logits = lib.ggml_mul_mat(c, self._head_rows_weight(c), x)
         if not shape.argmax:
             return self._finish(ctx, gf, inputs, [logits])
-        return self._finish(ctx, gf, inputs, list(argmax_first(c, logits)))
+        return self._finish(ctx, gf, inputs, self._argmax_outputs(c, logits, shape, len(rows)))
+
+    def _argmax_outputs(self, c, logits, shape: StepShape, rows: int) -> list:
+        """A head shard's greedy outputs: argmax_first's, then best_tokens' if shape.argmax > 1."""
+        k = self.best_k(shape, rows)
+        return [*argmax_first(c, logits), *(best_tokens(c, logits, k) if k else ())]
 
     def _head_rows_weight(self, c):
         """This stage's rows of the head weight: its own cut, or a view of the whole tensor."""
@@ -322,3 +340,11 @@ class Stage:
             lib.ggml_set_output(out)
             lib.ggml_build_forward_expand(gf, out)
         return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id(), exchanges=list(exchanges))
+
+
+def _best_of(data: bytes, offset: int, n_out: int, k: int) -> dict:
+    """best_tokens' ids and logits in a reply from `offset` on (none when k is 0)."""
+    if not k:
+        return {}
+    return {"best_ids": np.frombuffer(data, np.int32, n_out * k, offset).reshape(n_out, k),
+            "best_values": np.frombuffer(data, np.float32, n_out * k, offset + n_out * k * 4).reshape(n_out, k)}

@@ -64,6 +64,7 @@ log = structlog.get_logger("batching")
 # weights a token reads) 18.0 tokens/s in groups against 14.6 in one batch; gemma3-270m (its 262k-row head 72 %)
 # 41 against 55, and 65 against 82 with 8 streams on 4 slots. Half is between the two, not a measured crossover.
 SLOT_GROUPS_HEAD_SHARE = 0.5
+BEST_FOR_BANS = 8  # best tokens per row a step asks for when a sampler bans tokens (ignore_eos: gemma3 bans 2)
 PROMPT_LOGPROBS_CHUNK = 64  # a prompt whose logprobs are asked is fed in steps of at most this many rows of logits
 
 
@@ -543,7 +544,8 @@ class Scheduler:
         started = time.perf_counter()
         try:
             # with resume_within set, a lost worker is a pause here, not an error (coordinator/decode/resume.py)
-            outcome = await self.coord.adecode_outcome(Batch(tokens, pos, seqs, want))
+            greedy = self._best_wanted(rows, prompt_rows)
+            outcome = await self.coord.adecode_outcome(Batch(tokens, pos, seqs, want), greedy)
         finally:
             del self._started[group]
             self.last_step_end = time.monotonic()
@@ -569,16 +571,42 @@ class Scheduler:
             lp, top = token_logprobs(outcome.logits(row), slot.prompt[p + 1], slot.logprobs)
             slot.prompt_lp.append(TokenLogprob(slot.prompt[p + 1], lp, tuple(top)))
         for row, slot in rows:
-            if not slot.cancelled:
-                logits = outcome.logits(row)
-                if slot.first_token_at is None:  # its prompt is decoded
-                    for follower in [s for s in self.active if s.leader is slot and not s.cancelled]:
-                        self._adopt(follower, slot, logits)
+            if slot.cancelled:
+                continue
+            if greedy:  # no follower waits for this slot's logits (_best_wanted)
+                if slot.first_token_at is None:
                     self._prompt_done(slot)
-                self._sample(slot, logits)
+                self._emit(slot, slot.sampler.take_best(outcome.best_tokens(row)))
+                continue
+            logits = outcome.logits(row)
+            if slot.first_token_at is None:  # its prompt is decoded
+                for follower in [s for s in self.active if s.leader is slot and not s.cancelled]:
+                    self._adopt(follower, slot, logits)
+                self._prompt_done(slot)
+            self._sample(slot, logits)
+
+    def _best_wanted(self, rows: list, prompt_rows: list) -> int:
+        """How many best tokens per row the step's samplers need instead of logits (decode's
+        `greedy`): 0 (the logits) if any slot needs them (sampling, penalties, a constraint,
+        logprobs, choices waiting for its prompt's logits); 1 (the argmax) if none bans a
+        token; else BEST_FOR_BANS, enough for every sampler's bans (ignore_eos). Logits are
+        4 x n_vocab bytes a row from every worker holding a share of the head, 1 MiB for gemma3."""
+        if prompt_rows:
+            return 0
+        banned = 0
+        for _, slot in rows:
+            bans = slot.sampler.greedy_bans()
+            if bans is None or slot.logprobs is not None or len(bans) >= BEST_FOR_BANS or \
+                    slot.first_token_at is None and any(s.leader is slot for s in self.active):
+                return 0
+            banned = max(banned, len(bans))
+        return BEST_FOR_BANS if banned else 1
 
     def _sample(self, slot: Slot, logits) -> None:
-        token = slot.sampler.sample(logits)
+        self._emit(slot, slot.sampler.sample(logits), logits)
+
+    def _emit(self, slot: Slot, token: int, logits=None) -> None:
+        """`token`, just sampled for `slot` (from `logits` when the step returned them)."""
         if slot.first_token_at is None:
             slot.first_token_at = time.monotonic()
         if self.coord.tokenizer.is_eog(token):

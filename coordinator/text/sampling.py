@@ -116,8 +116,26 @@ class Sampler:
     @property
     def needs_logits(self) -> bool:
         """False when the highest raw logit is the answer (a worker's argmax would do)."""
-        return self.temperature > 0 or bool(self.logit_bias) or self.penalizes or self.typical_p < 1.0 \
-            or self.constraint is not None
+        return self.greedy_bans() != frozenset()
+
+    def greedy_bans(self) -> frozenset[int] | None:
+        """The tokens this sampler never takes, when it otherwise takes the highest raw
+        logit (temperature 0, typical_p 1, no penalties, no constraint, every logit_bias
+        -inf, as ignore_eos sets): its token is then the best one not among them, and a
+        worker's few best tokens do instead of the logits. None when it needs the logits."""
+        if self.temperature != 0 or self.typical_p < 1.0 or self.penalizes or self.constraint is not None \
+                or any(bias != -math.inf for bias in self.logit_bias.values()):
+            return None
+        return frozenset(self.logit_bias)
+
+    def take_best(self, best: Iterable[int]) -> int:
+        """What sample() takes from logits whose highest tokens are `best`, best first (greedy_bans
+        is not None, and `best` holds more tokens than it bans): the first it does not ban."""
+        bans = self.logit_bias
+        for token in best:
+            if int(token) not in bans:
+                return int(token)
+        raise ValueError(f"every one of the {len(list(best))} best tokens is banned")
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Tokens the penalties look back at: the prompt's, then each one drawn."""

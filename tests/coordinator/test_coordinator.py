@@ -672,6 +672,21 @@ def test_cli_unreachable_endpoint_fails_fast():
     assert elapsed < 10 * SLACK, elapsed
 
 
+def test_greedy_takes_a_bool_or_a_count_of_best_tokens(gemma):
+    for bad in (-1, 65, "8", 2.0, None):
+        with pytest.raises(ValueError, match="greedy must be a bool or a count of best tokens 0..64"):
+            gemma.decode(Batch.single([2, 3], 0), greedy=bad)
+    gemma.kv_clear()
+    assert gemma.decode(Batch.single([2, 3], 0), greedy=3) is OK
+    assert len(gemma.best_tokens(-1)) == 3 and gemma.best_tokens(-1)[0] == gemma.token(-1)
+    with pytest.raises(RuntimeError, match="greedy=True"):
+        gemma.logits(-1)
+    gemma.kv_clear()
+    assert gemma.decode(Batch.single([2, 3], 0)) is OK
+    with pytest.raises(RuntimeError, match="returned logits"):
+        gemma.best_tokens(-1)
+
+
 def test_greedy_decode_returns_the_argmax_of_the_logits(gemma, reference):
     """decode(greedy=True): the last worker sends each row's argmax instead of
     its logits; the tokens equal the full-logits argmax, logits() is refused,
@@ -715,6 +730,16 @@ def test_head_shards_combine_as_one_head(head, daemons, tmp_path):
         c.kv_clear()
         assert c.decode(Batch.single(ids, 0, all_logits=True), greedy=True) is OK
         assert [c.token(i) for i in range(len(ids))] == want
+        # greedy=k: each row's k best tokens from the three shards' best, merged: the argmax first, then
+        # by logit (with ties across shards, whichever of the tied ids each shard's own k best held)
+        c.kv_clear()
+        assert c.decode(Batch.single(ids, 0, all_logits=True), greedy=8) is OK
+        for i in range(len(ids)):
+            best, row = c.best_tokens(i), ref.logits(i)
+            assert best[0] == want[i] == c.token(i) and len(set(best.tolist())) == 8
+            assert np.array_equal(row[best], np.sort(row)[::-1][:8]), (i, best)
+            if head == "tied":  # no ties: exactly the 8 highest
+                assert list(best) == list(np.argsort(-row, kind="stable")[:8])
 
 def assert_gone(children: list[int], outlived: str) -> None:
     """The local workers `children` exit within 15 s (zombies count as gone);

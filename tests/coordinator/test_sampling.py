@@ -81,6 +81,23 @@ def test_greedy_honours_bias_and_penalties():
     assert not sampler(temperature=0, repeat_penalty=1.1, repeat_last_n=0).needs_logits
 
 
+def test_a_greedy_sampler_that_only_bans_takes_the_best_token_it_allows():
+    """greedy_bans: the tokens a sampler never takes when it otherwise takes the highest logit
+    (None when it needs the logits); take_best: from a row's best tokens, best first, what
+    sample() takes from the logits."""
+    logits = np.array([1.0, 5.0, 2.0, 4.0, 3.0], np.float32)
+    best = np.argsort(-logits, kind="stable")  # 1, 3, 4, 2, 0
+    assert sampler(temperature=0).greedy_bans() == frozenset()
+    banned = sampler(temperature=0, logit_bias={1: -np.inf, 3: -np.inf})
+    assert banned.greedy_bans() == {1, 3}
+    assert banned.take_best(best) == banned.sample(logits) == 4
+    with pytest.raises(ValueError, match="every one of the 2 best tokens is banned"):
+        banned.take_best(best[:2])
+    for kw in ({"logit_bias": {1: -5.0}}, {"logit_bias": {1: -np.inf, 2: 1.0}}, {"repeat_penalty": 1.1},
+               {"typical_p": 0.5}, {"temperature": 0.7}):
+        assert sampler(**dict({"temperature": 0}, **kw)).greedy_bans() is None, kw
+
+
 # ------------------------------------------------------------ the filters, by hand
 def test_top_k():
     assert kept(sampler(top_k=2)) == {0, 1}

@@ -31,6 +31,16 @@ def all_logits(c: Coordinator, text: str = PROMPT) -> np.ndarray:
     return np.stack([c.logits(i) for i in range(len(toks))])
 
 
+def assert_best_tokens_rank_the_logits(c: Coordinator, logits: np.ndarray, k: int = 5, text: str = PROMPT) -> None:
+    """decode(greedy=k): each row's k best tokens are its k highest logits (of the same split), best first."""
+    c.kv_clear()
+    toks = c.tokenize(text)
+    assert c.decode(Batch.single(toks, 0, all_logits=True), greedy=k) == DecodeResult.OK, c.last_error
+    for i, row in enumerate(logits):
+        want = np.lexsort((np.arange(row.size), -row))[:k]
+        assert list(c.best_tokens(i)) == list(want) and c.token(i) == want[0], (i, c.best_tokens(i), want)
+
+
 def agree_where_clear(ours: np.ndarray, ref: np.ndarray, deviation: float) -> None:
     """The argmax agrees wherever the reference's top-2 margin exceeds the deviation measured."""
     top2 = np.sort(ref, axis=1)[:, -2:]
@@ -54,6 +64,7 @@ def test_every_architecture_matches_in_process(name, tmp_path, workers):
         assert [s["rank"] for s in shards] == [0, 1] and shards[0]["heads"][1] == shards[1]["heads"][0]
         ours = all_logits(c)
         assert c._places[0].executor.exchange_us > 0  # the exchanges ran, worker to worker
+        assert_best_tokens_rank_the_logits(c, ours)  # the members' best tokens, merged
     deviation = float(np.abs(ours - ref).max())
     scale = float(np.abs(ref).max())
     assert deviation <= 1e-3 * scale, (name, deviation, scale)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.decode.values import DecodeOutcome, DecodeResult, StepOutput
-from coordinator.serving.batching import PROMPT_LOGPROBS_CHUNK, Scheduler
+from coordinator.serving.batching import BEST_FOR_BANS, PROMPT_LOGPROBS_CHUNK, Scheduler
 from coordinator.text.sampling import Sampler, token_logprobs
 from coordinator.text.tokenizer import Tokenizer
 
@@ -38,16 +38,21 @@ class FakeCoordinator:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.batches = []  # (tokens, pos, seqs, logits wanted) of every step
+        self.greedy = []  # what every step asked for instead of logits (decode's `greedy`)
         self.copies, self.removed = [], []
 
     def endpoints(self):
         return [{}]
 
-    async def adecode_outcome(self, batch, greedy: bool = False) -> DecodeOutcome:
+    async def adecode_outcome(self, batch, greedy: int = 0) -> DecodeOutcome:
         self.batches.append(batch)
+        self.greedy.append(int(greedy))
         await asyncio.sleep(0)
         rows = np.flatnonzero(batch.logits)
         logits = np.stack([logits_of(batch.tokens[i], batch.pos[i]) for i in rows])
+        if greedy:  # each row's `greedy` best tokens, best first, as Coordinator.decode(greedy=k) gives them
+            order = np.argsort(-logits, axis=1, kind="stable")[:, :int(greedy)].astype(np.int32)
+            return DecodeOutcome(DecodeResult.OK, StepOutput(rows, tokens=order if greedy > 1 else order[:, 0]))
         return DecodeOutcome(DecodeResult.OK, StepOutput(rows, logits=logits))
 
     def kv_seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
@@ -208,3 +213,27 @@ def test_penalties_see_the_prompt(tokenizer):
     events = run(coord, scenario)
     drawn = [e.token for ev in events for e in (ev.logprobs or [])]
     assert drawn and drawn[0] != top
+
+
+def test_greedy_steps_ask_for_the_best_tokens_not_the_logits(tokenizer):
+    """A step whose samplers all take the highest logit asks for each row's argmax (greedy=1); one
+    with a sampler that only bans tokens (ignore_eos, a -inf bias) for the best BEST_FOR_BANS, and
+    takes the best it allows (what sampling the logits takes); anything that reads the logits
+    (temperature, penalties, logprobs) makes the step return them."""
+    want = [int(t) for t in np.argsort(-logits_of(PROMPT[-1], len(PROMPT) - 1), kind="stable")[:4]]
+    ban = {want[0]: -np.inf, want[1]: -np.inf}
+
+    def ask(sampler, **kw):
+        coord = FakeCoordinator(tokenizer)
+        events = run(coord, lambda s: _events_of_one(s, sampler, **kw))
+        return text(events), coord.greedy
+
+    assert ask(Sampler(0.0)) == (tokenizer.decode([want[0]]), [1])
+    assert ask(Sampler(0.0, logit_bias=ban)) == (tokenizer.decode([want[2]]), [BEST_FOR_BANS])
+    assert ask(Sampler(0.0, logit_bias=ban), logprobs=1) == (tokenizer.decode([want[2]]), [0])
+    for sampler in (Sampler(0.7, seed=1), Sampler(0.0, repeat_penalty=1.3), Sampler(0.0, logit_bias={want[3]: 5.0})):
+        assert ask(sampler)[1] == [0]
+
+
+async def _events_of_one(s, sampler, **kw):
+    return await events_of(await s.submit(PROMPT, 1, sampler, [], **kw))

@@ -366,3 +366,26 @@ def test_bad_chat_template_fails_before_the_model_is_read(tmp_path):
         r = coordinator("serve", "--port", "0", "--endpoints", "127.0.0.1:1", "-m", "/nonexistent.gguf",
                         "--chat-template", choice)
         assert r.returncode == 2 and fragment in r.stderr, (choice, r.stderr)
+
+
+def test_greedy_text_is_the_same_from_the_workers_best_tokens_as_from_the_logits(server):
+    """Temperature 0 without logprobs: the steps ask the workers for each row's best tokens instead
+    of 1 MiB of logits (with ignore_eos or a banning logit_bias, enough to skip what it bans); with
+    n_probs they return the logits. Both give the same text, and banning the tokens that text
+    begins with gives the best the ban leaves, on both paths."""
+    url = server.url
+
+    def completion(**fields) -> dict:
+        body = dict({"prompt": PROMPT, "n_predict": 12, "temperature": 0, "ignore_eos": True}, **fields)
+        status, _, answer = request("POST", url + "/completion", body)
+        assert status == 200, answer
+        return answer
+
+    scored = completion(n_probs=1)  # the logits' path, with each token's id
+    ids = [p["id"] for p in scored["completion_probabilities"]]
+    assert completion()["content"] == scored["content"]
+    ban = {"logit_bias": [[ids[0], False], [ids[1], False]]}
+    banned_scored = completion(n_probs=1, **ban)
+    banned_ids = [p["id"] for p in banned_scored["completion_probabilities"]]
+    assert completion(**ban)["content"] == banned_scored["content"] != scored["content"]
+    assert not {ids[0], ids[1]} & set(banned_ids)

@@ -64,7 +64,9 @@ class StepShape:
     n_tokens: int
     n_kv: int
     n_outputs: int
-    argmax: bool = False  # the last stage returns each output row's argmax token, not its logits
+    # 0: the last stage returns each output row's logits; 1: its argmax token instead; k > 1: also its
+    # k highest logits' token ids (best_tokens), for a sampler that bans a few tokens
+    argmax: int = 0
     # the last stage computes the whole output head in its layer graph although the head is split
     # (coordinator/decode/head_placement.py chose it for this step); a stage without the whole head ignores it
     head_on_last: bool = False
@@ -283,6 +285,16 @@ def argmax_first(c, logits):
     below = lib.ggml_sgn(c, lib.ggml_sub(c, logits, lib.ggml_reshape_2d(c, best, 1, cols)))  # -1 or 0
     score = lib.ggml_sub(c, lib.ggml_scale(c, below, float(n)), lib.ggml_arange(c, 0.0, float(n), 1.0))
     return lib.ggml_argmax(c, score), best, lib.ggml_sum_rows(c, logits)
+
+
+def best_tokens(c, logits, k: int):
+    """Each column's k highest logits, in no particular order: their row ids
+    (i32 [k, cols]) and values (f32 [1, k, cols]). With the argmax, what a
+    greedy sampler that bans up to k - 1 tokens (ignore_eos, a -inf logit_bias)
+    needs instead of a megabyte of logits: the best token it allows is among them."""
+    n, cols = logits.ne[0], logits.ne[1]
+    ids = lib.ggml_top_k(c, logits, k)
+    return ids, lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), ids)
 
 
 def head_source(tensors) -> str:
