@@ -195,7 +195,7 @@ class Coordinator:
         """Decode a batch. With greedy=True the last worker returns only each
         requested row's argmax token (read it with token(i)) instead of its
         logits: 4 bytes a row on the wire instead of 4 x n_vocab. With greedy=k
-        (2..MAX_BEST_TOKENS) it returns each row's k best tokens, best first
+        (2..MAX_BEST_TOKENS, at most n_vocab) it returns each row's k best tokens, best first
         (best_tokens(i); token(i) is the first): what a greedy sampler that bans
         up to k - 1 tokens (ignore_eos) needs."""
         return self._run(self._decoder.decode(batch, checked_greedy(greedy))).code
