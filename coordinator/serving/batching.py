@@ -551,7 +551,8 @@ class Scheduler:
             self.last_step_end = time.monotonic()
         code = outcome.code
         if self.metrics:
-            self.metrics.observe_decode(time.perf_counter() - started, code, len(tokens))
+            outputs = "none" if not rows else "logits" if not greedy else "argmax" if greedy == 1 else "best_tokens"
+            self.metrics.observe_decode(time.perf_counter() - started, code, len(tokens), outputs)
         if code != DecodeResult.OK:
             err = outcome.error or code.name
             endpoint = outcome.endpoint if code == DecodeResult.ENDPOINT_FAILED else None
@@ -591,7 +592,7 @@ class Scheduler:
         logprobs, choices waiting for its prompt's logits); 1 (the argmax) if none bans a
         token; else BEST_FOR_BANS, enough for every sampler's bans (ignore_eos). Logits are
         4 x n_vocab bytes a row from every worker holding a share of the head, 1 MiB for gemma3."""
-        if prompt_rows:
+        if prompt_rows or not rows:  # (no row sampled: a prompt's chunk keeps the graphs it had)
             return 0
         banned = 0
         for _, slot in rows:

@@ -21,6 +21,9 @@ class Metrics:
         self.decode_latency = Histogram("ggml_decode_seconds", "Decode step latency", registry=r,
                                         buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
         self.decode_failures = Counter("ggml_decode_failures", "Failed decode steps by code", ["code"], registry=r)
+        self.decode_outputs = Counter("ggml_decode_outputs", "Decode steps by what their sampled rows read from "
+                                      "the workers: logits, argmax or best_tokens (greedy requests; bans), none "
+                                      "(a prompt's chunk)", ["outputs"], registry=r)
         self.tokens_per_second = Gauge("ggml_tokens_per_second", "Tokens per second of the last step", registry=r)
         self.endpoint_up = Gauge("ggml_endpoint_up", "1 if the endpoint is connected and not latched failed",
                                  ["endpoint"], registry=r)
@@ -57,12 +60,16 @@ class Metrics:
         self.coord = coord
         self._seen = {}  # the coordinator's counters as last copied into the metrics
 
-    def observe_decode(self, seconds: float, code: DecodeResult, n_tokens: int) -> None:
+    def observe_decode(self, seconds: float, code: DecodeResult, n_tokens: int, outputs: str | None = None) -> None:
+        """A decode step; `outputs` (a serve step): what its sampled rows read (ggml_decode_outputs)."""
         self.decode_latency.observe(seconds)
         if code != DecodeResult.OK:
             self.decode_failures.labels(code=DecodeResult(code).name).inc()
-        elif seconds > 0:
+            return
+        if seconds > 0:
             self.tokens_per_second.set(n_tokens / seconds)
+        if outputs is not None:
+            self.decode_outputs.labels(outputs=outputs).inc()
 
     def _advance(self, counter, key: str, value) -> None:
         """Bring `counter` up to the coordinator's count `value` (copied under `key` last time)."""

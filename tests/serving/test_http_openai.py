@@ -371,9 +371,15 @@ def test_bad_chat_template_fails_before_the_model_is_read(tmp_path):
 def test_greedy_text_is_the_same_from_the_workers_best_tokens_as_from_the_logits(server):
     """Temperature 0 without logprobs: the steps ask the workers for each row's best tokens instead
     of 1 MiB of logits (with ignore_eos or a banning logit_bias, enough to skip what it bans); with
-    n_probs they return the logits. Both give the same text, and banning the tokens that text
-    begins with gives the best the ban leaves, on both paths."""
+    n_probs they return the logits (/metrics counts which). Both give the same text, and banning
+    the tokens that text begins with gives the best the ban leaves, on both paths."""
     url = server.url
+
+    def steps_by_outputs() -> dict:
+        status, _, text = request("GET", url + "/metrics")
+        assert status == 200
+        pattern = r'^ggml_decode_outputs_total\{outputs="(\w+)"\} (\S+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
     def completion(**fields) -> dict:
         body = dict({"prompt": PROMPT, "n_predict": 12, "temperature": 0, "ignore_eos": True}, **fields)
@@ -381,9 +387,15 @@ def test_greedy_text_is_the_same_from_the_workers_best_tokens_as_from_the_logits
         assert status == 200, answer
         return answer
 
+    before = steps_by_outputs()
     scored = completion(n_probs=1)  # the logits' path, with each token's id
     ids = [p["id"] for p in scored["completion_probabilities"]]
+    after_scored = steps_by_outputs()
     assert completion()["content"] == scored["content"]
+    after_plain = steps_by_outputs()
+    grew = lambda a, b, kind: a.get(kind, 0) - b.get(kind, 0)
+    assert grew(after_scored, before, "logits") >= 12 and grew(after_scored, before, "best_tokens") == 0
+    assert grew(after_plain, after_scored, "best_tokens") >= 11 and grew(after_plain, after_scored, "logits") == 0
     ban = {"logit_bias": [[ids[0], False], [ids[1], False]]}
     banned_scored = completion(n_probs=1, **ban)
     banned_ids = [p["id"] for p in banned_scored["completion_probabilities"]]

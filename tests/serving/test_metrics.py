@@ -14,7 +14,8 @@ from coordinator.serving.metrics import Metrics
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md")
 NAMES = {  # family name -> type, as docs/operations.md's table gives them (counters there with _total)
     "ggml_tokens_generated": "counter", "ggml_prompt_tokens": "counter", "ggml_tokens_per_second": "gauge",
-    "ggml_decode_seconds": "histogram", "ggml_decode_failures": "counter", "ggml_endpoint_up": "gauge",
+    "ggml_decode_seconds": "histogram", "ggml_decode_failures": "counter", "ggml_decode_outputs": "counter",
+    "ggml_endpoint_up": "gauge",
     "ggml_endpoint_rtt_seconds": "gauge", "ggml_reconnects": "counter", "ggml_resumes": "counter",
     "ggml_resume_seconds": "counter", "ggml_replayed_tokens": "counter", "ggml_spare_takeovers": "counter",
     "ggml_linked_steps": "counter", "ggml_head_steps": "counter", "ggml_head_split": "gauge",
@@ -83,13 +84,14 @@ def test_requests_and_latency():
 
 def test_decode_steps():
     metrics = Metrics(FakeCoordinator())
-    metrics.observe_decode(0.5, DecodeResult.OK, 4)
-    metrics.observe_decode(0.1, DecodeResult.ENDPOINT_FAILED, 4)
+    metrics.observe_decode(0.5, DecodeResult.OK, 4, "best_tokens")
+    metrics.observe_decode(0.1, DecodeResult.ENDPOINT_FAILED, 4, "best_tokens")
     metrics.observe_decode(0.1, DecodeResult.ENDPOINT_FAILED, 1)
     got = samples(metrics)
     assert got[("ggml_tokens_per_second", ())] == 8.0
     assert got[("ggml_decode_failures_total", (("code", "ENDPOINT_FAILED"),))] == 2
     assert got[("ggml_decode_seconds_count", ())] == 3
+    assert got[("ggml_decode_outputs_total", (("outputs", "best_tokens"),))] == 1  # steps that succeeded
 
 
 def test_refresh_copies_the_coordinators_state_and_only_counts_up():
