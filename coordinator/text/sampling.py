@@ -113,11 +113,6 @@ class Sampler:
         return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
                                             or self.presence_penalty != 0.0)
 
-    @property
-    def needs_logits(self) -> bool:
-        """False when the highest raw logit is the answer (a worker's argmax would do)."""
-        return self.greedy_bans() != frozenset()
-
     def greedy_bans(self) -> frozenset[int] | None:
         """The tokens this sampler never takes, when it otherwise takes the highest raw
         logit (temperature 0, typical_p 1, no penalties, no constraint, every logit_bias

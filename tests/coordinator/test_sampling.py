@@ -74,11 +74,11 @@ def test_greedy_honours_bias_and_penalties():
     s = sampler(temperature=0, repeat_penalty=10.0)
     s.accept([1, 1])
     assert s.sample(logits) == 2  # 5 / 10 = 0.5 < 2
-    assert not sampler(temperature=0).needs_logits
+    assert sampler(temperature=0).greedy_bans() == frozenset()  # a worker's argmax does
     for kw in ({"logit_bias": {1: 1.0}}, {"repeat_penalty": 1.1}, {"presence_penalty": 0.1},
                {"typical_p": 0.5}, {"temperature": 0.7}):
-        assert sampler(**dict({"temperature": 0}, **kw)).needs_logits, kw
-    assert not sampler(temperature=0, repeat_penalty=1.1, repeat_last_n=0).needs_logits
+        assert sampler(**dict({"temperature": 0}, **kw)).greedy_bans() is None, kw
+    assert sampler(temperature=0, repeat_penalty=1.1, repeat_last_n=0).greedy_bans() == frozenset()
 
 
 def test_a_greedy_sampler_that_only_bans_takes_the_best_token_it_allows():

@@ -112,7 +112,7 @@ def test_the_sampler_hook_masks_greedy_and_random_draws():
         for seed in range(20):
             s = Sampler(temperature, 0, 1.0, seed)
             s.constraint = constrained.Constraint(tok, grammar)
-            assert s.needs_logits
+            assert s.greedy_bans() is None  # the mask is applied to the logits
             out = []
             for _ in range(40):
                 logits = rng.normal(size=len(tok.tokens)).astype(np.float32)
