@@ -81,6 +81,18 @@ def test_report_without_the_reference():
     assert not any(line.startswith(("targets", "relayed", "llama.cpp:")) for line in lines)
 
 
+@pytest.mark.parametrize("goal", [benchmark.TENSOR_TG_GOAL, benchmark.TENSOR_TG_GOAL_BUNDLED])
+def test_the_tensor_rows_targets_are_the_models(goal):
+    """Issue #27's tg target for the tensor split: 1.5x llama.cpp RPC for a 1B-class model, 1.4x for the
+    bundled gemma3-270m (bench passes the one for its model); and 0.85x of one process with every core."""
+    results = {"local": [(1.0, 10.0, 10.0)], "local -t 2": [(2.0, 20.0, 20.0)], "rpc x2 tensor": [(1.8, 29.0, 29.0)]}
+    reference = {"llama.cpp": [{"pp": 1.0, "tg": 10.0}], "llama.cpp rpc x2": [{"pp": 1.0, "tg": 20.0}]}
+    lines = benchmark.report(results, reference, [], "rpc x2", 64, 32, (0.0, 0.0), 2, goal)
+    verdict = "met" if goal == 1.4 else "MISSED"
+    assert f"rpc x2 tensor tg32 1.45x (>= {goal:g}: {verdict})" in next(l for l in lines if l.startswith("targets vs"))
+    assert "targets rpc x2 tensor vs local -t 2: pp64 0.90x (>= 0.85: met) | tg32 1.45x (>= 0.85: met)" in lines
+
+
 def test_reference_rows_are_skipped_saying_why(monkeypatch):
     monkeypatch.setattr(llama_cpp_reference, "bin_dir", lambda: __import__("pathlib").Path("/nonexistent/bin"))
     args = SimpleNamespace(model="m.gguf", threads=1, pp=64, tg=32)
