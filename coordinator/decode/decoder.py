@@ -52,12 +52,13 @@ class Decoder:
         """Steps are cut into micro-batches and several may be in flight at once."""
         return self.micro.enabled and self.pipeline.n_stages > 1
 
-    async def decode(self, batch: Batch, greedy: bool = False, group: bool = True) -> DecodeOutcome:
+    async def decode(self, batch: Batch, greedy: bool | int = False, group: bool = True) -> DecodeOutcome:
         """One decode: its outcome, also kept as `last`. `group` (pipelined):
         the batch's sequences may be cut into groups that follow each other
         through the stages; a caller that forms its own groups says False."""
         last = self.last  # a new decode leaves nothing of the one before to read, whatever its end
         self.last = DecodeOutcome(last.code, NO_OUTPUT, last.error, last.cause, last.endpoint)
+        greedy = min(int(greedy), self.n_vocab)  # a head cannot rank more tokens than it has rows
         outcome = await (self._pipelined(batch, greedy, group) if self.micro.enabled else self._whole(batch, greedy))
         self.last = outcome
         return outcome

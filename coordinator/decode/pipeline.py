@@ -185,7 +185,7 @@ class Pipeline:
             head = "whole"  # the stages hold no shares (the placement's mode is "whole" then)
         n_kv = self.kv.n_kv()
         mask, mask_swa = self.kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), 0 if normed else min(int(greedy), self.hp.n_vocab),
+        shape = StepShape(n, n_kv, len(out_rows), 0 if normed else int(greedy),
                           head_on_last=wanted and self.head_shards and head == "whole" and not normed, normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, head != "whole", shape,
                             self.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa, self._head_places(head))

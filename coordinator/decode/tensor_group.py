@@ -92,8 +92,7 @@ class TensorGroup:
         kv = self.pipeline.kv
         n_kv = kv.n_kv()
         mask, mask_swa = kv.masks(n_kv, tok_pos, tok_seq)
-        shape = StepShape(n, n_kv, len(out_rows), 0 if normed else min(int(greedy), self.pipeline.hp.n_vocab),
-                          normed=normed)
+        shape = StepShape(n, n_kv, len(out_rows), 0 if normed else int(greedy), normed=normed)
         return PreparedStep(tokens, rows, tok_pos, tok_seq, out_rows, wanted, False, shape,
                             self.pipeline.common_inputs(tok_pos, rows, mask, mask_swa), mask, mask_swa)
 

@@ -126,11 +126,11 @@ class Sampler:
     def take_best(self, best: Iterable[int]) -> int:
         """What sample() takes from logits whose highest tokens are `best`, best first (greedy_bans
         is not None, and `best` holds more tokens than it bans): the first it does not ban."""
-        bans = self.logit_bias
+        best = [int(token) for token in best]
         for token in best:
-            if int(token) not in bans:
-                return int(token)
-        raise ValueError(f"every one of the {len(list(best))} best tokens is banned")
+            if token not in self.logit_bias:
+                return token
+        raise ValueError(f"every one of the {len(best)} best tokens is banned")
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Tokens the penalties look back at: the prompt's, then each one drawn."""
