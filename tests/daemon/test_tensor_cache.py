@@ -133,8 +133,17 @@ def sha(data: bytes) -> str:
 
 
 def cached(cache: pathlib.Path) -> dict[str, int]:
-    """The entries on disk: {hash: size}."""
-    return {f.name: f.stat().st_size for f in cache.glob("??/*") if not f.name.startswith(".")}
+    """The entries on disk: {hash: size}. An entry the daemon evicts between the
+    listing and its stat is gone, not an error (the watcher below races eviction)."""
+    sizes = {}
+    for f in cache.glob("??/*"):
+        if f.name.startswith("."):
+            continue
+        try:
+            sizes[f.name] = f.stat().st_size
+        except FileNotFoundError:
+            continue
+    return sizes
 
 
 def test_cache_is_bounded_least_recently_used_first(tmp_path):

@@ -78,7 +78,11 @@ def test_models_health_metrics(cluster):
     assert body["split_mode"] == "layer" and body["split_choice"] == {"asked": "layer", "chosen": "layer"}, body
     # where the output head ran (docs/architecture.md, "Where the output head runs"), and from what
     head = body["head"]
-    assert head["mode"] == "auto" and head["choice"] in ("split", "whole"), head
+    # auto is a measurement: on loopback it splits, unless a slow round trip at load made the last
+    # worker hold the whole head (whole_held), and with it this process the other rows (here_held)
+    assert head["mode"] == "auto" and head["choice"] in ("split", "whole", "here"), head
+    assert head["choice"] == "split" or (head["whole_held"] and (head["choice"] == "whole" or head["here_held"])), head
+    assert head[f"steps_{head['choice']}"] >= 1, head
     assert head["steps_split"] >= 1 and set(head["rtt_seconds"]) == {w.endpoint for w in workers}, head
     status, text = asyncio.run(get(server.url + "/metrics"))
     assert status == 200
