@@ -5,13 +5,18 @@ token of a long prompt (about 414 tokens) decoded whole (`cache_prompt:
 false`) and sent again (its rows reused), all measured in one run; beside
 each, llama.cpp's llama-server on the same model, slots and cores, measured
 in the same run (interleaved with ours), and the ratios ours / llama-server.
+A third server, ours in process (`serve --endpoints local --threads 2`: no
+workers, the same two cores), tells the two parts of that ratio apart: what
+our serving stack costs against llama-server's, and what spreading the model
+over two processes costs on cores they share with everything else.
 
     python bench/bench_serve.py [--tokens 32] [--rounds 2] [--clients 1,4,8] [--parallel 8]
     python bench/bench_serve.py --clients 4 --tokens 64 --parallel 2   # issue #28's row
 
 Starts two local workers (1 thread each) and the server on free loopback ports,
-and llama-server (`-t 2`: the same two cores) when the llama.cpp reference is
-built (python bench/llama_cpp_reference.py build; else ours only, saying so).
+the in-process server (unless --no-in-process), and llama-server (`-t 2`: the
+same two cores) when the llama.cpp reference is built (python
+bench/llama_cpp_reference.py build; else ours only, saying so).
 """
 from __future__ import annotations
 
@@ -37,8 +42,8 @@ LONG_PROMPT = " ".join(f"Paragraph {i}: the river runs past the old mill, the mi
                        f"and the children race the water down to the bridge." for i in range(13))
 PROMPTS = ["The capital of France is", "Once upon a time", "The best way to learn is", "My favourite food is",
            "Water boils at", "The sun is", "In 1990,", "A cat and a dog"]
-OURS, THEIRS = "ours", "llama-server"
-REFERENCE_THREADS = 2  # llama-server's -t: the two cores our two 1-thread workers use
+OURS, THEIRS, IN_PROCESS = "ours", "llama-server", "ours in process"
+REFERENCE_THREADS = 2  # llama-server's -t, and the in-process server's: the two cores our two 1-thread workers use
 HEALTH_TIMEOUT = 120.0  # s for llama-server to load the model and answer /health 200
 
 
@@ -199,6 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="our serve's --split-mode (default: serve's own default)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="ours only: no llama-server row")
+    ap.add_argument("--no-in-process", dest="in_process", action="store_false",
+                    help="no row of ours in process (serve --endpoints local --threads 2)")
     return ap.parse_args(argv)
 
 
@@ -207,12 +214,13 @@ def _p99(values: list[float]) -> float:
     return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
 
 
-def table(rows: dict, ratio_to: dict | None = None) -> dict:
+def table(rows: dict, ratio_to: dict | None = None, ratio_name: str = "ours/llama-server tokens/s") -> dict:
     """Print the clients table of `rows` ({clients: [(tps, ttfts, counts) per round]}); with ratio_to
-    (the other server's rows of the same rounds) a last column: the median of the per-round ratios
-    (each round's pair measured back to back). Returns {clients: median tokens/s}."""
+    (the other server's rows of the same rounds) a last column, `ratio_name`: the median of the
+    per-round ratios ratio_to / rows (each round's pair measured back to back). Returns {clients:
+    median tokens/s}."""
     print(f"{'clients':>7} {'tokens/s':>10} {'ttft p50 ms':>12} {'ttft p99 ms':>12}"
-          + (f" {'ours/llama-server tokens/s':>27}" if ratio_to else ""))
+          + (f" {ratio_name:>27}" if ratio_to else ""))
     agg = {}
     for clients, rs in rows.items():
         agg[clients] = statistics.median(r[0] for r in rs)
@@ -242,6 +250,26 @@ def short_streams(label: str, rows: dict, n_tokens: int) -> None:
         print(f"note: {label} streams of {'/'.join(map(str, odd))} tokens, not {n_tokens} (counted in tokens/s)")
 
 
+def round_ratio(a: list, b: list) -> float:
+    """The median over the rounds of a's tokens/s / b's (each round's pair measured back to back)."""
+    return statistics.median(x[0] / y[0] for x, y in zip(a, b))
+
+
+def gap_lines(rows: dict, clients: int) -> list[str]:
+    """With `clients` streams: ours / llama-server split into its two factors, our serving
+    stack in process against llama-server, and the workers against in process."""
+    ours, inproc, ref = rows.get(OURS, {}), rows.get(IN_PROCESS, {}), rows.get(THEIRS, {})
+    lines = []
+    if clients in inproc and clients in ref:
+        lines.append(f"ours in process / llama-server ({clients} clients): {round_ratio(inproc[clients], ref[clients]):.2f}"
+                     " (the serving stack: the same kernels, cores and slots)")
+    if clients in inproc and clients in ours:
+        lines.append(f"ours over 2 workers / ours in process ({clients} clients): "
+                     f"{round_ratio(ours[clients], inproc[clients]):.2f} (what two processes on these shared cores "
+                     "cost: the tensor split's exchanges, the hops through the workers)")
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(TESTS))
@@ -258,11 +286,17 @@ def main(argv=None) -> int:
                         args=("--ctx-per-slot", str(args.ctx_per_slot),
                               *(("--split-mode", args.split_mode) if args.split_mode else ())))
         running.append(server)
+        inproc = None
+        if args.in_process:
+            inproc = Server(["local"], parallel=args.parallel,
+                            args=("--ctx-per-slot", str(args.ctx_per_slot), "--threads", str(REFERENCE_THREADS)))
+            running.append(inproc)
         if args.reference:
             theirs, note = start_llama_server(args)
             if theirs is not None:
                 running.append(theirs)
-        urls = {OURS: server.url, **({THEIRS: theirs.url} if theirs else {})}
+        urls = {OURS: server.url, **({IN_PROCESS: inproc.url} if inproc else {}),
+                **({THEIRS: theirs.url} if theirs else {})}
         split_mode = our_split_mode(server.url)
         for url in urls.values():
             asyncio.run(round_of(url, 2, 4))  # warm up: graphs sent to the workers, llama-server's first batches
@@ -273,7 +307,7 @@ def main(argv=None) -> int:
                 for name in order:
                     rows[name].setdefault(clients, []).append(asyncio.run(round_of(urls[name], clients,
                                                                                    args.tokens)))
-            for name in order:
+            for name in (n for n in order if n != IN_PROCESS):  # the prompt cache: ours and llama-server's
                 first, usage = asyncio.run(long_prompt(urls[name], False))  # decoded whole (and now in a slot)
                 again, usage_again = asyncio.run(long_prompt(urls[name], True))  # the same prompt again
                 rows[name].setdefault("repeat", []).append((first, again, usage, usage_again))
@@ -292,6 +326,10 @@ def main(argv=None) -> int:
         print(f"throughput ratio {hi} clients / {lo} client{'s' if lo > 1 else ''}: {agg[hi] / agg[lo]:.2f}")
     first, again = repeat_line("", repeat)
     short_streams("our", ours, args.tokens)
+    if IN_PROCESS in rows:
+        print(f"ours in process (serve --endpoints local --threads {REFERENCE_THREADS}), same run, interleaved:")
+        table(rows[IN_PROCESS], ratio_to=ours, ratio_name="workers/in process")
+        short_streams("in-process", rows[IN_PROCESS], args.tokens)
     if theirs is None:
         print(f"llama-server reference row skipped: {note}")
     else:
@@ -309,6 +347,8 @@ def main(argv=None) -> int:
                   f"ours {agg[4]:.1f} vs llama-server {ref_agg[4]:.1f} (medians), ours/llama-server {r4:.2f} "
                   f"(median of the rounds' ratios; >= 1: {'met' if r4 >= 1 else 'MISSED'})"
                   + ("" if issue else "; issue #28's row is --clients 4 --tokens 64 --parallel 2"))
+    for line in gap_lines(rows, 4 if 4 in agg else max(agg)):
+        print(line)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}, "
           f"after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
