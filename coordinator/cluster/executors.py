@@ -29,9 +29,8 @@ from rpc_daemon.wire.tls import client_context
 ALIGN = 64
 UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
 # the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
-GRAPH_OPS = ("ADD", "ARANGE", "ARGMAX", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT",
-             "MUL_MAT_ID", "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB",
-             "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
+GRAPH_OPS = ("ADD", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "MUL_MAT_ID", "PERMUTE",
+             "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
 CACHE_MIN_BYTES = 128 << 10  # below this sending the bytes costs less than hashing them and a look-up
 
 

@@ -778,7 +778,7 @@ def test_reply_with_a_bad_id_fails_the_request(liveness):
 
 
 def test_older_daemon_is_refused_at_connect(model):
-    """A worker whose DEVICE_INFO lists no ops (a daemon from before the list, without ARANGE) is refused
+    """A worker whose DEVICE_INFO lists no ops (a daemon from before the list, without TOP_K) is refused
     when the coordinator connects, naming the ops and the fix, not at the first greedy step."""
     def old_device_info(s, next_header):
         h = next_header()
@@ -792,7 +792,7 @@ def test_older_daemon_is_refused_at_connect(model):
         done.set()
     e = info.value
     assert e.kind == "protocol" and e.endpoint == endpoint, e
-    assert "older ggml-rpc-server" in e.message and "ARANGE" in e.message and "upgrade" in e.message, e.message
+    assert "older ggml-rpc-server" in e.message and "TOP_K" in e.message and "upgrade" in e.message, e.message
 
 
 def test_worker_half_close_with_our_request_unsent_fails_at_once():

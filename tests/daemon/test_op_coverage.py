@@ -493,8 +493,8 @@ def _(b):
     b.output(lib.ggml_arange(b.c, 0.0, 1000.0, 1.0))
 
 
-@case("ARANGE", "argmax_first-ties")
-def _(b):  # greedy on the worker, ties to the lowest id: logits of 4 rows with every value 5 times
+@case("TOP_K", "argmax_first-ties")
+def _(b):  # greedy on the worker (a TOP_K of 1), ties to the lowest id: logits of 4 rows with every value 5 times
     from coordinator.model.architectures.common import argmax_first
     rng = np.random.default_rng(7)
     data = np.repeat(rng.integers(-8, 8, (4, 200)).astype(np.float32), 5, axis=1)

@@ -275,16 +275,16 @@ def argmax_first(c, logits):
     """Each column's argmax with ties going to the lowest id, as numpy's argmax
     and llama.cpp's greedy sampler (ggml_argmax alone gives the highest), the
     column's maximum, and its sum (not finite: a NaN or infinite logit, which the
-    coordinator refuses as it refuses such logits). Exact for finite logits:
-    x - max is 0 only where x equals the max, so sgn(x - max) * n - id is above
-    -n exactly there, highest at the first."""
+    coordinator refuses as it refuses such logits). ggml's TOP_K with k = 1 is
+    that argmax in one pass: its partial sort over one element replaces its pick
+    only by a strictly greater logit, so the first of equal maxima stays
+    (test_head_shards_combine_as_one_head's "ties" head holds it to that). The
+    sgn/scale/arange chain it replaces made about 8 passes over the logits,
+    4 % of a member's compute in a greedy tensor-parallel step."""
     n, cols = logits.ne[0], logits.ne[1]
-    last = lib.ggml_argmax(c, logits)
-    # the maximum of column j is row last[j] of the [1, n] slice j: a get_rows per column
-    best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), lib.ggml_reshape_2d(c, last, 1, cols))
-    below = lib.ggml_sgn(c, lib.ggml_sub(c, logits, lib.ggml_reshape_2d(c, best, 1, cols)))  # -1 or 0
-    score = lib.ggml_sub(c, lib.ggml_scale(c, below, float(n)), lib.ggml_arange(c, 0.0, float(n), 1.0))
-    return lib.ggml_argmax(c, score), best, lib.ggml_sum_rows(c, logits)
+    first = lib.ggml_top_k(c, logits, 1)  # i32 [1, cols]: the same bytes as one id per column
+    best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), first)
+    return first, best, lib.ggml_sum_rows(c, logits)
 
 
 def best_tokens(c, logits, k: int):
