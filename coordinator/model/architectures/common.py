@@ -278,10 +278,9 @@ def argmax_first(c, logits):
     coordinator refuses as it refuses such logits). ggml's TOP_K with k = 1 is
     that argmax in one pass: its partial sort over one element replaces its pick
     only by a strictly greater logit, so the first of equal maxima stays
-    (test_greedy_head.py and the "ties" head of test_head_shards_combine_as_one_head
-    hold it to that). The
-    sgn/scale/arange chain it replaces made about 8 passes over the logits,
-    4 % of a member's compute in a greedy tensor-parallel step."""
+    (test_greedy_head.py, and the "ties" head of test_head_shards_combine_as_one_head,
+    hold it to that). The sgn/scale/arange chain it replaced made about 8 passes
+    over the logits, 4 % of a member's compute in a greedy tensor-parallel step."""
     n, cols = logits.ne[0], logits.ne[1]
     first = lib.ggml_top_k(c, logits, 1)  # i32 [1, cols]: the same bytes as one id per column
     best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), first)
