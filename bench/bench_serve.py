@@ -214,6 +214,11 @@ def _p99(values: list[float]) -> float:
     return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
 
 
+def round_ratio(a: list, b: list) -> float:
+    """The median over the rounds of a's tokens/s / b's (each round's pair measured back to back)."""
+    return statistics.median(x[0] / y[0] for x, y in zip(a, b))
+
+
 def table(rows: dict, ratio_to: dict | None = None, ratio_name: str = "ours/llama-server tokens/s") -> dict:
     """Print the clients table of `rows` ({clients: [(tps, ttfts, counts) per round]}); with ratio_to
     (the other server's rows of the same rounds) a last column, `ratio_name`: the median of the
@@ -227,7 +232,7 @@ def table(rows: dict, ratio_to: dict | None = None, ratio_name: str = "ours/llam
         ttfts = [t for r in rs for t in r[1]]
         line = f"{clients:>7} {agg[clients]:>10.1f} {statistics.median(ttfts) * 1e3:>12.1f} {_p99(ttfts) * 1e3:>12.1f}"
         if ratio_to:
-            line += f" {statistics.median(o[0] / t[0] for o, t in zip(ratio_to[clients], rs)):>27.2f}"
+            line += f" {round_ratio(ratio_to[clients], rs):>27.2f}"
         print(line)
     return agg
 
@@ -250,11 +255,6 @@ def short_streams(label: str, rows: dict, n_tokens: int) -> None:
         print(f"note: {label} streams of {'/'.join(map(str, odd))} tokens, not {n_tokens} (counted in tokens/s)")
 
 
-def round_ratio(a: list, b: list) -> float:
-    """The median over the rounds of a's tokens/s / b's (each round's pair measured back to back)."""
-    return statistics.median(x[0] / y[0] for x, y in zip(a, b))
-
-
 def gap_lines(rows: dict, clients: int) -> list[str]:
     """With `clients` streams: ours / llama-server split into its two factors, our serving
     stack in process against llama-server, and the workers against in process."""
@@ -266,7 +266,7 @@ def gap_lines(rows: dict, clients: int) -> list[str]:
     if clients in inproc and clients in ours:
         lines.append(f"ours over 2 workers / ours in process ({clients} clients): "
                      f"{round_ratio(ours[clients], inproc[clients]):.2f} (what two processes on these shared cores "
-                     "cost: the tensor split's exchanges, the hops through the workers)")
+                     "cost: the hops through the workers, and a tensor split's exchanges)")
     return lines
 
 
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
         short_streams("llama-server", ref, args.tokens)
         print(f"ours / llama-server repeated prompt ttft: first {first / ref_first:.2f}, again {again / ref_again:.2f}")
         if 4 in agg:
-            r4 = statistics.median(o[0] / t[0] for o, t in zip(ours[4], ref[4]))
+            r4 = round_ratio(ours[4], ref[4])
             issue = args.tokens == 64 and args.parallel == 2
             print(f"target: 4 concurrent {args.tokens}-token streams on {args.parallel} slots, aggregate tokens/s "
                   f"ours {agg[4]:.1f} vs llama-server {ref_agg[4]:.1f} (medians), ours/llama-server {r4:.2f} "
