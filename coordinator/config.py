@@ -100,7 +100,7 @@ class CoordinatorConfig:
     partial results worker to worker twice a layer (docs/architecture.md,
     "Tensor parallelism"); refused with a ValueError saying why where it
     cannot be. "auto": tensor where it can be and the round trips measured at
-    connect say a token's exchanges cost less than half the compute the split
+    connect say a token's exchanges cost less than the compute the split
     saves, else layer. Logits differ from the layer split's by the order of
     summation only.
 

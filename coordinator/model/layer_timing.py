@@ -13,6 +13,11 @@ it does in a real decode: a small model's whole token stays cached, a larger
 one's weights come from memory. Counting bytes alone gets small models wrong
 (gemma3-270m's layers: 68 MB, 14 ms a token at 5 GB/s, measured 34 ms cold
 at 1 thread: their many small ops cost more than their bytes).
+
+The time is the whole in-process step, its hop to the compute thread and back
+included, as each stage of a layer split pays such wake-ups (gemma3-270m on a
+2-core VM: the compute alone 0.3 ms, the step 0.5-1.3 ms; a worker's stage of
+9 layers in a serve step, 6.6 ms computing and 8.5 ms from request to reply).
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ from coordinator.model.stage import Stage
 from rpc_daemon.service.memory import available_memory
 
 N_KV = 256  # the KV rows the timed token attends over (one padded block)
-REPS = 5  # timed repetitions after one warm-up; the fastest counts (a descheduled moment does not)
+# timed repetitions after one warm-up; their median counts: the fastest was a lucky moment as often as the
+# slowest a descheduled one (gemma3-270m on a 2-core VM, 4 timings in a minute: fastest 0.45-0.99 ms)
+REPS = 5
 EVICT_CAP = 256 << 20  # bytes streamed between repetitions at most (more than any last-level cache)
 
 
@@ -62,14 +69,14 @@ async def layer_seconds(arch, hp, gguf, threads: int, other_bytes: int) -> float
         unfed = sorted(set(graph.inputs) - set(inputs))
         if unfed:  # an architecture with inputs of its own: not run with garbage in them
             raise ValueError(f"the layer's graph has inputs this timing does not fill: {unfed}")
-        best = float("inf")
+        times = []
         for rep in range(REPS + 1):
             if evict.size:
                 evict[::64] += 1  # one write a cache line: every line of it through the caches
             started = time.perf_counter()
             await executor.run(stage, shape, inputs)
             if rep:  # the first builds and places the graph
-                best = min(best, time.perf_counter() - started)
-        return best
+                times.append(time.perf_counter() - started)
+        return float(np.median(times))
     finally:
         await executor.close()

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import SLACK
 from coordinator.api import Batch, Coordinator, DecodeResult
+from coordinator.model.loading import TENSOR_PAYS
 
 from tiny_models import write_tiny_model
 
@@ -105,7 +106,7 @@ def test_auto_takes_the_layer_split_where_exchanges_cost_more_than_they_save(tmp
         assert c.health()["split_mode"] == "layer"
         choice = c.health()["split_choice"]  # the figures auto compared, as the start log has them
         assert choice["asked"] == "auto" and choice["chosen"] == "layer", choice
-        assert choice["exchanges_ms_per_token"] >= choice["compute_saved_ms_per_token"] / 2, choice
+        assert choice["exchanges_ms_per_token"] >= choice["compute_saved_ms_per_token"] * TENSOR_PAYS, choice
         assert choice["layer_ms"] > 0 and choice["slowest_rtt_ms"] > 0 and choice["timed_threads"] == 1, choice
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64) as c:
         assert c.health()["split_choice"] == {"asked": "layer", "chosen": "layer"}
@@ -137,7 +138,8 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
         assert c.health()["split_mode"] == "tensor"
         choice = c.health()["split_choice"]
-        assert choice["chosen"] == "tensor" and choice["exchanges_ms_per_token"] < choice["compute_saved_ms_per_token"] / 2
+        assert choice["chosen"] == "tensor"
+        assert choice["exchanges_ms_per_token"] < choice["compute_saved_ms_per_token"] * TENSOR_PAYS, choice
     with ProxyThread(ws.endpoint(0), Link(0.02)) as p0, ProxyThread(ws.endpoint(1), Link(0.02)) as p1:
         with Coordinator([p0.endpoint, p1.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
             assert c.health()["split_mode"] == "layer"
@@ -161,7 +163,8 @@ def test_auto_times_a_layer_here_by_what_it_computes(tmp_path):
     libggml in that process: every architecture's layer runs with every input filled and in range
     (a 2-layer model's timed layer is its first: it embeds a token; an out-of-range row id would
     abort the coordinator), in a child process here so an abort is a failure, not the end of the
-    run. A layer of 19 MB of f16 weights takes far longer than one of the tiny model's 0.15 MB."""
+    run. A layer of 19 MB of f16 weights takes far longer than one of the tiny model's 0.15 MB (the
+    timing is a whole in-process step: the tiny layer's ~0.1 ms are mostly its thread hop, so 3x, not 100x)."""
     import subprocess
     import sys
 
@@ -175,7 +178,7 @@ def test_auto_times_a_layer_here_by_what_it_computes(tmp_path):
 
     times = {name: timed(write_tiny_model(tmp_path / f"{name}.gguf", name)) for name in MODELS}
     assert all(0 < t < 0.05 * SLACK for t in times.values()), times
-    assert timed(wide_model(tmp_path)) > 5 * times["llama"], times
+    assert timed(wide_model(tmp_path)) > 3 * times["llama"], times
 
 
 def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path, start_daemon):
