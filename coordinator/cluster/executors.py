@@ -99,9 +99,13 @@ class ChunkDigests:
     coordinator's lifetime: a reconnect, or a spare taking a stage over, looks
     the stage's chunks up in the worker's tensor cache without hashing its
     weights again (0.1-0.4 s for Gemma 3 270M's second stage). A chunk is known
-    by its weight's name (a cut's names its rows), offset and size, within the
+    by which bytes of the file its weight is (Stage.bytes_of: the weight's
+    name and, for a part of it, which part), its offset and size, within the
     file's identity (path, device, inode, size, mtime): a file changed or
-    replaced under the coordinator is hashed afresh."""
+    replaced under the coordinator is hashed afresh. The part matters: two
+    members' shards of a weight share its name, offset and size, and a digest
+    taken for one and asked for the other would load the wrong rows from a
+    worker's cache that holds both (workers of one machine share it)."""
 
     def __init__(self):
         self._by_file: dict[tuple, dict[tuple, str]] = {}
@@ -116,9 +120,9 @@ class ChunkDigests:
         identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         return self._by_file.setdefault(identity, {})
 
-    def digest(self, known: dict, name: str, start: int, chunk) -> str:
-        """The SHA-256 (hex) of `chunk`, bytes `start`.. of weight `name` of the file `known` is of."""
-        key = (name, start, len(chunk))
+    def digest(self, known: dict, weight, start: int, chunk) -> str:
+        """The SHA-256 (hex) of `chunk`, bytes `start`.. of `weight` (Stage.bytes_of) of the file `known` is of."""
+        key = (weight, start, len(chunk))
         found = known.get(key)
         if found is None:
             found = known[key] = hashlib.sha256(chunk).hexdigest()
@@ -473,7 +477,7 @@ class RemoteExecutor:
             for start in range(0, len(data), UPLOAD_CHUNK):
                 chunk = data[start: start + UPLOAD_CHUNK]
                 chunks.append(({"buffer": self.buffer, "offset": offsets[t] + start, "size": len(chunk)}, chunk,
-                               (name, start)))
+                               (stage.bytes_of(name), start)))
         try:
             if self.use_cache and self.info.get("tensor_cache"):
                 chunks = await self._fill_from_cache(chunks, self.digests.of_file(gguf), progress)
@@ -494,11 +498,11 @@ class RemoteExecutor:
         misses marked `cache: true` so the worker keeps them."""
         window = RequestWindow(self.client, deadline=self.request_timeout)
         asked, rest = [], []
-        for where, chunk, (name, start) in chunks:
+        for where, chunk, (weight, start) in chunks:
             if len(chunk) < CACHE_MIN_BYTES:
                 rest.append((where, chunk, None))
                 continue
-            digest = self.digests.digest(known, name, start, chunk)
+            digest = self.digests.digest(known, weight, start, chunk)
             asked.append((where, chunk, await window.submit(Command.SET_TENSOR_HASH, dict(where, hash=digest),
                                                              accept=(Status.NOT_FOUND,))))
         await window.drain()

@@ -177,6 +177,17 @@ class Stage:
         self.cuts[name] = RowRange(src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
         return name
 
+    def bytes_of(self, name: str) -> tuple:
+        """Which bytes of the GGUF file weight `name` holds, as a key: the tensor's name, and for a
+        part of it (a member's shard, a stage's rows of the head) which part: members' shards of one
+        weight share its name and size (the tensor cache's look-ups tell them apart by this)."""
+        cut = self.cuts.get(name)
+        if cut is None:
+            return (name,)
+        if isinstance(cut, RowRange):
+            return (cut.source, "bytes", cut.start, cut.stop)
+        return (name, "cut", cut.dim, cut.ranges)
+
     def weight_data(self, gguf, name: str) -> memoryview:
         """The bytes of weight `name`, straight from the GGUF file's memory map."""
         cut = self.cuts.get(name)
