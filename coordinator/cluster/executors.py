@@ -471,7 +471,7 @@ class RemoteExecutor:
         self.buffer = reply["buffer"]
         self.addresses = {t: (self.buffer, off) for t, off in offsets.items()}
         self.load_stats = dict.fromkeys(self.load_stats, 0)
-        chunks = []  # (range, bytes, (weight name, offset in it)) in buffer order
+        chunks = []  # (range, bytes, (which bytes of the file: Stage.bytes_of, offset in them)) in buffer order
         for name, t in weights:
             data = stage.weight_data(gguf, name)
             for start in range(0, len(data), UPLOAD_CHUNK):

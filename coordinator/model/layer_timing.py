@@ -15,9 +15,14 @@ one's weights come from memory. Counting bytes alone gets small models wrong
 at 1 thread: their many small ops cost more than their bytes).
 
 The time is the whole in-process step, its hop to the compute thread and back
-included, as each stage of a layer split pays such wake-ups (gemma3-270m on a
-2-core VM: the compute alone 0.3 ms, the step 0.5-1.3 ms; a worker's stage of
-9 layers in a serve step, 6.6 ms computing and 8.5 ms from request to reply).
+included. That is a calibration, not a model: the hop is paid once a stage,
+not once a layer, so n_layer times it overstates what a split saves, and the
+exchanges' estimate from PINGs overstates their cost about as much
+(loading.py, TENSOR_PAYS). Measured on a 2-core VM, gemma3-270m: the compute
+alone 0.3 ms, the step 0.5-1.3 ms, and a layer inside a worker's real decode
+0.73 ms (9 layers: 6.6 ms computing, 8.5 ms from request to reply); timed by
+its compute alone, auto chose the layer split there, where tensor generated
+1.5x faster.
 """
 from __future__ import annotations
 

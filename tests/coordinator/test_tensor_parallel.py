@@ -290,7 +290,7 @@ def test_a_member_restarted_loads_its_own_shard_from_a_shared_tensor_cache(victi
         assert code == DecodeResult.OK, c.last_error
         assert c.stats["kv_rebuilds"] >= 1
         hits = c._places[victim].executor.load_stats["cache_hits"]
-        assert hits > 0, c._places[1].executor.load_stats  # restored from the cache: the case at stake
+        assert hits > 0, c._places[victim].executor.load_stats  # restored from the cache: the case at stake
         assert out == reference
         assert np.array_equal(all_logits(c), logits)
 
