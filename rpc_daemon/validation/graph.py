@@ -483,6 +483,10 @@ def rule_cpy(t, tensors):
         _rows(t, a, "src0")
         _need(t.is_contiguous(), t, f"a quantized result must be contiguous: nb {list(t.nb)}")
         _need(a.ne[0] % tr.blck_size == 0, t, f"src0 rows must be whole {tr.name} blocks")
+        # the kernel widens each src0 row into a work buffer that ggml sizes by the result's ne[0]
+        # (per thread): a longer src0 row would overrun it
+        _need(a.ne[0] <= t.ne[0], t, f"src0 rows ({a.ne[0]} elements) must not be longer than the result's "
+                                     f"({t.ne[0]})")
 
 
 def rule_cont(t, tensors):

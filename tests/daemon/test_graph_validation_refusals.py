@@ -242,3 +242,18 @@ def test_computing_op_with_a_strided_view_result_is_refused(s):
         T(F32, [4, 2], [8, 32, 64, 64], op=lib.GGML_OP_SCALE, src=[1], params=f32s(2.0), view_src=0, flags=OUTPUT),
     ]
     s.refused(tensors, outputs=[2], fragment="not a view")
+
+
+def test_cpy_of_rows_longer_than_the_result_rows_is_refused(s):
+    """CPY f32 [4096, 1] into a q8_0 [32, 128] tensor: the kernel widens each
+    source row in a work buffer that ggml sizes by the result's ne[0] (32
+    floats a thread), so the 4096-float row ran 16 KiB past it: heap corruption
+    in the compute process (found reading the copy kernel; the same
+    graph computed in process segfaults at exit)."""
+    tensors = [
+        T(Q8_0, [32, 128], buffer=s.buf),
+        T(F32, [4096, 1], flags=INPUT),
+        T(Q8_0, [32, 128], op=lib.GGML_OP_CPY, src=[1, 0], view_src=0),
+    ]
+    s.refused(tensors, inputs=[(1, 0, 4096 * 4)], blob=f32s(*[1.0] * 4096), fragment="must not be longer")
+
