@@ -153,6 +153,9 @@ class Executor(Protocol):
     @property
     def step_reply_output(self) -> bool: ...  # a forwarding compute may reply with its outputs too
 
+    @property
+    def dot_type_inputs(self) -> bool: ...  # takes matmul inputs converted to the weights' dot type
+
     # step links (only where step_links is True)
     async def name_peers(self, peers: frozenset) -> None: ...
     def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None, forward: list[dict],
@@ -191,6 +194,7 @@ class LocalExecutor:
     request_timeout = None
     step_token = b""
     step_links = step_reply_output = False  # nothing to link: the stage runs in this process
+    dot_type_inputs = True  # this process's ggml takes matmul inputs in the weights' dot type
 
     async def ping(self) -> float | None:
         return None  # nothing to measure: no network between here and here
@@ -237,7 +241,7 @@ class LocalExecutor:
                 progress(len(data))
 
     def _run(self, stage, shape, inputs: dict, head: bool) -> bytes:
-        g, evicted = stage.graph(shape, head)
+        g, evicted = stage.graph(shape, head, self.dot_type_inputs)
         for old in evicted:
             galloc = self.gallocs.pop(id(old), None)
             self.allocated.discard(id(old))
@@ -376,6 +380,11 @@ class RemoteExecutor:
         """A forwarding compute on this worker may reply with its outputs too (reply_output)."""
         return self._offers("step_reply_output")
 
+    @property
+    def dot_type_inputs(self) -> bool:
+        """The worker's MUL_MAT takes src1 in the weights' dot type, made by a cast (an older one: f32 only)."""
+        return self._offers("dot_type_inputs")
+
     async def name_peers(self, peers: frozenset) -> None:
         """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
         if peers != self.step_peers:
@@ -397,7 +406,7 @@ class RemoteExecutor:
         calls (the task and those of evicted graphs' GRAPH_FREE start in order).
         The task gives (reply, blob): the blob is empty when every push
         succeeded, unless `reply_output` (then it always holds the outputs)."""
-        g, evicted = stage.graph(shape, head)
+        g, evicted = stage.graph(shape, head, self.dot_type_inputs)
         for graph_id in self._forget_sent(evicted):
             asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
         fields, blob = self._compute_fields(g, inputs)
@@ -534,7 +543,7 @@ class RemoteExecutor:
     async def run(self, stage, shape, inputs: dict, head: bool = False, tensor: dict | None = None) -> bytes:
         """`tensor`: a tensor-parallel member's step ({"link", "step", "timeout"}): the graph's
         all-reduces go over the member's tensor link."""
-        g, evicted = stage.graph(shape, head)
+        g, evicted = stage.graph(shape, head, self.dot_type_inputs)
         for graph_id in self._forget_sent(evicted):
             await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         fields, blob = self._compute_fields(g, inputs)

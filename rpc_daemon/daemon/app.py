@@ -23,7 +23,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=
         ssl_context = server_context(config.tls_cert, config.tls_key)
     daemon = Daemon(config)
     connection = functools.partial(Connection, daemon)
-    if config.test_faults:  # tests only: connections that misbehave on purpose (rpc_daemon/testing/)
+    if config.test_faults or config.test_older:  # tests only: connections that misbehave on purpose (rpc_daemon/testing/)
         from rpc_daemon.testing.faulty_connection import connections
         connection = connections(daemon)
     if spare is not None:

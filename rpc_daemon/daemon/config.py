@@ -41,6 +41,7 @@ class DaemonConfig:
     limits: Limits = Limits()
     unsafe_no_validation: bool = False  # tests only: lets graphs reach libggml unchecked
     test_faults: tuple = ()  # tests only: fault specs for rpc_daemon/testing/faults.py (--test-fault)
+    test_older: tuple = ()  # tests only: features this daemon lacks, as one from before them (--test-older)
     # security (docs/security.md)
     secret: bytes | None = field(default=None, repr=False)  # set: HELLO runs auth.py's challenge-response
     tls_cert: str | None = None  # set (with tls_key): TLS on the listening port

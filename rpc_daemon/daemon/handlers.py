@@ -70,7 +70,8 @@ class Session:
 
     def features(self) -> list[str]:
         # tensor links carry activations in the clear: not offered by a daemon that serves TLS
-        return [f for f in P.FEATURES if (f != "tensor_cache" or self.daemon.cache is not None)
+        return [f for f in P.FEATURES if f not in self.config.test_older
+                and (f != "tensor_cache" or self.daemon.cache is not None)
                 and (f not in ("step_links", "step_reply_output") or self.daemon.peer_links.usable)
                 and (f != "tensor_links" or not self.config.tls_cert)]
 

@@ -1,14 +1,36 @@
-"""The connections of a daemon started with --test-fault (tests only): they
-misbehave as the fault specs say (faults.py), through the seams of
-daemon/connection.py's Connection, which carries nothing of this. Imported by
-the daemon's app only when its config has fault specs."""
+"""The connections of a daemon started with --test-fault or --test-older (tests
+only): they misbehave as the fault specs say (faults.py), or refuse what a daemon
+from before a feature refused, through the seams of daemon/connection.py's
+Connection, which carries nothing of this. Imported by the daemon's app only
+when its config has fault specs or older features."""
 from __future__ import annotations
 
 import functools
 
+import structlog
+
+from ggml_ffi import lib
 from rpc_daemon.daemon.connection import Connection
 from rpc_daemon.testing.faults import Faults
-from rpc_daemon.wire.protocol import Status
+from rpc_daemon.wire.protocol import Command, Status
+
+
+def _uses_dot_type_inputs(header: dict) -> str | None:
+    """What a daemon from before "dot_type_inputs" said of a graph that uses it: a cast
+    (CPY naming itself), a CPY into a dot type, a MUL_MAT whose src1 is not f32."""
+    tensors = header.get("tensors") or []
+    for i, t in enumerate(tensors):
+        src = t.get("src") or []
+        if t.get("op") == lib.GGML_OP_CPY and (i in src or t.get("type") == lib.GGML_TYPE_Q8_K):
+            return f"tensors[{i}]: CPY: dst type not supported"
+        if t.get("op") == lib.GGML_OP_MUL_MAT and len(src) > 1 and tensors[src[1]].get("type") != lib.GGML_TYPE_F32:
+            return f"tensors[{i}]: MUL_MAT: src1 type not supported"
+    return None
+
+
+# feature -> what a daemon from before it refused instead (None: nothing)
+OLDER = {"dot_type_inputs": _uses_dot_type_inputs}
+log = structlog.get_logger("rpc")
 
 
 class FaultyConnection(Connection):
@@ -22,6 +44,11 @@ class FaultyConnection(Connection):
         self.faults = faults
 
     async def _call(self, cmd, row, header, blob, direct):
+        if cmd == Command.GRAPH_COMPUTE:
+            for feature in self.daemon.config.test_older:
+                refusal = OLDER[feature](header)
+                if refusal:
+                    return {"status": int(Status.INVALID_REQUEST), "error": refusal}, self._send
         fault = self.faults.take(cmd)
         if fault is None:
             return await super()._call(cmd, row, header, blob, direct)
@@ -41,4 +68,6 @@ def connections(daemon):
     """The protocol factory of a daemon whose config has fault specs: one fault
     table (counting across connections), FaultyConnections sharing it."""
     faults = Faults(list(daemon.config.test_faults), daemon)
+    if daemon.config.test_older:
+        log.warning("TEST: acting as a daemon from before these features", features=list(daemon.config.test_older))
     return lambda: FaultyConnection(daemon, faults)

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ggml_ffi import lib, nbytes as ggml_nbytes, type_traits
 from rpc_daemon.validation import row_ids
-from rpc_daemon.wire.graph_limits import FLOAT_TYPES, MAX_EXPERTS, WEIGHT_TYPES
+from rpc_daemon.wire.graph_limits import DOT_TYPES, FLOAT_TYPES, MAX_EXPERTS, WEIGHT_TYPES
 from rpc_daemon.wire.protocol import ProtocolError, Status, field_list
 
 MAX_NE = 1 << 40
@@ -27,6 +27,8 @@ F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
 I32, I64 = lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
 # FLOAT_TYPES, WEIGHT_TYPES and MAX_EXPERTS are the coordinator's too: rpc_daemon/wire/graph_limits.py
 KV_TYPES = (F32, F16, BF16, lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_0)
+# what CPY converts float rows into: a KV cache's types, and the matmuls' dot types (DOT_TYPES)
+CPY_TYPES = tuple(dict.fromkeys(KV_TYPES + tuple(DOT_TYPES.values())))
 
 
 @dataclass
@@ -162,9 +164,11 @@ def parse_tensor(i: int, t) -> TensorSpec:
     src = t.get("src", [])
     if not (isinstance(src, list) and len(src) <= 10 and all(type(s) is int for s in src)):
         raise _bad(i, "src must be a list of at most 10 integers")
-    for s in src:
-        if not -1 <= s < i:
-            raise _bad(i, f"src index {s} must name an earlier tensor (0..{i - 1}) or be -1")
+    for k, s in enumerate(src):
+        # the one self-reference: ggml_cast, a CPY whose destination (src[1]) is its own result
+        if not (-1 <= s < i or (s == i and k == 1 and op == lib.GGML_OP_CPY)):
+            raise _bad(i, f"src index {s} must name an earlier tensor (0..{i - 1}) or be -1"
+                          + (" (only CPY's src[1] may name the tensor itself)" if s == i else ""))
     view_src = t.get("view_src", -1)
     if type(view_src) is not int or not -1 <= view_src < i:
         raise _bad(i, f"view_src index {view_src!r} must name an earlier tensor or be -1")
@@ -428,17 +432,30 @@ def rule_glu(t, tensors):
     _need(t.type == a.type, t, "result type must equal src type")
 
 
-def _mul_mat_operands(t, a, b, role: str) -> None:
-    """What MUL_MAT and MUL_MAT_ID ask alike of the weights `a` (as `role`) and src1 `b`."""
-    _types(t, a, WEIGHT_TYPES, role); _types(t, b, (F32,), "src1")
+def _mul_mat_operands(t, a, b, role: str, dot_type_src1: bool = False) -> None:
+    """What MUL_MAT and MUL_MAT_ID ask alike of the weights `a` (as `role`) and src1 `b`;
+    `dot_type_src1`: src1 may also come converted already, in a's dot type (DOT_TYPES):
+    the kernel then reads it in place as whole packed rows (its ggml_is_contiguous branch)."""
+    _types(t, a, WEIGHT_TYPES, role)
+    if dot_type_src1 and b.type != F32:
+        _need(b.type == DOT_TYPES.get(a.type), t, f"src1 type {type_traits(b.type).name} not supported (f32, or "
+                                                  f"src0's dot type: {_dot_type_name(a.type)})")
+        _need(b.is_contiguous(), t, f"a src1 in src0's dot type must be contiguous: nb {list(b.nb)}")
+    else:
+        _types(t, b, (F32,), "src1")
     _rows(t, a, "src0"); _rows(t, b, "src1")  # GGML_ASSERT(nb00 == type size), (nb10 == type size)
     _need(a.ne[0] == b.ne[0], t, f"src0 ne[0]={a.ne[0]} != src1 ne[0]={b.ne[0]}")
     _need(a.nb[0] <= a.nb[1], t, "src0 must not be transposed")
 
 
+def _dot_type_name(weight_type: int) -> str:
+    dot = DOT_TYPES.get(weight_type)
+    return type_traits(dot).name if dot is not None else "none"
+
+
 def rule_mul_mat(t, tensors):
     a, b = _srcs(t, tensors, 2)
-    _mul_mat_operands(t, a, b, "src0")
+    _mul_mat_operands(t, a, b, "src0", dot_type_src1=True)
     _need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, t, "src1 batch dims must be multiples of src0's")
     # op_params[1] == GGML_HINT_SRC0_IS_HADAMARD switches the CPU kernel to a Walsh-Hadamard transform
     _need(t.param_i32(1) == lib.GGML_HINT_NONE, t, f"hint {t.param_i32(1)} not supported")
@@ -471,12 +488,21 @@ def rule_set_rows(t, tensors):
 
 
 def rule_cpy(t, tensors):
-    a, b = _srcs(t, tensors, 2)
-    _types(t, a, FLOAT_TYPES, "src0"); _types(t, b, KV_TYPES, "dst")
+    # ggml_cast: src[1] is the result itself, a new tensor the daemon allocates and the copy fills whole
+    cast = len(t.src) == 2 and t.src[1] == t.index
+    if cast:
+        _need(t.src[0] >= 0, t, "src[0] is required")
+        a, b = tensors[t.src[0]], t
+    else:
+        a, b = _srcs(t, tensors, 2)
+    _types(t, a, FLOAT_TYPES, "src0"); _types(t, b, CPY_TYPES, "dst")
     _need(a.nelements() == b.nelements(), t, "src and dst element counts differ")
-    _is_view_of(t, b)
-    # the kernel copies nelements(src) into the result: it must be dst itself (found by tests/fuzz_protocol.py)
-    _need(t.ne == b.ne and t.type == b.type, t, "result is a view of dst (same type and shape)")
+    if cast:
+        _need(not t.is_view, t, "a cast's result (its own destination) must be a new tensor, not a view")
+    else:
+        _is_view_of(t, b)
+        # the kernel copies nelements(src) into the result: it must be dst itself (found by tests/fuzz_protocol.py)
+        _need(t.ne == b.ne and t.type == b.type, t, "result is a view of dst (same type and shape)")
     tr = type_traits(t.type)
     if tr.blck_size > 1:
         # float -> quantized: packed src rows quantized into a contiguous result, else GGML_ABORT

@@ -63,7 +63,7 @@ def encode_graph(gf, placement: Callable) -> tuple[list[dict], dict]:
                 stack.append((t.view_src, False))
             for k in reversed(range(10)):
                 s = t.src[k]
-                if s != NULL and s not in index_of:
+                if s != NULL and s != t and s not in index_of:  # ggml_cast names itself
                     stack.append((s, False))
 
     for i in range(lib.ggml_graph_n_nodes(gf)):
@@ -89,7 +89,7 @@ def build_graph(ctx, spec, buffers: dict):
         x.op = t.op
         ffi.memmove(x.op_params, t.params.ljust(64, b"\0"), 64)
         for k, s in enumerate(t.src):
-            x.src[k] = ptrs[s] if s >= 0 else NULL
+            x.src[k] = x if s == t.index else ptrs[s] if s >= 0 else NULL  # (s == index: ggml_cast)
         if t.is_view:
             x.view_src = ptrs[t.view_src]
             x.view_offs = t.view_offs

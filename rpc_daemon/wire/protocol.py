@@ -12,7 +12,8 @@ from enum import IntEnum
 # 2: HELLO carries `ggml` (version and op-table fingerprint); a graph's op and
 # type numbers mean something only between processes running the same op table
 PROTOCOL_VERSION = 2
-FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links", "step_reply_output", "tensor_links")
+FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links", "step_reply_output", "tensor_links",
+            "dot_type_inputs")
 
 
 class Status(IntEnum):

@@ -248,7 +248,7 @@ def test_cpy_of_rows_longer_than_the_result_rows_is_refused(s):
     """CPY f32 [4096, 1] into a q8_0 [32, 128] tensor: the kernel widens each
     source row in a work buffer that ggml sizes by the result's ne[0] (32
     floats a thread), so the 4096-float row ran 16 KiB past it: heap corruption
-    in the compute process (found reading the copy kernel; the same
+    in the compute process (found reading the kernel for casts; the same
     graph computed in process segfaults at exit)."""
     tensors = [
         T(Q8_0, [32, 128], buffer=s.buf),
@@ -257,3 +257,40 @@ def test_cpy_of_rows_longer_than_the_result_rows_is_refused(s):
     ]
     s.refused(tensors, inputs=[(1, 0, 4096 * 4)], blob=f32s(*[1.0] * 4096), fragment="must not be longer")
 
+
+def test_a_tensor_naming_itself_is_refused_except_as_a_casts_destination(s):
+    """ggml_cast is a CPY whose src[1] is its own result: the one source that may
+    name the tensor itself. Anywhere else a self-reference is refused."""
+    x = T(F32, [256, 2], flags=INPUT)
+    blob = f32s(*[1.0] * 512)
+    s.refused([x, T(F32, [256, 2], op=lib.GGML_OP_ADD, src=[0, 1], flags=OUTPUT)], inputs=[(0, 0, 2048)],
+              blob=blob, outputs=[1], fragment="only CPY's src[1] may name the tensor itself")
+    s.refused([x, T(F32, [256, 2], op=lib.GGML_OP_CPY, src=[1, 1], flags=OUTPUT)], inputs=[(0, 0, 2048)],
+              blob=blob, outputs=[1], fragment="only CPY's src[1] may name the tensor itself")
+    # a cast's result is a new tensor the copy fills whole: never a view of a buffer tensor
+    tensors = [T(lib.GGML_TYPE_Q8_K, [256, 2], buffer=s.buf), x,
+               T(lib.GGML_TYPE_Q8_K, [256, 2], op=lib.GGML_OP_CPY, src=[1, 2], view_src=0, flags=OUTPUT)]
+    s.refused(tensors, inputs=[(1, 0, 2048)], blob=blob, outputs=[2], fragment="must be a new tensor, not a view")
+
+
+def test_mul_mat_src1_in_another_dot_type_or_strided_is_refused(s):
+    """MUL_MAT reads a src1 already in src0's dot type in place, as packed rows of
+    that type: another quantized type (q8_0 for q4_K weights, whose dot type is
+    q8_K; any for f16 weights) or a strided view of one is refused."""
+    Q4_K, Q8_K = lib.GGML_TYPE_Q4_K, lib.GGML_TYPE_Q8_K
+    x = T(F32, [256, 2], flags=INPUT)
+    blob = f32s(*[1.0] * 512)
+    for wtype, dot, fragment in ((Q4_K, Q8_0, "src1 type q8_0 not supported (f32, or src0's dot type: q8_K)"),
+                                 (F16, Q8_0, "src1 type q8_0 not supported (f32, or src0's dot type: none)")):
+        tensors = [T(wtype, [256, 4], buffer=s.buf), x,
+                   T(dot, [256, 2], op=lib.GGML_OP_CPY, src=[1, 2]),
+                   T(F32, [4, 2], op=lib.GGML_OP_MUL_MAT, src=[0, 2], flags=OUTPUT)]
+        s.refused(tensors, inputs=[(1, 0, 2048)], blob=blob, outputs=[3], fragment=fragment)
+    q8k_row = 292
+    tensors = [T(Q4_K, [256, 4], buffer=s.buf), T(F32, [256, 4], flags=INPUT),
+               T(Q8_K, [256, 4], op=lib.GGML_OP_CPY, src=[1, 2]),
+               T(Q8_K, [256, 2], [q8k_row, 2 * q8k_row, 4 * q8k_row, 4 * q8k_row], op=lib.GGML_OP_VIEW, src=[2],
+                 view_src=2),
+               T(F32, [4, 2], op=lib.GGML_OP_MUL_MAT, src=[0, 3], flags=OUTPUT)]
+    s.refused(tensors, inputs=[(1, 0, 4096)], blob=f32s(*[1.0] * 1024), outputs=[4],
+              fragment="dot type must be contiguous")

@@ -219,6 +219,23 @@ for _t in WEIGHT_TYPES:
     case("GET_ROWS", f"{TNAME[_t]}")(_get_rows)
 
 
+# ---- an input converted once to the weights' dot type (ggml_cast: a CPY onto itself), shared by two products
+
+for _t in (Q8_0, Q5_0, Q4_0, Q4_K, Q6_K):
+    def _mm_dot_type_src1(b, t=_t):
+        from rpc_daemon.wire.graph_limits import DOT_TYPES
+        x = lib.ggml_cast(b.c, b.input(F32, [256, 5]), DOT_TYPES[t])
+        b.output(lib.ggml_mul_mat(b.c, b.weight(t, [256, 32]), x))
+        b.output(lib.ggml_mul_mat(b.c, b.weight(t, [256, 16]), x))
+
+    case("MUL_MAT", f"{TNAME[_t]}-dot-type-src1")(_mm_dot_type_src1)
+
+
+@case("CPY", "cast-f32-to-q8_K")
+def _(b):
+    b.output(lib.ggml_cast(b.c, b.input(F32, [512, 3]), lib.GGML_TYPE_Q8_K))
+
+
 @case("MUL_MAT", "f16-kq-permuted-src1")
 def _(b):
     # attention without flash attn: kq = k^T q, k a view of an f16 cache, q permuted

@@ -854,10 +854,11 @@ def test_non_loopback_bind_requires_secret_or_insecure(secret_file, tls_files):
 
 
 def test_test_only_flags_are_not_in_the_production_cli(start_daemon):
-    """ggml-rpc-server refuses --test-fault and --unsafe-no-validation; only the
+    """ggml-rpc-server refuses --test-fault, --test-older and --unsafe-no-validation; only the
     test entry point (not an installed script) has them."""
     import tomllib
-    for flag in (("--test-fault", "cmd=PING,action=close"), ("--unsafe-no-validation",)):
+    for flag in (("--test-fault", "cmd=PING,action=close"), ("--unsafe-no-validation",),
+                 ("--test-older", "dot_type_inputs")):
         r = start_and_fail("-H", "127.0.0.1", *flag)
         assert r.returncode == 2 and "unrecognized arguments" in r.stderr and flag[0] in r.stderr, r.stderr
     help_text = subprocess.run([sys.executable, "-m", "rpc_daemon", "--help"], capture_output=True, text=True,
@@ -875,6 +876,9 @@ def test_test_only_flags_are_not_in_the_production_cli(start_daemon):
     r = subprocess.run([sys.executable, "-m", "rpc_daemon.testing.daemon_cli", "--test-fault", "action=explode"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "action" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "rpc_daemon.testing.daemon_cli", "--test-older", "graph_reuse"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no older behaviour known for graph_reuse" in r.stderr, r.stderr
 
 
 # ================================================================ limits

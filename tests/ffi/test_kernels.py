@@ -23,15 +23,17 @@ import numpy as np
 import pytest
 
 from ggml_ffi import ORIGIN, Context, cpu_library, describe, ffi, lib
+from rpc_daemon.wire.graph_limits import DOT_TYPES, WEIGHT_TYPES
 
 BATCHES = [1, 2, 3, 7, 8, 9, 16, 63, 64, 65, 130]
 ROWS = 36  # not a multiple of 8 or 16: tinyBLAS's row tiles and its fallback both occur
 needs_build = pytest.mark.skipif(ORIGIN.kind != "build", reason="the kernels of the pinned build are tested")
 
 
-def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0) -> dict[int, np.ndarray]:
+def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0, cast: bool = False) -> dict[int, np.ndarray]:
     """{n: the [n, rows] product of a `type_name` weight [k, rows] and the first n of a fixed
-    set of f32 activation rows}, each computed as a graph of its own."""
+    set of f32 activation rows}, each computed as a graph of its own; `cast`: the rows
+    converted to the weight's dot type first (ggml_cast), as a shared input is."""
     wtype = getattr(lib, "GGML_TYPE_" + type_name)
     x = np.random.default_rng(seed).standard_normal((max(BATCHES), k)).astype(np.float32)
     w = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)  # row i: the same for any `rows`
@@ -47,6 +49,8 @@ def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0) -> 
             else:
                 lib.ggml_quantize_chunk(wtype, ffi.cast("float *", ffi.from_buffer(w)), a.data, 0, rows, k, ffi.NULL)
             ffi.memmove(b.data, x[:n].tobytes(), n * k * 4)
+            if cast:
+                b = lib.ggml_cast(ctx.ptr, b, DOT_TYPES[wtype])
             c = lib.ggml_mul_mat(ctx.ptr, a, b)
             gf = ctx.new_graph(8)
             lib.ggml_build_forward_expand(gf, c)
@@ -96,6 +100,26 @@ def test_a_row_does_not_depend_on_threads_or_on_the_rows_beside_it(type_name, k)
     for n in BATCHES:
         assert np.array_equal(one[n], two[n]), (type_name, n)
         assert np.array_equal(one[n][:, :20], shard[n]), (type_name, n)
+
+
+def test_dot_types_are_the_loaded_ggmls():
+    """graph_limits.DOT_TYPES (the wire contract of a MUL_MAT's converted src1) is what this
+    ggml's CPU matmul converts src1 to, for every quantized weight type; float ones have none."""
+    for wtype in WEIGHT_TYPES:
+        dot = cpu_library().lib.ggml_get_type_traits_cpu(wtype).vec_dot_type
+        assert DOT_TYPES.get(wtype, dot if dot == wtype else None) == dot, (wtype, dot)
+    assert set(DOT_TYPES) == {t for t in WEIGHT_TYPES if lib.ggml_is_quantized(t)}
+
+
+@pytest.mark.parametrize("type_name,k", [("Q4_K", 512), ("Q6_K", 512), ("Q5_0", 640), ("Q8_0", 640), ("Q4_0", 640)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_product_of_a_converted_input_has_the_same_bits(type_name, k, threads):
+    """An input converted once to the weight's dot type (ggml_cast) and then multiplied gives
+    the bits of the plain product, which converts it itself, at every batch size (vec_dot,
+    tinyBLAS and tiled alike): what lets graphs share one conversion among products."""
+    plain, cast = products(type_name, k, ROWS, threads), products(type_name, k, ROWS, threads, cast=True)
+    for n in BATCHES:
+        assert np.array_equal(plain[n], cast[n]), (type_name, n)
 
 
 @needs_build

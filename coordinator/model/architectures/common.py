@@ -11,10 +11,13 @@ import math
 from dataclasses import dataclass, field
 
 from ggml_ffi import NULL, lib, type_traits
-from rpc_daemon.wire.graph_limits import WEIGHT_TYPES  # what the workers' matmul and get_rows accept
+from rpc_daemon.wire.graph_limits import DOT_TYPES, WEIGHT_TYPES  # what the workers' matmul and get_rows accept
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
 ROPE_NORMAL, ROPE_NEOX = 0, 2
+# From this many rows on, an input that several quantized products share is converted to their dot
+# type once (GraphBuilder.shared_inputs); below, the extra node costs about what it saves.
+SHARED_INPUT_MIN_ROWS = 4
 
 
 @dataclass
@@ -102,8 +105,24 @@ class GraphBuilder:
         # tensor-parallel shard (coordinator/model/tensor_split.py): the partial sums all_reduce marks,
         # summed over the group's members between the graph's segments; None: the whole layers here
         self.exchanges: list | None = None
+        # where the graph runs, MUL_MAT takes src1 already in its weights' dot type (a worker that offers
+        # "dot_type_inputs", or this process): shared_inputs may convert an input once for several products
+        self.dot_type_inputs = False
 
     # ---------------------------------------------------------------- blocks
+    def shared_inputs(self, x, weights: list) -> list:
+        """x as each of `weights`' products takes it. Each quantized matmul first converts
+        its f32 input to its weights' dot type (q8_K for the K-quants); products that share
+        x and a dot type (Q, K and V; gate and up) get x converted once instead (ggml_cast),
+        with the same bits as each would have made: 5-7 % of a prompt's time in one process,
+        more on a tensor-parallel member, which converts the whole x alone."""
+        if not self.dot_type_inputs or x.ne[1] < SHARED_INPUT_MIN_ROWS:
+            return [x] * len(weights)
+        dots = [DOT_TYPES.get(w.type) for w in weights]
+        converted = {d: lib.ggml_cast(self.c, x, d) for d in dict.fromkeys(dots)
+                     if d is not None and dots.count(d) > 1}
+        return [converted.get(d, x) for d in dots]
+
     def norm(self, x, weight):
         return lib.ggml_mul(self.c, lib.ggml_rms_norm(self.c, x, self.hp.rms_eps), weight)
 
@@ -166,14 +185,17 @@ class GraphBuilder:
                     lib.ggml_view_3d(c, qkv, hp.head_dim, hp.n_head_kv, n, row, qkv.nb[1], q_bytes),
                     lib.ggml_view_3d(c, qkv, hp.head_dim, hp.n_head_kv, n, row, qkv.nb[1], q_bytes + kv_bytes))
 
-        def project(name: str, n_head: int):
-            y = lib.ggml_mul_mat(c, self.w[p + name + ".weight"], x)
+        names = ("attn_q", "attn_k", "attn_v")
+        weights = [self.w[p + name + ".weight"] for name in names]
+        projected = []
+        for name, w, x_in, n_head in zip(names, weights, self.shared_inputs(x, weights),
+                                         (hp.n_head, hp.n_head_kv, hp.n_head_kv)):
+            y = lib.ggml_mul_mat(c, w, x_in)
             bias = self.w.get(p + name + ".bias")
             if bias is not None:
                 y = lib.ggml_add(c, y, bias)
-            return lib.ggml_reshape_3d(c, y, hp.head_dim, n_head, n)
-
-        return project("attn_q", hp.n_head), project("attn_k", hp.n_head_kv), project("attn_v", hp.n_head_kv)
+            projected.append(lib.ggml_reshape_3d(c, y, hp.head_dim, n_head, n))
+        return tuple(projected)
 
     def qk_norm(self, il: int, q, k):
         """RMS norm over each head of Q and of K (one head_dim weight each: qwen3, gemma3)."""
@@ -205,8 +227,8 @@ class GraphBuilder:
 
     def gated_ffn(self, il: int, x, glu):
         p = f"blk.{il}."
-        gate = lib.ggml_mul_mat(self.c, self.w[p + "ffn_gate.weight"], x)
-        up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
+        weights = [self.w[p + "ffn_gate.weight"], self.w[p + "ffn_up.weight"]]
+        gate, up = (lib.ggml_mul_mat(self.c, w, x_in) for w, x_in in zip(weights, self.shared_inputs(x, weights)))
         return self.all_reduce(lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up)))
 
     def moe_ffn(self, il: int, x):
