@@ -335,7 +335,12 @@ def op_mul_mat(g: Gen):
     a2, a3 = g.dim(2), 1
     b2, b3 = a2 * r.choice([1, 1, 2]), a3 * r.choice([1, 2])
     a = g.src(wt, [k, m, a2, a3])
-    b = g.src(F32, [k, n, b2, b3])
+    if wt in G.DOT_TYPES and r.random() < 0.3:
+        # src1 converted to the weights' dot type (a shared input), now and then to another type
+        dot = G.DOT_TYPES[wt] if r.random() < 0.85 else r.choice(list(G.CPY_TYPES))
+        b = cast(g, dot, [k, n, b2, b3])
+    else:
+        b = g.src(F32, [k, n, b2, b3])
     return g.node(OP.MUL_MAT, F32, [m, n, b2, b3], [a, b])
 
 
@@ -393,11 +398,31 @@ def op_set_rows(g: Gen):
                   "name": "set_rows"})
 
 
+def cast(g: Gen, ttype, ne) -> int:
+    """ggml_cast: a CPY whose destination is itself, a new tensor of `ttype` the copy fills."""
+    r = g.r
+    block = type_traits(ttype).blck_size > 1
+    src = g.src(r.choice(G.FLOAT_TYPES), ne, strided_ok=not block, packed=block and r.random() < 0.7)
+    return g.node(OP.CPY, ttype, ne, [src, len(g.tensors)], name="cast")
+
+
 def op_cpy(g: Gen):
     r = g.r
+    if r.random() < 0.3:
+        t = r.choice(list(G.CPY_TYPES))
+        return cast(g, t, g.shape(t))
     t = r.choice(list(G.KV_TYPES))
     ne = g.shape(t)
-    src_ne = ne if (type_traits(t).blck_size > 1 or r.random() < 0.6) else [ne[0] * ne[1], 1, ne[2], ne[3]]
+    blck = type_traits(t).blck_size
+    src_ne = ne if (blck > 1 or r.random() < 0.6) else [ne[0] * ne[1], 1, ne[2], ne[3]]
+    if blck > 1 and r.random() < 0.4:
+        # source rows of another length than the destination's: shorter ones are fine, longer ones
+        # overran the kernel's work buffer (sized by the result's rows)
+        if r.random() < 0.5:  # (two source rows or more: the second thread converts one too)
+            m = r.choice([2, 3])
+            ne[1], src_ne = 2 * m, [ne[0] * 2, m, ne[2], ne[3]]
+        elif ne[0] % (2 * blck) == 0:
+            src_ne = [ne[0] // 2, ne[1] * 2, ne[2], ne[3]]
     src = g.src(r.choice(G.FLOAT_TYPES), src_ne, strided_ok=True)
     dst = buffer_dst(g, t, ne)
     d = g.tensors[dst]
