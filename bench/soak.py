@@ -56,7 +56,7 @@ Checks, printed at the end (and written as JSON with --json):
 * resources: RSS and open fds of the serve process and of each daemon (its
   process tree: the daemon and its compute children; each process's own RSS,
   anonymous/file/shared, is in the JSON's samples) sampled every
-  `--sample-every` s; the last sample within 10 % of the median of the first
+  `--sample-every` s; the last sample at most 10 % above the median of the first
   5 minutes' (the first third for runs shorter than 15 minutes). A daemon
   restarted meanwhile is judged by its last process's own drift. The spare,
   once it has held a stage, is judged "settled": its last sample (idle: the
@@ -806,7 +806,9 @@ class Soak:
                                         "ratio": round(judged, 3) if judged else None,
                                         "takeovers": sum(1 for a, b in zip(mine, mine[1:])
                                                          if role in b[2] and role not in a[2])}
-                entry["ok"] = judged is not None and abs(judged - 1) <= 0.10
+                # growth is what a leak looks like; a shrink (a compute process gone with its
+                # client, a heap trimmed after faults: 594 to 405 MB in a tensor-mode soak) is not
+                entry["ok"] = judged is not None and judged <= 1.10
         # TTFT while healthy
         span = 600.0 if dur >= 1800 else dur / 3
         fault_ts = [f["t"] for f in self.faults]
@@ -947,7 +949,7 @@ def print_report(rep: dict) -> None:
             own += (f"  settled (idle after its first stage moved back, t={st['since_t']:g} s; "
                     f"{st['takeovers']} takeovers sampled): {st['first_median']} -> {v['last']} ratio {st['ratio']}")
         print(f"        {k:15s} first {v['first_median']}  last {v['last']}  ratio {v['ratio']}{own}  "
-              f"{'ok' if v['ok'] else 'OUT OF 10 %'}")
+              f"{'ok' if v['ok'] else 'OVER +10 %'}")
     t = rep["ttft"]
     print(f"[{ok(rep['checks']['ttft'])}] ttft p99 while healthy: first {t['window_s']:g} s {t['first_p99_s']} s "
           f"(n={t['first_n']}, p50 {t['first_p50_s']}), last {t['last_p99_s']} s (n={t['last_n']}, "
