@@ -262,11 +262,13 @@ def gap_lines(rows: dict, clients: int) -> list[str]:
     lines = []
     if clients in inproc and clients in ref:
         lines.append(f"ours in process / llama-server ({clients} clients): {round_ratio(inproc[clients], ref[clients]):.2f}"
-                     " (the serving stack: the same kernels, cores and slots)")
+                     " (the serving stack: the same cores and slots; our build's kernels differ only for products"
+                     " of a few rows over large weights, docs/architecture.md \"Kernels\")")
     if clients in inproc and clients in ours:
         lines.append(f"ours over 2 workers / ours in process ({clients} clients): "
-                     f"{round_ratio(ours[clients], inproc[clients]):.2f} (what two processes on these shared cores "
-                     "cost: the hops through the workers, and a tensor split's exchanges)")
+                     f"{round_ratio(ours[clients], inproc[clients]):.2f} (two 1-thread workers against one 2-thread "
+                     "process on these shared cores: the hops through the workers and a tensor split's exchanges "
+                     "against each member's share of every product)")
     return lines
 
 
