@@ -262,8 +262,8 @@ def gap_lines(rows: dict, clients: int) -> list[str]:
     lines = []
     if clients in inproc and clients in ref:
         lines.append(f"ours in process / llama-server ({clients} clients): {round_ratio(inproc[clients], ref[clients]):.2f}"
-                     " (the serving stack: the same cores and slots; our build's kernels differ only for products"
-                     " of a few rows over large weights, docs/architecture.md \"Kernels\")")
+                     " (the serving stack: the same cores and slots; ggml's kernels but for our build's edits,"
+                     " docs/architecture.md \"Kernels\")")
     if clients in inproc and clients in ours:
         lines.append(f"ours over 2 workers / ours in process ({clients} clients): "
                      f"{round_ratio(ours[clients], inproc[clients]):.2f} (two 1-thread workers against one 2-thread "

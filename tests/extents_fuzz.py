@@ -60,6 +60,12 @@ from rpc_daemon.wire.protocol import Limits, ProtocolError, Status  # noqa: E402
 F32, F16, BF16, I32, I64 = (lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16, lib.GGML_TYPE_I32,
                             lib.GGML_TYPE_I64)
 QTYPES = [t for t in G.WEIGHT_TYPES if type_traits(t).blck_size > 1]
+# docs/protocol.md ("Validation"): a quantized weight type's dot type, and what CPY may write
+_T = SimpleNamespace(**{name[len("GGML_TYPE_"):]: getattr(lib, name) for name in dir(lib)
+                        if name.startswith("GGML_TYPE_")})
+DOT_TYPES = {_T.Q4_0: _T.Q8_0, _T.Q5_0: _T.Q8_0, _T.Q8_0: _T.Q8_0, _T.Q4_1: _T.Q8_1, _T.Q5_1: _T.Q8_1,
+             **{t: _T.Q8_K for t in (_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K)}}
+CPY_TYPES = list(G.KV_TYPES) + [_T.Q8_1, _T.Q8_K]
 INPUT, OUTPUT, COMPUTE = lib.GGML_TENSOR_FLAG_INPUT, lib.GGML_TENSOR_FLAG_OUTPUT, lib.GGML_TENSOR_FLAG_COMPUTE
 OP = SimpleNamespace(**{name[len("GGML_OP_"):]: getattr(lib, name) for name in dir(lib)
                         if name.startswith("GGML_OP_") and not name.startswith("GGML_OP_POOL_")})
@@ -335,9 +341,9 @@ def op_mul_mat(g: Gen):
     a2, a3 = g.dim(2), 1
     b2, b3 = a2 * r.choice([1, 1, 2]), a3 * r.choice([1, 2])
     a = g.src(wt, [k, m, a2, a3])
-    if wt in G.DOT_TYPES and r.random() < 0.3:
+    if wt in DOT_TYPES and r.random() < 0.3:
         # src1 converted to the weights' dot type (a shared input), now and then to another type
-        dot = G.DOT_TYPES[wt] if r.random() < 0.85 else r.choice(list(G.CPY_TYPES))
+        dot = DOT_TYPES[wt] if r.random() < 0.85 else r.choice(list(CPY_TYPES))
         b = cast(g, dot, [k, n, b2, b3])
     else:
         b = g.src(F32, [k, n, b2, b3])
@@ -409,7 +415,7 @@ def cast(g: Gen, ttype, ne) -> int:
 def op_cpy(g: Gen):
     r = g.r
     if r.random() < 0.3:
-        t = r.choice(list(G.CPY_TYPES))
+        t = r.choice(list(CPY_TYPES))
         return cast(g, t, g.shape(t))
     t = r.choice(list(G.KV_TYPES))
     ne = g.shape(t)

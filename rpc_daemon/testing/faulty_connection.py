@@ -17,13 +17,19 @@ from rpc_daemon.wire.protocol import Command, Status
 
 def _uses_dot_type_inputs(header: dict) -> str | None:
     """What a daemon from before "dot_type_inputs" said of a graph that uses it: a cast
-    (CPY naming itself), a CPY into a dot type, a MUL_MAT whose src1 is not f32."""
-    tensors = header.get("tensors") or []
+    (CPY naming itself), a CPY into q8_K or q8_1 (then no KV type), a MUL_MAT whose src1
+    is not f32. Anything malformed is left to the validation."""
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list):
+        return None
     for i, t in enumerate(tensors):
-        src = t.get("src") or []
-        if t.get("op") == lib.GGML_OP_CPY and (i in src or t.get("type") == lib.GGML_TYPE_Q8_K):
+        src = t.get("src") if isinstance(t, dict) else None
+        if not isinstance(src, list):
+            continue
+        if t.get("op") == lib.GGML_OP_CPY and (i in src or t.get("type") in (lib.GGML_TYPE_Q8_K, lib.GGML_TYPE_Q8_1)):
             return f"tensors[{i}]: CPY: dst type not supported"
-        if t.get("op") == lib.GGML_OP_MUL_MAT and len(src) > 1 and tensors[src[1]].get("type") != lib.GGML_TYPE_F32:
+        if t.get("op") == lib.GGML_OP_MUL_MAT and len(src) > 1 and isinstance(src[1], int) and 0 <= src[1] < i \
+                and isinstance(tensors[src[1]], dict) and tensors[src[1]].get("type") != lib.GGML_TYPE_F32:
             return f"tensors[{i}]: MUL_MAT: src1 type not supported"
     return None
 

@@ -440,7 +440,10 @@ def _mul_mat_operands(t, a, b, role: str, dot_type_src1: bool = False) -> None:
     if dot_type_src1 and b.type != F32:
         _need(b.type == DOT_TYPES.get(a.type), t, f"src1 type {type_traits(b.type).name} not supported (f32, or "
                                                   f"src0's dot type: {_dot_type_name(a.type)})")
-        _need(b.is_contiguous(), t, f"a src1 in src0's dot type must be contiguous: nb {list(b.nb)}")
+        # canonical, not just contiguous: the tiled K-quant kernel steps through its rows (all of
+        # dims 1..3 as one index) by nb[1], which ggml_is_contiguous ignores where ne[1] is 1
+        _need(b.is_canonical(), t, f"a src1 in src0's dot type must be contiguous, with the strides "
+                                   f"{list(canonical_nb(b.type, b.ne))} of its shape: nb {list(b.nb)}")
     else:
         _types(t, b, (F32,), "src1")
     _rows(t, a, "src0"); _rows(t, b, "src1")  # GGML_ASSERT(nb00 == type size), (nb10 == type size)

@@ -294,3 +294,12 @@ def test_mul_mat_src1_in_another_dot_type_or_strided_is_refused(s):
                T(F32, [4, 2], op=lib.GGML_OP_MUL_MAT, src=[0, 3], flags=OUTPUT)]
     s.refused(tensors, inputs=[(1, 0, 4096)], blob=f32s(*[1.0] * 1024), outputs=[4],
               fragment="dot type must be contiguous")
+    # contiguous as ggml_is_contiguous sees it (ne[1] is 1, so nb[1] is not looked at), yet the tiled
+    # kernel steps through its 3 rows by nb[1]: 100 rows apart, past the cast (found by a review)
+    tensors = [T(Q4_K, [256, 4], buffer=s.buf), T(F32, [256, 3], flags=INPUT),
+               T(Q8_K, [256, 3], op=lib.GGML_OP_CPY, src=[1, 2]),
+               T(Q8_K, [256, 1, 3, 1], [q8k_row, 100 * q8k_row, q8k_row, 3 * q8k_row], op=lib.GGML_OP_VIEW,
+                 src=[2], view_src=2),
+               T(F32, [4, 1, 3, 1], op=lib.GGML_OP_MUL_MAT, src=[0, 3], flags=OUTPUT)]
+    s.refused(tensors, inputs=[(1, 0, 3072)], blob=f32s(*[1.0] * 768), outputs=[4],
+              fragment="dot type must be contiguous, with the strides")

@@ -84,8 +84,11 @@ def test_a_row_does_not_depend_on_its_batch(type_name, k):
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
 def test_a_row_does_not_depend_on_its_batch_over_weights_beyond_the_caches(type_name):
     """The build's edit sends fewer than 8 columns times weights over 16 MiB (gemma3's head) to
-    vec_dot, the rest to tinyBLAS: still one class for every batch size, as with small weights."""
+    vec_dot, the rest to tinyBLAS: still one class for every batch size, as with small weights.
+    (Which kernel ran is a matter of speed, bench/; the loaded build must carry the edit.)"""
     from ggml_ffi import ggml_build, row_size
+    assert any(f"n < {ggml_build.SGEMM_SMALL_N}" in new for _, _, new in ORIGIN.info.get("source_patches", [])), \
+        ORIGIN.info.get("source_patches")
     wtype = getattr(lib, "GGML_TYPE_" + type_name)
     rows = ggml_build.SGEMM_LARGE_WEIGHT_BYTES // row_size(wtype, 640) + 40
     assert classes(products(type_name, 640, rows, threads=2)) == [BATCHES]
