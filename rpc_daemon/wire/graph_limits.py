@@ -1,6 +1,7 @@
 """What a worker computes, as far as a client must know it before it builds a
-graph: the weight types the CPU matmul and get_rows kernels accept, and the
-most experts a MUL_MAT_ID may choose from. Part of the contract of
+graph: the weight types the CPU matmul and get_rows kernels accept, the dot
+type each quantized one's matmul takes its input in, and the most experts a
+MUL_MAT_ID may choose from. Part of the contract of
 GRAPH_COMPUTE (docs/protocol.md), so it lives with the wire format: the
 daemon's validation (validation/graph.py) refuses anything else, and the
 coordinator checks a model against the same values before it loads one
