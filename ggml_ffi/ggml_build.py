@@ -62,11 +62,12 @@ _CMAKE_COMMON = [
 # tinyBLAS's f32/f16/bf16 kernels sum in another order than vec_dot and take only some shapes (rows
 # a multiple of 4): a worker's share of an f16 output head and the whole head, or a row decoded
 # alone and in a batch, would differ in the last bits. With this edit they go to vec_dot as before.
-# Its quantized kernels sum exactly as vec_dot does, but with fewer than 8 columns over weights far
-# larger than the caches they ran 1.2-2.6x slower than vec_dot (gemma3's 168 MB q8_0 head times 2
-# rows: 32 ms against 12 at 1 thread; at 16.7 MB 1.7x; at 11 MB and below tinyBLAS is faster, and
-# from 12 columns on): such products go to vec_dot too, with the same bits (tests/ffi/test_kernels.py).
-SGEMM_SMALL_N, SGEMM_LARGE_WEIGHT_BYTES = 8, 16 << 20
+# Its quantized kernels sum exactly as vec_dot does, but with fewer than 12 columns over weights far
+# larger than the caches they ran up to 2.6x slower than vec_dot (gemma3's 168 MB q8_0 head times 2
+# rows: 32 ms against 12 at 1 thread; 9-11 columns 1.3-1.5x, 8 about even; at 16.7 MB 1.7x; at 11 MB
+# and below tinyBLAS is faster, and at 12 and 16 columns): such products go to vec_dot too, with the
+# same bits (tests/ffi/test_kernels.py).
+SGEMM_SMALL_N, SGEMM_LARGE_WEIGHT_BYTES = 12, 16 << 20
 _SOURCE_PATCHES = [
     ("ggml/src/ggml-cpu/llamafile/sgemm.cpp",
      "    if (Ctype != GGML_TYPE_F32)\n        return false;\n",

@@ -180,7 +180,7 @@ def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], 
                      "(no repacked weights: llama.cpp's --repack 1 also turns on AMX, which dies on VMs that list "
                      "it; CPU_REPACK made no measurable difference to ours), flash attention, f16 KV cache, the "
                      "last layer's FFN for the output rows only, llamafile's tinyBLAS (ours: for quantized "
-                     "weights only, as this model's are, and not for under 8 rows times a weight over 16 MiB, "
+                     "weights only, as this model's are, and not for under 12 rows times a weight over 16 MiB, "
                      "which vec_dot computes faster with the same bits; docs/architecture.md, \"Kernels\")")
     cols = [f"pp{n_pp} t/s", f"tg{n_tg} t/s", f"tg{n_tg} greedy"]
     width = max(len(name) for name in results) + 20

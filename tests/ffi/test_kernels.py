@@ -83,7 +83,7 @@ def test_a_row_does_not_depend_on_its_batch(type_name, k):
 @needs_build
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
 def test_a_row_does_not_depend_on_its_batch_over_weights_beyond_the_caches(type_name):
-    """The build's edit sends fewer than 8 columns times weights over 16 MiB (gemma3's head) to
+    """The build's edit sends fewer than 12 columns times weights over 16 MiB (gemma3's head) to
     vec_dot, the rest to tinyBLAS: still one class for every batch size, as with small weights.
     (Which kernel ran is a matter of speed, bench/; the loaded build must carry the edit.)"""
     from ggml_ffi import ggml_build, row_size
