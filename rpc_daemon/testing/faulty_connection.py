@@ -34,7 +34,7 @@ def _uses_dot_type_inputs(header: dict) -> str | None:
     return None
 
 
-# feature -> what a daemon from before it refused instead (None: nothing)
+# feature -> what a daemon from before it said of a request using it (a refusal, or None)
 OLDER = {"dot_type_inputs": _uses_dot_type_inputs}
 log = structlog.get_logger("rpc")
 

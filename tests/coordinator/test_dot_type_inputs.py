@@ -41,8 +41,10 @@ def test_a_shared_input_is_converted_once_where_the_rows_are_enough(tmp_path):
     model = write_tiny_model(tmp_path / "qwen3.gguf", "qwen3")
     with Coordinator(["local"], model=model, n_ctx=64) as c:
         stage = c._places[0].stage
-        for rows, wanted in ((SHARED_INPUT_MIN_ROWS, True), (SHARED_INPUT_MIN_ROWS - 1, False), (8, False)):
-            g, _ = stage.graph(StepShape(rows, 64, 1), dot_type_inputs=wanted and rows >= SHARED_INPUT_MIN_ROWS)
+        # (rows, where it runs takes dot-type inputs, casts wanted): too few rows, or not asked, get none
+        for rows, offered, wanted in ((SHARED_INPUT_MIN_ROWS, True, True), (SHARED_INPUT_MIN_ROWS - 1, True, False),
+                                      (8, False, False)):
+            g, _ = stage.graph(StepShape(rows, 64, 1), dot_type_inputs=offered)
             found = casts(g.gf)
             if not wanted:
                 assert not found
