@@ -361,9 +361,13 @@ def test_a_compute_process_maps_the_written_pages_of_a_buffer_and_no_others():
         os.pwrite(fd, b"w" * (4 << 20), 32 << 20)
         addr = map_shared(fd, size)
         assert mapped_kib(addr) == 0
-        populate_resident(addr + 4096, size - 8192)  # a buffer need not start or end on a page
+        page_kib = mmap.PAGESIZE >> 10
+        # a buffer need not start or end on a page; here it starts one page in, so the
+        # first written page is outside the range asked for. The kernel's fault-around
+        # (up to 64 KiB about a fault) maps it too in most runs, not in all.
+        populate_resident(addr + mmap.PAGESIZE, size - 2 * mmap.PAGESIZE)
         mapped = mapped_kib(addr)
-        assert 12 << 10 <= mapped <= (12 << 10) + 64, mapped  # the 12 MiB written: mapped
+        assert (12 << 10) - page_kib <= mapped <= (12 << 10) + 64, mapped  # the written pages asked for: mapped
         assert os.fstat(fd).st_blocks * 512 == 12 << 20  # the rest: still no memory
     finally:
         if addr is not None:
