@@ -27,14 +27,18 @@ from rpc_daemon.service.memory import available_memory
 
 log = structlog.get_logger("coordinator")
 
-EXCHANGE_OVERHEAD = 60e-6  # seconds an exchange costs beyond the one-way delay (send, wake, sum)
+# seconds an exchange costs beyond the one-way delay: sending, summing and a member waiting for the other.
+# What members report in decode on loopback, waits included (exchange_us per exchange, a 2-core VM,
+# 2026-12-04): 17-34 us for gemma3-270m and the 1.1B llama; bench/bench_exchange.py's mechanics alone
+# 12-17 us. 60 us, as before, made gemma3-270m a coin flip (3 tensor, 2 layer in 5 quiet starts) though
+# tensor was faster there in the same hour (tg32 1.10x, greedy 1.15x, pp64 1.73x).
+EXCHANGE_OVERHEAD = 30e-6
 FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be timed (a 1.1B Q4_K_M token: ~5e9)
 # auto takes the tensor split where a token's exchanges cost less than this share of the layer compute
-# it saves. The estimate is pessimistic on the exchanges' side, which pays for what it leaves out (work
-# every member repeats, members waiting on each other): a PING's round trip passes two Python event loops
-# an exchange does not (gemma3-270m, 2 loopback workers, a 2-core VM: 124 us estimated an exchange, 41 us
-# measured, waits included). Half instead of all chose the layer split there at 4.5 ms of exchanges
-# against 7.1 ms saved, while tensor generated 1.5x faster (tg32) and served 1.1-1.3x faster.
+# it saves. The estimate stays pessimistic on the exchanges' side, which pays for what it leaves out
+# (work every member repeats): a PING's round trip passes two Python event loops an exchange does not
+# (loopback, a 2-core VM: PING round trips 40-82 us, so 50-70 us estimated an exchange against the
+# 17-34 us the members measure).
 TENSOR_PAYS = 1.0
 
 
