@@ -207,6 +207,11 @@ class LocalExecutor:
         self.gallocs: dict[int, Gallocr] = {}
         self.allocated: set[int] = set()  # graphs placed once keep their addresses: no allocator pass per step
         self.buffers = []
+        # the tensors placed in those buffers: detached when they are freed, so none points into
+        # freed memory (a model file's weight tensors are shared: the next stage that holds one,
+        # e.g. auto's layer timing run again on the same file, loads it afresh instead of reading
+        # a freed buffer; that run segfaulted for the tiny qwen3, 2 times in 3)
+        self.placed = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="local-compute")
         self.head_seconds: dict[tuple, float] = {}  # (n_outputs, argmax) -> time of the last head shard here
 
@@ -234,6 +239,7 @@ class LocalExecutor:
         base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buf)))
         for t, off in offsets.items():
             lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
+            self.placed.append(t)
         for name, t in todo:
             data = stage.weight_data(gguf, name)
             np.copyto(np.frombuffer(ffi.buffer(t.data, len(data)), np.uint8), np.frombuffer(data, np.uint8))
@@ -304,6 +310,9 @@ class LocalExecutor:
         for buf in self.buffers:
             lib.ggml_backend_buffer_free(buf)
         self.buffers.clear()
+        for t in self.placed:
+            t.data, t.buffer = NULL, NULL
+        self.placed.clear()
         if self.backend:
             self.backend.close()
 
