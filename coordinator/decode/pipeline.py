@@ -243,7 +243,7 @@ class Pipeline:
             return await self._head(out.hidden, step.shape, step.head_places)
         last = self.places[-1].endpoint
         if greedy:
-            checked_logits(out.sums, last)
+            checked_logits(out.probes, last)
             tokens = checked_tokens(out.tokens, self.hp.n_vocab, last)
             if greedy > 1:
                 return ranked(tokens, [checked_tokens(out.best_ids, self.hp.n_vocab, last)], [out.best_values], greedy)
@@ -324,7 +324,7 @@ class Pipeline:
             best, value, best_ids, best_values = [], [], [], []
             for p, data in zip(places, results):
                 out, r = read_output(p, data, shape, head=True), p.stage.head_rows
-                checked_logits(out.sums, p.endpoint)
+                checked_logits(out.probes, p.endpoint)
                 best.append(checked_tokens(out.tokens, len(r), p.endpoint) + r.start)
                 value.append(out.best)
                 if out.best_ids is not None:

@@ -31,7 +31,7 @@ class StageOutput:
     logits: np.ndarray | None = None  # f32[n_outputs, rows]
     tokens: np.ndarray | None = None  # i32[n_outputs]: each row's argmax (in this shard)
     best: np.ndarray | None = None  # f32[n_outputs]: that token's logit (head shards: to compare them)
-    sums: np.ndarray | None = None  # f32[n_outputs]: each row's sum (not finite: a NaN or infinite logit)
+    probes: np.ndarray | None = None  # f32[n_outputs]: finite_probe per row (not finite: a NaN or infinite logit)
     best_ids: np.ndarray | None = None  # i32[n_outputs, k]: each row's k best tokens (in this shard), any order
     best_values: np.ndarray | None = None  # f32[n_outputs, k]: their logits
 
@@ -211,7 +211,7 @@ class Stage:
 
     # ------------------------------------------------------------ the reply's layout
     # Outputs come back concatenated in BuiltGraph.outputs' order: argmax_first's
-    # token (i32) and maximum, then the row sums (f32), one value per output row;
+    # token (i32) and maximum, then finite_probe (f32), one value per output row;
     # with shape.argmax = k > 1 then best_tokens' k ids (i32) and k logits per row.
     @staticmethod
     def best_k(shape: StepShape, rows: int) -> int:
@@ -223,7 +223,7 @@ class Stage:
             # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
             rows = len(self.head_rows)
             return (3 + 2 * self.best_k(shape, rows) if shape.argmax else rows) * shape.n_outputs * 4
-        if self.head_here(shape):  # argmax: token and row sum
+        if self.head_here(shape):  # argmax: token and finiteness probe
             rows = self.hp.n_vocab
             return (2 + 2 * self.best_k(shape, rows) if shape.argmax else rows) * shape.n_outputs * 4
         if self.last:
@@ -237,13 +237,13 @@ class Stage:
         if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                best=np.frombuffer(data, np.float32, n_out, n_out * 4),
-                               sums=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4),
+                               probes=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4),
                                **_best_of(data, 3 * n_out * 4, n_out, self.best_k(shape, len(self.head_rows))))
         if head:
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, len(self.head_rows)))
         if self.head_here(shape) and shape.argmax:  # the argmax token and the row's sum
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
-                               sums=np.frombuffer(data, np.float32, n_out, n_out * 4),
+                               probes=np.frombuffer(data, np.float32, n_out, n_out * 4),
                                **_best_of(data, 2 * n_out * 4, n_out, self.best_k(shape, self.hp.n_vocab)))
         if self.head_here(shape):
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, self.hp.n_vocab))

@@ -296,8 +296,9 @@ CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['co
 def argmax_first(c, logits):
     """Each column's argmax with ties going to the lowest id, as numpy's argmax
     and llama.cpp's greedy sampler (ggml_argmax alone gives the highest), the
-    column's maximum, and its sum (not finite: a NaN or infinite logit, which the
-    coordinator refuses as it refuses such logits). ggml's TOP_K with k = 1 is
+    column's maximum, and its finiteness probe (finite_probe: not finite where
+    a logit is a NaN or infinite, which the coordinator refuses as it refuses
+    such logits). ggml's TOP_K with k = 1 is
     that argmax in one pass: its partial sort over one element replaces its pick
     only by a strictly greater logit, so the first of equal maxima stays
     (test_greedy_head.py, and the "ties" head of test_head_shards_combine_as_one_head,
@@ -306,7 +307,30 @@ def argmax_first(c, logits):
     n, cols = logits.ne[0], logits.ne[1]
     first = lib.ggml_top_k(c, logits, 1)  # i32 [1, cols]: the same bytes as one id per column
     best = lib.ggml_get_rows(c, lib.ggml_reshape_3d(c, logits, 1, n, cols), first)
-    return first, best, lib.ggml_sum_rows(c, logits)
+    return first, best, finite_probe(c, logits)
+
+
+PROBE_MAX_SPAN, PROBE_MIN_SPAN = 1024, 64  # finite_probe's dot products: the longest, and the shortest worth one
+
+
+def finite_probe(c, logits):
+    """f32 [1, cols]: 0 where a column of `logits` (f32 [n, cols], contiguous) is finite
+    throughout, NaN where it is not (0 x inf and 0 x NaN are NaN, and so is any sum they
+    enter). It is the products of the logits, in spans of d (the longest divisor of n up to
+    PROBE_MAX_SPAN), with zeros made from the first span (logit - logit: zeros where those
+    are finite, NaN where not), then each column's n / d products summed. ggml's SUM_ROWS over
+    the whole column, which it replaces, adds one float at a time in double precision on
+    one thread: over gemma3-270m's 262,144 logits 0.3 ms a row, 4 % of an 8-slot serving
+    step; the products run on every thread, 16 floats at a time. Where n has no divisor
+    from PROBE_MIN_SPAN on, that SUM_ROWS (also not finite where a logit is not)."""
+    n, cols = logits.ne[0], logits.ne[1]
+    d = next((k for k in range(min(n, PROBE_MAX_SPAN), PROBE_MIN_SPAN - 1, -1) if n % k == 0), None)
+    if d is None:
+        return lib.ggml_sum_rows(c, logits)
+    first = lib.ggml_view_1d(c, logits, d, 0)
+    zeros = lib.ggml_sub(c, first, first)  # f32 [d] (not a scale by 0: its all-zero params would not reach a worker)
+    spans = lib.ggml_mul_mat(c, zeros, lib.ggml_reshape_2d(c, logits, d, n // d * cols))  # f32 [1, n / d * cols]
+    return lib.ggml_sum_rows(c, lib.ggml_reshape_2d(c, spans, n // d, cols))
 
 
 def best_tokens(c, logits, k: int):
