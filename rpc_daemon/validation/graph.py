@@ -383,7 +383,6 @@ def rule_scale(t, tensors):
     rule_unary_like(t, tensors)
     a = tensors[t.src[0]]
     _types(t, a, (F32,), "src0")  # the CPU kernel aborts on anything else
-    _need(len(t.params) >= 4, t, "params must hold the scale")
     # GGML_ASSERT(ggml_is_contiguous(src0)), and it walks all rows as i * nb[1] (with a bias: dst's nb[1])
     _need(a.is_contiguous() and a.is_contiguous_1(), t, f"src0 must be contiguous: nb {list(a.nb)}")
     _need(a.nb[1] == a.row_bytes() or a.ne[1] * a.ne[2] * a.ne[3] == 1, t, "src0 rows must be packed (nb[1])")
