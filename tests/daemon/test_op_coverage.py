@@ -520,6 +520,7 @@ def _(b):  # greedy on the worker (a TOP_K of 1), ties to the lowest id: logits 
     from coordinator.model.architectures.common import argmax_first
     rng = np.random.default_rng(7)
     data = np.repeat(rng.integers(-8, 8, (4, 200)).astype(np.float32), 5, axis=1)
+    data[2, 500] = -np.inf  # its finiteness probe: NaN in row 2, 0 in the others (all zeros would prove nothing)
     for out in argmax_first(b.c, b.input(F32, [1000, 4], data=data.tobytes())):
         b.output(out)
 
