@@ -169,7 +169,7 @@ class Sampler:
         """The token ids top_k, typical_p, top_p and min_p leave, in no particular order."""
         keep = max(self.min_keep, 1)
         n = z.size
-        ids = np.arange(n) if not 0 < self.top_k < n else np.argpartition(-z, self.top_k - 1)[: self.top_k]
+        ids = np.arange(n) if not 0 < self.top_k < n else top_k_ids(z, self.top_k)
         if self.typical_p < 1.0 and ids.size > keep:
             ids = self._typical(z, ids, keep)
         if self.top_p < 1.0 and ids.size > keep:
@@ -237,10 +237,20 @@ class Sampler:
         v = z[ids]
         if self.temperature == 0:
             return ids[np.argmax(v)][None], np.ones(1)
-        if ids.size < z.size:  # highest first, ties by position (a whole vocabulary is drawn from in id order)
+        if ids.size < z.size:  # highest first, equal logits by id (candidates come in id order, as a whole vocabulary)
             order = np.argsort(-v, kind="stable")
             ids, v = ids[order], v[order]
         return ids, _softmax(v, self.temperature)
+
+
+def top_k_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k highest of `z` (0 < k < z.size), in id order; of the values equal to the
+    k-th highest, the lowest ids. np.argpartition, before, picked among those arbitrarily and
+    returned its pick in no order (the draw's order of equal logits then depended on it), and
+    took 480 us over gemma3-270m's 262,144 logits, against 200-230 us for this."""
+    kth = np.partition(z, z.size - k)[z.size - k]
+    above = np.flatnonzero(z > kth)  # fewer than k
+    return np.sort(np.concatenate([above, np.flatnonzero(z == kth)[: k - above.size]]))
 
 
 def draw_index(rng: np.random.Generator, p: np.ndarray) -> int:

@@ -268,3 +268,20 @@ def test_token_logprobs_are_the_models_log_softmax():
     assert top[0] == (int(np.argmax(big)), pytest.approx(lp)) and math.isclose(
         np.exp([v for _, v in token_logprobs(big, None, big.size)[1]]).sum(), 1.0, rel_tol=1e-9)
     assert TokenLogprob(5, None).top == () and TokenLogprob(5, -1.0, ((5, -1.0),), 3).offset == 3
+
+
+def test_top_k_ids_are_the_k_highest_in_id_order_with_ties_to_the_lowest_ids():
+    """The sampler's top_k cut: exactly k ids, ascending, the k highest logits, and where the k-th
+    value repeats past the cut, the lowest ids of it (the draw's order of equal logits follows)."""
+    from coordinator.text.sampling import top_k_ids
+
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(2, 3000))
+        k = int(rng.integers(1, n))
+        z = rng.integers(-4, 4, n).astype(np.float32) if trial % 2 else rng.normal(size=n).astype(np.float32)
+        if trial % 5 == 0:
+            z[rng.integers(0, n, n // 3)] = -np.inf  # banned tokens
+        ids = top_k_ids(z, k)
+        assert ids.size == k and (np.diff(ids) > 0).all(), (n, k)
+        assert sorted(ids.tolist()) == sorted(np.lexsort((np.arange(n), -z))[:k].tolist()), (n, k)
