@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -29,9 +30,16 @@ from rpc_daemon.wire.tls import client_context
 ALIGN = 64
 UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
 # the ops the model graphs (coordinator/models, stage.py) are built from; DEVICE_INFO lists a daemon's
-GRAPH_OPS = ("ADD", "CONT", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "MUL_MAT_ID", "PERMUTE",
-             "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUM_ROWS", "TOP_K", "UNARY", "VIEW")
+GRAPH_OPS = ("ADD", "CONT", "CPY", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "MUL_MAT_ID",
+             "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB", "SUM_ROWS", "TOP_K",
+             "UNARY", "VIEW")
 CACHE_MIN_BYTES = 128 << 10  # below this sending the bytes costs less than hashing them and a look-up
+# The in-process executors of a coordinator load at once, each on its own thread, and a weight two
+# stages share (rope_freqs, a tied token_embd) must be placed by one of them: which tensors are still
+# unplaced and placing them is one step. Two threads placing one tensor failed ggml's
+# GGML_ASSERT(tensor->buffer == NULL) and aborted the process (Coordinator(["local", "local"]) of a
+# llama 3.x model: 5 starts of 6).
+_PLACING = threading.Lock()
 
 
 def peer_failed(endpoint: str, exc: PeerFailed) -> StageFailed:
@@ -231,15 +239,16 @@ class LocalExecutor:
 
     def _load(self, stage, gguf, progress) -> None:
         weights, kv = stage_tensors(stage)
-        todo = [(n, t) for n, t in weights if t.data == NULL]
-        offsets, total = layout([t for _, t in todo] + kv)
-        buf = self.backend.alloc_buffer(total)
-        lib.ggml_backend_buffer_clear(buf, 0)
-        self.buffers.append(buf)
-        base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buf)))
-        for t, off in offsets.items():
-            lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
-            self.placed.append(t)
+        with _PLACING:
+            todo = [(n, t) for n, t in weights if t.data == NULL]
+            offsets, total = layout([t for _, t in todo] + kv)
+            buf = self.backend.alloc_buffer(total)
+            self.buffers.append(buf)
+            base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buf)))
+            for t, off in offsets.items():
+                lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", base + off))
+                self.placed.append(t)
+        lib.ggml_backend_buffer_clear(buf, 0)  # only this executor writes its buffer, its weights below
         for name, t in todo:
             data = stage.weight_data(gguf, name)
             np.copyto(np.frombuffer(ffi.buffer(t.data, len(data)), np.uint8), np.frombuffer(data, np.uint8))

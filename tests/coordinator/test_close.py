@@ -63,3 +63,32 @@ def test_a_closed_local_executor_leaves_no_tensor_pointing_into_its_freed_buffer
 
     first = asyncio.run(load_compute_close())
     assert np.array_equal(np.asarray(asyncio.run(load_compute_close())), np.asarray(first))  # loaded again: the same output
+
+
+SHARED_WEIGHTS_START = """
+import sys
+from coordinator import Batch, Coordinator
+for _ in range(5):
+    with Coordinator(["local", "local"], model=sys.argv[1], split=[1, 1], n_ctx=64) as c:
+        assert c.decode(Batch.single([5, 6, 7], 0)) == 0, c.last_error
+        print("TOKEN", c.token(-1))
+"""
+
+
+def test_in_process_stages_that_share_a_weight_load_at_once_without_placing_it_twice(tmp_path):
+    """Two in-process stages of a llama 3.x model both hold rope_freqs, and load on their own threads
+    at once: one places the shared tensor, the other uses it. Both placing it aborted the process
+    (ggml's GGML_ASSERT(tensor->buffer == NULL)) in 5 starts of 6; here 5 starts run in a child
+    process, so an abort is a failure, not the end of the run, and each gives the same token."""
+    import subprocess
+    import sys
+
+    from conftest import SLACK
+    from tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "llama3.gguf", "llama3")
+    run = subprocess.run([sys.executable, "-c", SHARED_WEIGHTS_START, str(model)], capture_output=True, text=True,
+                         timeout=120 * SLACK)
+    assert run.returncode == 0, run.stderr[-2000:]
+    tokens = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("TOKEN ")]
+    assert len(tokens) == 5 and len(set(tokens)) == 1, run.stdout

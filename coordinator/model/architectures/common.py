@@ -329,7 +329,7 @@ def finite_probe(c, logits):
     if d is None:
         return lib.ggml_sum_rows(c, logits)
     first = lib.ggml_view_1d(c, logits, d, 0)
-    zeros = lib.ggml_sub(c, first, first)  # f32 [d] (not a scale by 0: its all-zero params would not reach a worker)
+    zeros = lib.ggml_sub(c, first, first)  # f32 [d] (not a scale by 0: workers before ef2a3c7 refuse its empty params)
     spans = lib.ggml_mul_mat(c, zeros, lib.ggml_reshape_2d(c, logits, d, n // d * cols))  # f32 [1, n / d * cols]
     return lib.ggml_sum_rows(c, lib.ggml_reshape_2d(c, spans, n // d, cols))
 
