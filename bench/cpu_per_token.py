@@ -49,8 +49,8 @@ if NO_GGML:  # before ggml_ffi is used anywhere, and inherited by the workers an
 from coordinator import Batch, Coordinator  # noqa: E402
 from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
 import ggml_ffi.core  # noqa: E402
+from proc_stat import children, stat_cpu  # noqa: E402
 
-_TICK = os.sysconf("SC_CLK_TCK")
 PROMPT, WARMUP, BLOCK = 32, 8, 200
 _ggml_cpu = [0.0]
 _compute = ggml_ffi.core.CpuBackend.compute
@@ -67,33 +67,13 @@ def _timed_compute(self, gf):
 ggml_ffi.core.CpuBackend.compute = _timed_compute
 
 
-def _stat_cpu(path: str) -> float:
-    try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except OSError:
-        return 0.0
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def _threads_cpu() -> dict:
     """CPU seconds of each of this process's threads, by name."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict = {}
     for tid in os.listdir("/proc/self/task"):
         name = names.get(int(tid), "other")
-        out[name] = out.get(name, 0.0) + _stat_cpu(f"/proc/self/task/{tid}/stat")
+        out[name] = out.get(name, 0.0) + stat_cpu(f"/proc/self/task/{tid}/stat")
     return out
 
 
@@ -117,9 +97,9 @@ class Meter:
         self.threads: dict = {}
 
     def _read(self) -> tuple:
-        kids = [k for d in self.daemons for k in _children(d)]
-        return (_self_cpu(), _ggml_cpu[0], sum(_stat_cpu(f"/proc/{d}/stat") for d in self.daemons),
-                {k: _stat_cpu(f"/proc/{k}/stat") for k in kids}, time.perf_counter(), _threads_cpu())
+        kids = [k for d in self.daemons for k in children(d)]
+        return (_self_cpu(), _ggml_cpu[0], sum(stat_cpu(f"/proc/{d}/stat") for d in self.daemons),
+                {k: stat_cpu(f"/proc/{k}/stat") for k in kids}, time.perf_counter(), _threads_cpu())
 
     def start(self) -> None:
         self._at = self._read()

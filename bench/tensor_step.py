@@ -32,30 +32,9 @@ import time
 from coordinator import Batch, Coordinator
 from coordinator.serving.benchmark import bench_model
 from coordinator.serving.local_workers import LocalWorkers
+from proc_stat import children, process_cpu
 
 PROMPT, WARMUP, MAX_TG = 32, 8, 200
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process `pid` so far (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except OSError:
-        return 0.0
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
 
 
 def main(argv=None) -> int:
@@ -82,7 +61,7 @@ def main(argv=None) -> int:
             for i in range(WARMUP + args.tg):
                 if i == WARMUP:
                     kids = [k for d in daemons for k in children(d)]
-                    cpu0 = (time.process_time(), sum(map(cpu_seconds, daemons)), sum(map(cpu_seconds, kids)))
+                    cpu0 = (time.process_time(), sum(map(process_cpu, daemons)), sum(map(process_cpu, kids)))
                 before = [(p.executor.compute_us, p.executor.exchange_us) for p in places]
                 started = time.perf_counter()
                 if c.decode(Batch.single([token], PROMPT + i), greedy=args.greedy) != 0:
@@ -97,8 +76,8 @@ def main(argv=None) -> int:
                     ex = p.executor
                     members[m].append(((ex.compute_us - compute0) / 1e3, (ex.exchange_us - exchange0) / 1e3,
                                        ex.rtt * 1e3))
-            cpu = (time.process_time() - cpu0[0], sum(map(cpu_seconds, daemons)) - cpu0[1],
-                   sum(map(cpu_seconds, kids)) - cpu0[2])
+            cpu = (time.process_time() - cpu0[0], sum(map(process_cpu, daemons)) - cpu0[1],
+                   sum(map(process_cpu, kids)) - cpu0[2])
     n = args.tg
     print(f"{os.path.basename(model or 'gemma3-270m (bundled)')}, 2 workers x 1 thread, split_mode tensor, "
           f"{n} one-token steps ({'argmax' if args.greedy else 'full logits'}), medians; "
