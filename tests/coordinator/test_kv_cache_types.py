@@ -39,6 +39,24 @@ def test_quantized_kv_cache_in_process_and_on_workers(workers):
                 assert ours[-1].argmax() == ref[-1].argmax()
 
 
+@pytest.mark.system
+def test_k_and_v_of_different_types_each_read_with_their_own_row_size(workers):
+    """-ctk and -ctv apart: V is viewed with V's strides, not K's (a q8_0 K with an f16 V read V
+    with q8_0's row size: garbage logits, and NaN with q4_0 K and q8_0 V)."""
+    with Coordinator(["local"], n_ctx=256) as c:
+        ref = all_logits(c)
+    scale = np.abs(ref).max()
+    ws = workers(2)
+    for k_type, v_type in (("q8_0", "f16"), ("f16", "q8_0"), ("q4_0", "q8_0"), ("q8_0", "q4_0")):
+        for endpoints in (["local"], [ws.endpoint(0), ws.endpoint(1)]):
+            with Coordinator(endpoints, n_ctx=256, cache_type_k=k_type, cache_type_v=v_type) as c:
+                ours = all_logits(c)
+            assert np.isfinite(ours).all(), (k_type, v_type, endpoints)
+            assert np.abs(ours - ref).max() < 0.3 * scale, (k_type, v_type, endpoints, np.abs(ours - ref).max(), scale)
+            if "q4_0" not in (k_type, v_type):
+                assert ours[-1].argmax() == ref[-1].argmax(), (k_type, v_type, endpoints)
+
+
 def test_an_unknown_kv_type_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="cache_type_k must be 'f16', 'q8_0' or 'q4_0'"):
         Coordinator(["local"], cache_type_k="q5_1")

@@ -146,10 +146,7 @@ class GraphBuilder:
         for cur, cache in ((k, k_cache), (v, v_cache)):
             cur2d = lib.ggml_view_2d(c, cur, hp.n_embd_kv, n_tokens, cur.nb[2], 0)
             lib.ggml_build_forward_expand(self.gf, lib.ggml_set_rows(c, cache, cur2d, rows))
-        row = lib.ggml_row_size(k_cache.type, hp.head_dim)
-        row_kv = lib.ggml_row_size(k_cache.type, hp.n_embd_kv)
-        kk = lib.ggml_view_4d(c, k_cache, hp.head_dim, hp.n_head_kv, n_kv, 1, row, row_kv, row_kv * n_kv, 0)
-        vv = lib.ggml_view_4d(c, v_cache, hp.head_dim, hp.n_head_kv, n_kv, 1, row, row_kv, row_kv * n_kv, 0)
+        kk, vv = (self.cache_view(cache, n_kv) for cache in (k_cache, v_cache))
         qq = lib.ggml_permute(c, q, 0, 2, 1, 3)
         kk = lib.ggml_permute(c, kk, 0, 2, 1, 3)
         vv = lib.ggml_permute(c, vv, 0, 2, 1, 3)
@@ -157,6 +154,14 @@ class GraphBuilder:
         out = lib.ggml_flash_attn_ext(c, qq, kk, vv, mask, kq_scale, 0.0, 0.0)
         lib.ggml_flash_attn_ext_set_prec(out, lib.GGML_PREC_F32)
         return lib.ggml_reshape_2d(c, out, out.ne[0] * out.ne[1], out.ne[2] * out.ne[3])
+
+    def cache_view(self, cache, n_kv: int):
+        """The first n_kv rows of a layer's K or V cache as [head_dim, heads, n_kv], strided
+        by that cache's own type (K and V may hold different types: -ctk, -ctv)."""
+        hp = self.hp
+        row = lib.ggml_row_size(cache.type, hp.head_dim)
+        row_kv = lib.ggml_row_size(cache.type, hp.n_embd_kv)
+        return lib.ggml_view_4d(self.c, cache, hp.head_dim, hp.n_head_kv, n_kv, 1, row, row_kv, row_kv * n_kv, 0)
 
     def output_rows_only(self, il: int, attn, x):
         """In the model's last layer, the projected attention output and the residual of
