@@ -264,7 +264,8 @@ def grammar(tools: Tools, fmt: str) -> str | None:
         return None
     chosen = [f for f in tools.functions if tools.choice == REQUIRED or f["name"] == tools.name]
     several = tools.choice == REQUIRED and tools.parallel
-    text = tool_calls.call_grammar([(f["name"], f.get("parameters") or NO_PARAMETERS) for f in chosen], fmt, several,
+    text = tool_calls.call_grammar([(f["name"], constrained.closed_objects(f.get("parameters") or NO_PARAMETERS))
+                                    for f in chosen], fmt, several,
                                    constrained.JSON_OPTIONS)
     try:
         return constrained.compile_grammar("lark", text)

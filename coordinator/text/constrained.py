@@ -14,6 +14,8 @@ matcher per sequence.
   library's EOS, allowed exactly when the grammar accepts.
 * `compile_grammar(kind, value)`: a request's `response_format` / `grammar` /
   `json_schema` as an llguidance grammar; ValueError with the library's message.
+  A schema's objects with `properties` are closed to other keys unless it says
+  otherwise (`closed_objects`), as llama.cpp reads them.
 * `Constraint`: one sequence's matcher. `logits(z)` sets every disallowed token to
   -inf; `advance(token)` consumes a sampled token and, at once, starts computing the
   next mask in a thread (llguidance drops the GIL), so the mask for step t+1 is
@@ -96,6 +98,37 @@ def vocabulary(tokenizer: Tokenizer):
         return found
 
 
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` but says nothing of others closed
+    (`additionalProperties: false`), as llama.cpp's json-schema-to-grammar reads such an
+    object. JSON Schema would allow any other key there, and a small model held to the
+    schema fills them with junk (`{"city": "Paris", "type": "object", "properties": ...}`).
+    The output still conforms to the schema as written. Objects under `allOf` stay as they
+    are: their keys may be spread over its branches. A new object; `schema` is untouched."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_objects(sub) for sub in value]
+        elif key in _SUBSCHEMAS:
+            out[key] = [closed_objects(sub) for sub in value] if isinstance(value, list) else closed_objects(value)
+        else:
+            out[key] = value  # allOf among them: see above
+    if ("properties" in out and "additionalProperties" not in out and "patternProperties" not in out
+            and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def compile_grammar(kind: str, value: Any) -> str:
     """An llguidance grammar for one request field; ValueError with the library's message.
 
@@ -110,7 +143,7 @@ def compile_grammar(kind: str, value: Any) -> str:
                 value = json.loads(value)
             if not isinstance(value, (dict, bool)):
                 raise ValueError(f"a JSON schema is an object, not {type(value).__name__}")
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=JSON_OPTIONS)
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(value)), defaults=JSON_OPTIONS)
         elif kind == "grammar":
             if not isinstance(value, str):
                 raise ValueError(f"a grammar is a string, not {type(value).__name__}")

@@ -138,6 +138,34 @@ def test_forked_choices_get_matchers_of_their_own():
 
 
 # ------------------------------------------------------------ request parsing: 400s naming the field
+def test_closed_objects_closes_what_lists_properties_and_says_nothing_of_others():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "array", "items": {"type": "object", "properties": {"y": {}}}},
+        "c": {"anyOf": [{"type": "object", "properties": {"z": {}}}, {"type": "null"}]},
+        "d": {"type": "object", "properties": {}, "additionalProperties": True},
+        "e": {"type": "object", "properties": {}, "patternProperties": {"^k": {}}},
+        "f": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+        "g": {"type": "object"}},
+        "$defs": {"t": {"type": "object", "properties": {"w": {}}}}}
+    before = json.dumps(schema, sort_keys=True)
+    closed = constrained.closed_objects(schema)
+    assert json.dumps(schema, sort_keys=True) == before  # the request's own schema is untouched
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and closed["$defs"]["t"]["additionalProperties"] is False
+    assert props["a"]["additionalProperties"] is False and props["b"]["items"]["additionalProperties"] is False
+    assert props["c"]["anyOf"][0]["additionalProperties"] is False and props["c"]["anyOf"][1] == {"type": "null"}
+    assert props["d"]["additionalProperties"] is True and "additionalProperties" not in props["e"]
+    assert props["f"] == schema["properties"]["f"] and props["g"] == {"type": "object"}  # allOf; no properties listed
+    assert constrained.closed_objects(True) is True
+
+
+def test_a_json_schema_without_additional_properties_allows_no_other_key():
+    grammar = constrained.compile_grammar("json_schema", {"type": "object", "properties": {"n": {"type": "integer"}}})
+    assert allowed_prefix('{"n": 1}', grammar)
+    assert not allowed_prefix('{"n": 1, "m"', grammar) and not allowed_prefix('{"m"', grammar)
+
+
 def refused(**body) -> ApiError:
     with pytest.raises(ApiError) as e:
         openai_api.parse_completion({"prompt": "x", **body}, 1000, 256)

@@ -154,6 +154,24 @@ def test_a_named_function_forces_one_call_of_it_conforming_to_its_schema(matcher
     assert not matcher(g, two)
 
 
+def test_a_forced_calls_object_without_additional_properties_is_closed_to_other_keys(matcher):
+    """As users write a schema (no additionalProperties) and as llama.cpp reads it: a 270M model
+    filled the open object with junk keys ({"city": "Paris", "type": "object", ...})."""
+    open_schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+                   "required": ["city"]}
+    g = forced(tools=[{"type": "function", "function": {"name": "find", "parameters": open_schema}}],
+               tool_choice="required")
+    assert matcher(g, tool_calls.call_text("find", '{"city": "Oslo"}'))
+    assert matcher(g, tool_calls.call_text("find", '{"city": "Oslo", "where": {"lat": 59.9}}'))
+    assert not matcher(g, tool_calls.call_text("find", '{"city": "Oslo", "unit": "c"}'))
+    assert not matcher(g, tool_calls.call_text("find", '{"city": "Oslo", "where": {"lat": 1, "lon": 2}}'))
+    free = dict(open_schema, additionalProperties={"type": "integer"})  # a schema that allows others is kept
+    g = forced(tools=[{"type": "function", "function": {"name": "find", "parameters": free}}], tool_choice="required")
+    assert matcher(g, tool_calls.call_text("find", '{"city": "Oslo", "n": 3}'))
+    assert not matcher(g, tool_calls.call_text("find", '{"city": "Oslo", "n": "x"}'))
+
+
 def test_required_forces_a_call_of_any_function_and_several_only_when_parallel(matcher):
     g = forced(tool_choice="required")
     weather = tool_calls.call_text("get_weather", '{"city": "Oslo", "unit": "celsius"}')
