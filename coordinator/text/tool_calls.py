@@ -129,12 +129,17 @@ def _skip(text: str, i: int) -> int:
 
 # ------------------------------------------------------------ the formats
 def _hermes(text: str):
+    """Hermes/Qwen blocks, <tool_call>{...}</tool_call>, wherever they are: the text around
+    them is the content (a model may write a sentence after its call, as llama.cpp's parser
+    also allows). A last block or marker cut short (max_tokens) is dropped when whole calls
+    came before it; a block that holds no call makes the answer no call at all."""
     start = text.find(HERMES_OPEN)
     if start < 0:
         return None
     calls: list[ToolCall] = []
+    content = [text[:start]]
     i = start
-    while text.startswith(HERMES_OPEN, i):
+    while True:
         j = _skip(text, i + len(HERMES_OPEN))
         close = text.find(HERMES_CLOSE, j)
         fenced = _FENCE.match(text[j:close].strip()) if close >= 0 else None
@@ -145,17 +150,24 @@ def _hermes(text: str):
         found = _calls(value) if value is not None else None
         if found is None:
             if calls and HERMES_CLOSE not in text[j:]:  # a last block cut short (max_tokens): the calls before stand
-                return text[:start], calls
+                break
             return None
         calls += found
         i = _skip(text, end)
         if text.startswith(HERMES_CLOSE, i):
-            i = _skip(text, i + len(HERMES_CLOSE))
+            i += len(HERMES_CLOSE)
         elif i < len(text):
             return None  # something else where the block should close
-    if _skip(text, i) < len(text):
-        return None  # text after the calls: not a call answer
-    return text[:start], calls
+        following = text.find(HERMES_OPEN, i)
+        between = text[i:] if following < 0 else text[i:following]
+        if following < 0 and between.strip() and HERMES_OPEN.startswith(between.strip()):
+            break  # the next block's marker cut short
+        if between.strip():
+            content.append(between)
+        if following < 0:
+            break
+        i = following
+    return "".join(content), calls
 
 
 def _mistral(text: str):

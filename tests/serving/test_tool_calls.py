@@ -51,6 +51,13 @@ def call(name, **args) -> ToolCall:
     ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}', None, [call("add", a=1, b=2)]),  # no close
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "add", "argu',
      None, [call("add", a=1, b=2)]),  # a last call cut by max_tokens: the whole ones stand
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_',
+     None, [call("add", a=1, b=2)]),  # cut inside the next block's marker
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\nThat adds them.',
+     "\nThat adds them.", [call("add", a=1, b=2)]),  # a sentence after the call (as llama.cpp's parser allows)
+    ('First <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> then '
+     '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call> done', "First  then  done",
+     [call("add", a=1, b=2), call("get_weather")]),
     # Llama 3.x
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [call("get_weather", city="Paris")]),
     ('<|python_tag|>{"type": "function", "name": "add", "parameters": {"a": 1, "b": 2}}; '
@@ -81,6 +88,7 @@ def test_the_parser_reads_each_format(text, content, calls):
     '<tool_call>{"name": "send_email", "arguments": {}}</tool_call>',  # not one of the request's functions
     '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
     '<tool_call>not json</tool_call>',
+    '<tool_call>{"name": "add", "arguments": {}}</tool_call> and <tool_call>not json</tool_call>',
     '[TOOL_CALLS]add',
     '{"name": "add", "arguments": {"a": 1}, "extra": 2}',
 ])
