@@ -26,6 +26,7 @@ from rpc_daemon.service.version import VersionAction
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 SERVE_RESUME_WITHIN = 30.0  # serve's default: a worker restarted by systemd is back well within it
+SERVE_CTX_PER_SLOT = 2048  # serve's default context a slot
 
 
 def _defaults(fn) -> dict:
@@ -135,7 +136,8 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF path (default: the bundled Gemma 3 270M, from 'ggml-distributed[model]')")
     p.add_argument("-t", "--threads", type=_count(1), default=LIBRARY["threads"], help="compute threads per worker")
     p.add_argument("-c", "--ctx-size", type=_count(1), default=None,
-                   help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: --parallel x --ctx-per-slot)")
+                   help=f"KV cache size in tokens (default {LIBRARY['n_ctx']}; serve: the total over its slots, "
+                        f"each --ctx-per-slot, default --parallel x {SERVE_CTX_PER_SLOT})")
     p.add_argument("--split", type=_proportions, default=None, help="comma-separated layer proportions, e.g. 1,2")
     if with_head_flag:
         p.add_argument("--head-split", dest="head_split", choices=("auto", "split", "whole", "here"),
@@ -195,6 +197,20 @@ def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None
                         "(default: 1 s, or a quarter of --resume-within if that is less)")
 
 
+def _slot_context(s: argparse.ArgumentParser, args) -> None:
+    """serve's --ctx-per-slot from -c/--ctx-size as llama-server reads it (the KV cache's total,
+    each of the --parallel slots getting an equal share), or its default; both at once is an error."""
+    if args.ctx_size is None:
+        args.ctx_per_slot = SERVE_CTX_PER_SLOT if args.ctx_per_slot is None else args.ctx_per_slot
+        return
+    if args.ctx_per_slot is not None:
+        s.error("-c/--ctx-size (the total, divided over the slots) and --ctx-per-slot both size a slot: give one")
+    if args.ctx_size // args.parallel < 8:
+        s.error(f"argument -c/--ctx-size: {args.ctx_size} tokens over {args.parallel} slots leaves "
+                f"{args.ctx_size // args.parallel} a slot: at least 8 each ({8 * args.parallel} in all)")
+    args.ctx_per_slot = args.ctx_size // args.parallel
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = StrictParser(prog="ggml-coordinator", description=__doc__.split("\n")[0])
     p.add_argument("--version", action=VersionAction)
@@ -218,7 +234,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="serve Prometheus metrics at /metrics (default: on; llama-server's flag, which is off "
                         "there by default)")
-    s.add_argument("--ctx-per-slot", type=_count(8), default=2048)
+    s.add_argument("--ctx-per-slot", type=_count(8), default=None, metavar="N",
+                   help=f"each slot's context in tokens (default {SERVE_CTX_PER_SLOT}; or -c/--ctx-size N, "
+                        "the total, which llama-server divides over the slots)")
     s.add_argument("--alias", default=None, metavar="NAME",
                    help="the model id clients see (default: the GGUF's general.name, lowercased, spaces as '-')")
     s.add_argument("--api-key", default=os.environ.get("GGML_COORDINATOR_API_KEY") or None, metavar="KEY[,KEY...]",
@@ -284,8 +302,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.model, args.model_description = bench_model("1b")
         if args.model is None:  # before any worker is started
             b.error(args.model_description)
-    if args.command == "serve" and args.ctx_size is not None:
-        s.error("serve sizes its KV cache as --parallel x --ctx-per-slot; -c/--ctx-size is not used")
+    if args.command == "serve":
+        _slot_context(s, args)
     if args.command == "serve":
         _check_serve(s, args)
     if args.command == "serve" and args.chat_template is not None:
