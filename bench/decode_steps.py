@@ -1,10 +1,12 @@
 """Timed single-token decode steps, the loop the decode benchmarks share."""
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Callable
 
 from coordinator import Batch, Coordinator
+from coordinator.serving.benchmark import bench_model
 
 
 def timed_steps(c: Coordinator, n: int, greedy: bool, warmup: int, prompt_len: int = 32,
@@ -38,3 +40,22 @@ def side_by_side_steps(coordinators: list[Coordinator], n: int, greedy: bool, wa
             times[k].append(time.perf_counter() - t)
             toks[k] = c.token(-1)
     return [t[warmup:] for t in times]
+
+
+def add_model_flags(ap: argparse.ArgumentParser) -> None:
+    """--model PATH and --model-1b, the decode benchmarks' choice of model."""
+    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled gemma3-270m)")
+    ap.add_argument("--model-1b", action="store_true", help="the 1B-class bench model")
+
+
+def chosen_model(ap: argparse.ArgumentParser, args) -> str | None:
+    """The GGUF add_model_flags' flags name (None: the bundled model); a parser error when the
+    1B-class model is asked for and not built (`python bench/bench_models.py build`)."""
+    if not args.model_1b:
+        return args.model
+    if args.model is not None:
+        ap.error("--model and --model-1b name two models: give one")
+    model, why = bench_model("1b")
+    if model is None:
+        ap.error(why)
+    return model

@@ -30,8 +30,8 @@ import sys
 import time
 
 from coordinator import Batch, Coordinator
-from coordinator.serving.benchmark import bench_model
 from coordinator.serving.local_workers import LocalWorkers
+from decode_steps import add_model_flags, chosen_model
 from proc_stat import children, process_cpu
 
 PROMPT, WARMUP, MAX_TG = 32, 8, 200
@@ -39,18 +39,13 @@ PROMPT, WARMUP, MAX_TG = 32, 8, 200
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled gemma3-270m)")
-    ap.add_argument("--model-1b", action="store_true", help="the 1B-class bench model")
+    add_model_flags(ap)
     ap.add_argument("--tg", type=int, default=64, help=f"one-token steps measured (at most {MAX_TG})")
     ap.add_argument("--greedy", action="store_true", help="the workers return the argmax instead of the logits")
     args = ap.parse_args(argv)
     if not 1 <= args.tg <= MAX_TG:
         ap.error(f"--tg must be in 1..{MAX_TG}")
-    model = args.model
-    if args.model_1b:
-        model, why = bench_model("1b")
-        if model is None:
-            ap.error(why)
+    model = chosen_model(ap, args)
     with LocalWorkers(2) as workers:
         daemons = [w.proc.pid for w in workers.workers]
         with Coordinator(workers.endpoints, model=model, n_ctx=PROMPT + WARMUP + MAX_TG,
