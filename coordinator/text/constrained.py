@@ -98,35 +98,78 @@ def vocabulary(tokenizer: Tokenizer):
         return found
 
 
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
 _SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
                "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+# beside `properties`, keywords that combine the object with other schemas, or already say what other keys
+# may be: closing it there would take the combined keys away (llguidance applies sibling keywords together)
+_OPEN_BESIDE = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+                "$ref", "not", "if", "then", "else", "dependentSchemas", "dependencies")
 
 
 def closed_objects(schema: Any) -> Any:
-    """`schema` with every object that lists `properties` but says nothing of others closed
-    (`additionalProperties: false`), as llama.cpp's json-schema-to-grammar reads such an
-    object. JSON Schema would allow any other key there, and a small model held to the
+    """`schema` with every object that lists `properties` and says nothing of other keys
+    closed (`additionalProperties: false`), as llama.cpp's json-schema-to-grammar reads such
+    an object. JSON Schema would allow any other key there, and a small model held to the
     schema fills them with junk (`{"city": "Paris", "type": "object", "properties": ...}`).
-    The output still conforms to the schema as written. Objects under `allOf` stay as they
-    are: their keys may be spread over its branches. A new object; `schema` is untouched."""
+    Whatever is combined stays open where closing could take keys away: an object beside
+    `allOf`/`anyOf`/`oneOf`/`$ref`/`if`/..., the branches of `allOf` and those of an
+    `anyOf`/`oneOf` beside `properties`, a definition another schema extends (referenced
+    from `allOf`, or by a `$ref` with keywords beside it), and an object whose `required`
+    names a key it does not list (the objects inside all of these are closed). So the
+    output always conforms to the schema as written, and nothing satisfiable becomes
+    unsatisfiable. A new object; `schema` is untouched."""
+    return _closed(schema, _extended_refs(schema), True)
+
+
+def _closed(schema: Any, extended: set, close_here: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
+    beside_properties = "properties" in schema
     out = {}
     for key, value in schema.items():
-        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [closed_objects(sub) for sub in value]
+        if key in ("$defs", "definitions") and isinstance(value, dict):
+            out[key] = {name: _closed(sub, extended, f"#/{key}/{name}" not in extended) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed(sub, extended, True) for name, sub in value.items()}
+        elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
+            branches_closed = key != "allOf" and not beside_properties
+            out[key] = [_closed(sub, extended, branches_closed) for sub in value]
+        elif key == "prefixItems" and isinstance(value, list):
+            out[key] = [_closed(sub, extended, True) for sub in value]
         elif key in _SUBSCHEMAS:
-            out[key] = [closed_objects(sub) for sub in value] if isinstance(value, list) else closed_objects(value)
+            out[key] = [_closed(sub, extended, True) for sub in value] if isinstance(value, list) \
+                else _closed(value, extended, True)
         else:
-            out[key] = value  # allOf among them: see above
-    if ("properties" in out and "additionalProperties" not in out and "patternProperties" not in out
-            and "unevaluatedProperties" not in out):
+            out[key] = value
+    props, required = out.get("properties"), out.get("required", [])
+    if close_here and isinstance(props, dict) and not any(k in out for k in _OPEN_BESIDE) \
+            and isinstance(required, list) and all(isinstance(r, str) and r in props for r in required):
         out["additionalProperties"] = False
     return out
+
+
+def _extended_refs(schema: Any) -> set:
+    """The `$ref`s another schema extends: those of `allOf` branches, of `anyOf`/`oneOf` branches
+    beside `properties`, and those with keywords beside them."""
+    found: set = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and any(k not in ("$ref", "description", "title", "$comment") for k in node):
+            found.add(ref)
+        for key in ("allOf", "anyOf", "oneOf"):
+            branches = node.get(key)  # (one $ref alone under allOf, nothing beside it, only names that schema)
+            if isinstance(branches, list) and ("properties" in node or key == "allOf" and len(branches) > 1):
+                found.update(b["$ref"] for b in branches if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+        stack.extend(node.values())
+    return found
 
 
 def compile_grammar(kind: str, value: Any) -> str:

@@ -160,6 +160,43 @@ def test_closed_objects_closes_what_lists_properties_and_says_nothing_of_others(
     assert constrained.closed_objects(True) is True
 
 
+@pytest.mark.parametrize("schema, accepted, refused", [
+    # a shared field beside alternatives: neither the object nor its branches may be closed
+    ({"type": "object", "properties": {"kind": {"type": "string"}},
+      "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+     ['{"kind": "a", "x": 1}', '{"y": 2}'], []),
+    # inheritance through $ref in allOf: the base stays open, the object inside it is closed
+    ({"$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                          "o": {"type": "object", "properties": {"p": {}}}}}},
+      "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     ['{"a": 1, "b": 2}', '{"o": {"p": 1}, "b": 2}'], ['{"o": {"p": 1, "q": 2}, "b": 2}']),
+    # $ref with properties beside it
+    ({"$defs": {"t": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+      "$ref": "#/$defs/t", "properties": {"b": {"type": "integer"}}}, ['{"a": 1, "b": 2}'], []),
+    # required naming a key the object does not list: left open, so still satisfiable
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+     ['{"a": 1, "b": 2}'], []),
+    # pydantic's nested model: a plain $ref to a definition, which is closed
+    ({"$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+      "type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}, "required": ["home"]},
+     ['{"home": {"city": "Oslo"}}'], ['{"home": {"city": "Oslo", "zip": 1}}', '{"home": {"city": "Oslo"}, "x": 1}']),
+    # a union of object types with nothing beside it: each alternative is closed
+    ({"anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+     ['{"x": 1}', '{"y": 2}'], ['{"x": 1, "y": 2}']),
+])
+def test_closing_never_takes_away_what_a_combination_allows(schema, accepted, refused):
+    """What a schema combines stays satisfiable and keeps its keys; what it does not is closed.
+    Each accepted document conforms to the schema as written (jsonschema checks it)."""
+    grammar = constrained.compile_grammar("json_schema", schema)
+    for doc in accepted:
+        jsonschema.validate(json.loads(doc), schema)
+        assert allowed_prefix(doc, grammar), doc
+    for doc in refused:
+        assert not allowed_prefix(doc, grammar), doc
+
+
 def test_a_json_schema_without_additional_properties_allows_no_other_key():
     grammar = constrained.compile_grammar("json_schema", {"type": "object", "properties": {"n": {"type": "integer"}}})
     assert allowed_prefix('{"n": 1}', grammar)
