@@ -1,13 +1,14 @@
 """Tool calls in a model's output text, without I/O: `parse(text, names)` finds the
 calls a model wrote in one of the common formats and returns them with the text
-before them; `CallSplitter` does the same for a stream, passing on as content the
+that is not a call (`content`); `CallSplitter` does the same for a stream, passing on as content the
 text that cannot be the start of a call and holding back the rest.
 
 The formats (each model family's own; a model's chat template says which it is
 taught, `format_of`):
 
 * Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
-  block per call, text before them is content. The built-in format (`HERMES`).
+  block per call, wherever they stand: the text around them is content. The
+  built-in format (`HERMES`).
 * Llama 3.x: `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally
   after `<|python_tag|>`, several separated by `;` or newlines.
 * Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...]`, or
@@ -45,7 +46,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Parsed:
-    content: str | None  # the text that is not a call (before the calls); None when there is none
+    content: str | None  # the text that is not a call (Hermes: around the blocks; else before the calls); None when none
     calls: list[ToolCall] = field(default_factory=list)
 
 
@@ -61,7 +62,7 @@ def format_of(template_text: str) -> str:
 
 
 def parse(text: str, names: Collection[str] | None = None) -> Parsed:
-    """The calls `text` holds, in whichever format it writes them, and the text before them.
+    """The calls `text` holds, in whichever format it writes them, and the text that is not a call.
     No call (or a call of a function not in `names`): all of `text` is content."""
     for found in (_hermes(text), _mistral(text), _python_tag(text), _bare_json(text)):
         if found is None:
@@ -160,8 +161,10 @@ def _hermes(text: str):
             return None  # something else where the block should close
         following = text.find(HERMES_OPEN, i)
         between = text[i:] if following < 0 else text[i:following]
-        if following < 0 and between.strip() and HERMES_OPEN.startswith(between.strip()):
-            break  # the next block's marker cut short
+        if following < 0:  # a next block's marker cut short at the end (max_tokens) is no content
+            cut = _marker_prefix(between)
+            if cut and HERMES_OPEN.startswith(between[-cut:]):
+                between = between[:-cut]
         if between.strip():
             content.append(between)
         if following < 0:

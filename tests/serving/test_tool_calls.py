@@ -53,6 +53,8 @@ def call(name, **args) -> ToolCall:
      None, [call("add", a=1, b=2)]),  # a last call cut by max_tokens: the whole ones stand
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_',
      None, [call("add", a=1, b=2)]),  # cut inside the next block's marker
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> Done. <tool_c',
+     " Done. ", [call("add", a=1, b=2)]),  # cut inside a marker after some text
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\nThat adds them.',
      "\nThat adds them.", [call("add", a=1, b=2)]),  # a sentence after the call (as llama.cpp's parser allows)
     ('First <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> then '
