@@ -198,17 +198,18 @@ def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None
 
 
 def _slot_context(s: argparse.ArgumentParser, args) -> None:
-    """serve's --ctx-per-slot from -c/--ctx-size as llama-server reads it (the KV cache's total,
-    each of the --parallel slots getting an equal share), or its default; both at once is an error."""
+    """serve's --ctx-per-slot from -c/--ctx-size as llama-server sizes a slot with -np: the
+    KV cache's total over the --parallel slots, rounded up to a multiple of 256 tokens
+    (GGML_PAD in llama_context); or its default. Both at once is an error."""
     if args.ctx_size is None:
         args.ctx_per_slot = SERVE_CTX_PER_SLOT if args.ctx_per_slot is None else args.ctx_per_slot
         return
     if args.ctx_per_slot is not None:
         s.error("-c/--ctx-size (the total, divided over the slots) and --ctx-per-slot both size a slot: give one")
-    if args.ctx_size // args.parallel < 8:
-        s.error(f"argument -c/--ctx-size: {args.ctx_size} tokens over {args.parallel} slots leaves "
-                f"{args.ctx_size // args.parallel} a slot: at least 8 each ({8 * args.parallel} in all)")
-    args.ctx_per_slot = args.ctx_size // args.parallel
+    share = args.ctx_size // args.parallel
+    if share == 0:
+        s.error(f"argument -c/--ctx-size: {args.ctx_size} tokens over {args.parallel} slots leaves none a slot")
+    args.ctx_per_slot = -(-share // 256) * 256
 
 
 def parse_args(argv=None) -> argparse.Namespace:

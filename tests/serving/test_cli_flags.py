@@ -48,16 +48,17 @@ def test_n_predict_zero_and_below_are_refused(capsys):
     assert parse_args(["generate", *MODEL, "-p", "x", "-n", "5"]).n_predict == 5  # generate's own -n, as before
 
 
-def test_c_is_the_total_context_divided_over_the_slots_as_llama_server_reads_it(capsys):
+def test_c_is_the_total_context_divided_over_the_slots_as_llama_server_sizes_them(capsys):
+    """llama-server with -np: n_ctx / n_parallel a slot, padded up to a multiple of 256."""
     assert parsed().ctx_per_slot == 2048
-    assert parsed("--ctx-per-slot", "512").ctx_per_slot == 512
+    assert parsed("--ctx-per-slot", "500").ctx_per_slot == 500
     assert parsed("-c", "8192").ctx_per_slot == 2048  # 4 slots by default
     assert parsed("-c", "8192", "-np", "2").ctx_per_slot == 4096
-    assert parsed("--ctx-size", "1001", "--parallel", "2").ctx_per_slot == 500  # llama-server rounds down too
+    assert parsed("--ctx-size", "1001", "--parallel", "2").ctx_per_slot == 512  # 500, padded up
+    assert parsed("-c", "20").ctx_per_slot == 256
     assert "-c/--ctx-size (the total, divided over the slots) and --ctx-per-slot both size a slot: give one" in \
         refused(capsys, "-c", "4096", "--ctx-per-slot", "1024")
-    assert "argument -c/--ctx-size: 20 tokens over 4 slots leaves 5 a slot: at least 8 each (32 in all)" in \
-        refused(capsys, "-c", "20")
+    assert "argument -c/--ctx-size: 3 tokens over 4 slots leaves none a slot" in refused(capsys, "-c", "3")
 
 
 def test_slots():
