@@ -8,11 +8,13 @@ decoders see it, side by side in one run, rounds taking turns:
 
 * alone: one in-process decoder with 1 thread (`Coordinator(["local"])`);
 * 2 at once: two such decoders, in two processes, generating at the same
-  moment; their summed tokens/s is what two cores' memory traffic allows
-  with ggml's kernels (each reads every weight a token);
+  moment; their tokens over the longer of their two runs are what two cores
+  and their memory traffic allow with ggml's kernels (each reads every
+  weight a token);
 * tensor: the tensor split over 2 local workers of 1 thread each, where each
-  member reads half the weights a token. It cannot beat "2 at once" on one
-  machine: the same bytes cross the same bus, and its members also exchange
+  member reads half the weights a token. It should not beat "2 at once" on
+  one machine: the same bytes cross the same bus (unless a half of the model
+  fits the cache where the whole does not), and its members also exchange
   partial sums and share the cores with the coordinator and the daemons.
 
 Every decoder: a 32-token prompt from an empty KV cache, 4 warm-up steps,
@@ -49,7 +51,7 @@ def decoder_child(model: str | None, tg: int) -> None:
             if line.strip() != "run":
                 break
             steps = timed_steps(c, tg, True, WARMUP, PROMPT)
-            print(json.dumps({"tokens_per_s": len(steps) / sum(steps)}), file=answers, flush=True)
+            print(json.dumps({"tokens": len(steps), "seconds": sum(steps)}), file=answers, flush=True)
 
 
 class Decoder:
@@ -60,12 +62,14 @@ class Decoder:
         self.log = tempfile.TemporaryFile(mode="w+")
         cmd = [sys.executable, __file__, "--child", "--tg", str(tg)] + (["--model", model] if model else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True,
-                                     env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
+                                     text=True)  # (this script's folder is the child's sys.path[0]: decode_steps)
         if self._line() != "ready":
             self._fail("did not start")
 
     def _fail(self, what: str) -> None:
+        if self.proc.poll() is None:  # a hung or confused child ends with the run
+            self.proc.kill()
+            self.proc.wait()
         self.log.seek(0)
         raise SystemExit(f"a decoder process {what}; the end of its log:\n{self.log.read()[-3000:]}")
 
@@ -79,19 +83,22 @@ class Decoder:
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
 
-    def result(self) -> float:
+    def result(self) -> tuple[int, float]:
+        """The run's (tokens, seconds of its timed steps)."""
         line = self._line()
         try:
-            return float(json.loads(line)["tokens_per_s"])
+            answer = json.loads(line)
+            return int(answer["tokens"]), float(answer["seconds"])
         except (ValueError, KeyError, TypeError):
             self._fail(f"answered {line!r}")
 
     def close(self) -> None:
+        """Ask it to end (stdin closed); killed if it has not within 10 s (a run still going, a hang)."""
         if self.proc.poll() is None:
-            self.proc.stdin.close()
             try:
-                self.proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
@@ -115,8 +122,10 @@ def main(argv=None) -> int:
         return 0
     timeout = 600.0  # a load or a run of at most MAX_TG steps on a slow machine
     rows: dict[str, list[float]] = {"alone": [], "2 at once": [], "tensor": []}
-    decoders = [Decoder(model, args.tg, timeout) for _ in range(2)]
+    decoders: list[Decoder] = []
     try:
+        for _ in range(2):
+            decoders.append(Decoder(model, args.tg, timeout))
         with LocalWorkers(2) as workers:
             tensor = None if args.no_tensor else Coordinator(
                 workers.endpoints, split_mode="tensor", n_ctx=PROMPT + WARMUP + MAX_TG,
@@ -124,10 +133,13 @@ def main(argv=None) -> int:
             try:
                 for _ in range(args.rounds):
                     decoders[0].start()
-                    rows["alone"].append(decoders[0].result())
+                    tokens, seconds = decoders[0].result()
+                    rows["alone"].append(tokens / seconds)
                     for d in decoders:
                         d.start()
-                    rows["2 at once"].append(sum(d.result() for d in decoders))
+                    runs = [d.result() for d in decoders]
+                    # both tokens over the longer run: the one that ends later runs its last steps alone
+                    rows["2 at once"].append(sum(t for t, _ in runs) / max(s for _, s in runs))
                     if tensor is not None:
                         steps = timed_steps(tensor, args.tg, True, WARMUP, PROMPT)
                         rows["tensor"].append(len(steps) / sum(steps))
@@ -142,7 +154,7 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.2f}")
     med = {k: statistics.median(v) for k, v in rows.items() if v}
     print(f"alone (1 decoder, 1 thread)         {med['alone']:8.1f} tokens/s")
-    print(f"2 at once (2 decoders, summed)      {med['2 at once']:8.1f} tokens/s  "
+    print(f"2 at once (2 decoders, together)   {med['2 at once']:8.1f} tokens/s  "
           f"({med['2 at once'] / med['alone']:.2f}x alone)")
     if "tensor" in med:
         print(f"tensor split, 2 workers x 1 thread  {med['tensor']:8.1f} tokens/s  "

@@ -23,7 +23,7 @@ def test_machine_ceiling_prints_alone_two_at_once_and_the_tensor_split(tmp_path)
                          capture_output=True, text=True, timeout=180 * SLACK)
     assert run.returncode == 0, run.stderr[-2000:]
     alone = float(re.search(r"alone \(1 decoder, 1 thread\) +([\d.]+) tokens/s", run.stdout).group(1))
-    both = re.search(r"2 at once \(2 decoders, summed\) +([\d.]+) tokens/s +\(([\d.]+)x alone\)", run.stdout)
+    both = re.search(r"2 at once \(2 decoders, together\) +([\d.]+) tokens/s +\(([\d.]+)x alone\)", run.stdout)
     tensor = re.search(r"tensor split, 2 workers x 1 thread +([\d.]+) tokens/s +\(([\d.]+)x alone, "
                        r"([\d.]+)x of 2 at once\)", run.stdout)
     assert alone > 0 and both and tensor, run.stdout
