@@ -1,7 +1,7 @@
 """Tool calls in a model's output text, without I/O: `parse(text, names)` finds the
 calls a model wrote in one of the common formats and returns them with the text
-that is not a call (`content`); `CallSplitter` does the same for a stream, passing on as content the
-text that cannot be the start of a call and holding back the rest.
+that is not a call (`content`); `CallSplitter` does the same for a stream, passing
+on as content the text that cannot be the start of a call and holding back the rest.
 
 The formats (each model family's own; a model's chat template says which it is
 taught, `format_of`):
