@@ -46,7 +46,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Parsed:
-    content: str | None  # the text that is not a call (Hermes: around the blocks; else before the calls); None when none
+    content: str | None  # the text that is no call (Hermes: around the blocks; else before the calls), or None
     calls: list[ToolCall] = field(default_factory=list)
 
 
