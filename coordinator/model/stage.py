@@ -220,7 +220,7 @@ class Stage:
 
     def output_size(self, shape: StepShape, head: bool = False) -> int:
         if head or self.member_head(shape):  # a last group member's step ends in its head rows
-            # argmax: each row's best token in this shard, its logit (to compare shards) and the row's sum
+            # argmax: each row's best token in this shard, its logit (to compare shards) and the row's finiteness probe
             rows = len(self.head_rows)
             return (3 + 2 * self.best_k(shape, rows) if shape.argmax else rows) * shape.n_outputs * 4
         if self.head_here(shape):  # argmax: token and finiteness probe
@@ -234,14 +234,14 @@ class Stage:
         """The arrays in a reply of output_size(shape, head) bytes."""
         n_out = shape.n_outputs
         head = head or self.member_head(shape)
-        if head and shape.argmax:  # argmax_first: token, its logit, the row's sum
+        if head and shape.argmax:  # argmax_first: token, its logit, the row's finiteness probe
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                best=np.frombuffer(data, np.float32, n_out, n_out * 4),
                                probes=np.frombuffer(data, np.float32, n_out, 2 * n_out * 4),
                                **_best_of(data, 3 * n_out * 4, n_out, self.best_k(shape, len(self.head_rows))))
         if head:
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, len(self.head_rows)))
-        if self.head_here(shape) and shape.argmax:  # the argmax token and the row's sum
+        if self.head_here(shape) and shape.argmax:  # the argmax token and the row's finiteness probe
             return StageOutput(tokens=np.frombuffer(data, np.int32, n_out),
                                probes=np.frombuffer(data, np.float32, n_out, n_out * 4),
                                **_best_of(data, 2 * n_out * 4, n_out, self.best_k(shape, self.hp.n_vocab)))

@@ -305,7 +305,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             b.error(args.model_description)
     if args.command == "serve":
         _slot_context(s, args)
-    if args.command == "serve":
         _check_serve(s, args)
     if args.command == "serve" and args.chat_template is not None:
         from coordinator.serving.chat_templates import ChatTemplateError, chosen
