@@ -17,9 +17,22 @@ matcher per sequence.
   A schema's objects with `properties` are closed to other keys unless it says
   otherwise (`closed_objects`), as llama.cpp reads them.
 * `Constraint`: one sequence's matcher. `logits(z)` sets every disallowed token to
-  -inf; `advance(token)` consumes a sampled token and, at once, starts computing the
-  next mask in a thread (llguidance drops the GIL), so the mask for step t+1 is
-  computed while the workers decode step t+1's input.
+  -inf; `advance(token)` consumes a sampled token and starts computing the next mask
+  in a thread (llguidance drops the GIL), so the mask for step t+1 is computed while
+  the workers decode step t+1's input. `fits(tokens)` says, without a mask, whether
+  the grammar allows each of a few tokens next (below): a sampler that can decide
+  from that alone skips the mask, and the next one is computed ahead only while
+  such checks keep failing.
+
+Why a check can stand for the mask: llguidance's mask, where the grammar forces no
+bytes, is exactly the set of tokens whose bytes the parser accepts next (plus EOS
+when it accepts), which is what `validate_tokens([t])` answers in about a
+microsecond where the mask takes 0.02-1 ms over a 262k vocabulary. Where bytes are
+forced, the mask allows only their canonical tokenization and the check would
+allow more, so there (`compute_ff_bytes()` not empty), for the end-of-generation
+tokens, and in an error state, the mask decides; except where the forced bytes
+make a token of their own (`compute_ff_tokens()`): then the mask allows that token
+alone, and `forced()` names it.
 """
 from __future__ import annotations
 
@@ -208,6 +221,9 @@ def compile_grammar(kind: str, value: Any) -> str:
 class Constraint:
     """One sequence's grammar state and its next mask (computed ahead, see the module's doc)."""
 
+    # computing the next mask ahead starts again once this share of recent checks failed
+    AHEAD_AFTER_MISSES = 0.5
+
     def __init__(self, tokenizer: Tokenizer, grammar: str):
         llg = _llg()
         self.tokenizer = tokenizer
@@ -218,10 +234,13 @@ class Constraint:
         self.matcher = llg.LLMatcher(self.vocab, grammar, log_level=0)  # its errors are read with get_error
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
-        self._next: Future | None = None
+        self._next: Future | None = None  # the next mask, in the thread or done; None: not started
         self.mask_seconds = 0.0  # time spent computing masks (in the thread)
         self.wait_seconds = 0.0  # time `logits` waited for one
-        self._start()
+        self.masks = 0  # masks asked for (ahead or at once)
+        self.misses = 0.0  # the recent share of `fits` checks that found a token the mask must judge
+        self._checked = False  # `fits` was called since the last token
+        self._start()  # the first tokens are usually forced ("{"): the mask decides them
 
     def _compute(self) -> tuple[np.ndarray, bool, np.ndarray]:
         """The next mask: a bool per token, and the ids the loop has to write once the logits are there
@@ -241,9 +260,14 @@ class Constraint:
         return allowed, few, ids
 
     def _start(self) -> None:
+        self.masks += 1
         self._next = _pool.submit(self._compute)
 
     def _mask(self) -> tuple[np.ndarray, bool, np.ndarray]:
+        if self._next is None:  # not computed ahead: now, on the caller's thread
+            self.masks += 1
+            self._next = Future()
+            self._next.set_result(self._compute())
         t0 = time.perf_counter()
         mask = self._next.result()
         self.wait_seconds += time.perf_counter() - t0
@@ -256,6 +280,43 @@ class Constraint:
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def fits(self, tokens) -> bool:
+        """True when the grammar allows every one of `tokens` (a few ids) next, as the mask
+        would; False when one is banned or only the mask can tell (see the module's doc).
+        Reads the mask if one was started; else asks the matcher, which costs microseconds."""
+        if self._next is not None:
+            allowed = self._mask()[0]
+            ok = bool(allowed[np.asarray(tokens, dtype=np.int64)].all())
+        else:
+            m = self.matcher
+            ok = not m.is_error() and not any(int(t) in self.tokenizer.eog_ids for t in tokens) \
+                and not m.compute_ff_bytes() and all(m.validate_tokens([int(t)]) == 1 for t in tokens)
+        self.misses = 0.75 * self.misses + (0.0 if ok else 0.25)
+        self._checked = True
+        return ok
+
+    def forced(self) -> int | None:
+        """The token the grammar forces next, the only one its mask would allow (llguidance's
+        first fast-forward token: a key's name, punctuation), else None."""
+        if self._next is not None:
+            _, few, ids = self._mask()
+            token = int(ids[0]) if few and ids.size == 1 else None
+        elif self.matcher.is_error():
+            return None
+        else:
+            ff = self.matcher.compute_ff_tokens()  # (cached in the matcher for a mask that follows)
+            token = int(ff[0]) if ff else None
+        if token is not None:
+            self.misses *= 0.75
+            self._checked = True
+        return token
+
+    @property
+    def worth_checking(self) -> bool:
+        """Whether checks have been passing lately (a sampler whose check costs more than a
+        lookup skips it otherwise; the share of misses decays while it does)."""
+        return self.misses < self.AHEAD_AFTER_MISSES
 
     def logits(self, logits: np.ndarray) -> np.ndarray:
         """`logits` with every token the grammar does not allow next at -inf (a copy)."""
@@ -271,10 +332,18 @@ class Constraint:
         out[ids] = -np.inf
         return out
 
-    def advance(self, token: int) -> None:
-        """`token` was sampled: the matcher consumes it and the next mask starts at once."""
+    def advance(self, token: int, checks: bool = False) -> None:
+        """`token` was sampled: the matcher consumes it. The next mask starts at once in the
+        thread, unless the caller `checks` with `fits` first and those checks mostly pass."""
         if int(token) in self.tokenizer.eog_ids:
             return
-        self._next.result()  # never two threads in the matcher at once
+        if self._next is not None:
+            self._next.result()  # never two threads in the matcher at once
         self.matcher.consume_token(int(token))
-        self._start()
+        if checks and not self._checked:
+            self.misses *= 0.9  # no check this step: try again before long
+        self._checked = False
+        if checks and self.misses < self.AHEAD_AFTER_MISSES:
+            self._next = None
+        else:
+            self._start()

@@ -36,6 +36,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 _TOP_P_FIRST = 256  # top_p over a whole vocabulary: sort only the highest first, more if they fall short
+_FIT_CHECKS_MAX = 64  # a constrained draw checks at most this many candidates against the grammar, else masks
 
 
 def _finite(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
@@ -211,13 +212,46 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token (and the penalties remember it)."""
-        if self.constraint is not None:
-            logits = self.constraint.logits(logits)
-        token = self._draw(self.adjusted(logits))
+        if self.constraint is None:
+            token = self._draw(self.adjusted(logits))
+        else:
+            token = self._constrained_draw(self.adjusted(logits))
         self.accept((token,))
         if self.constraint is not None:
-            self.constraint.advance(token)  # and the next mask is computed while the workers decode
+            self.constraint.advance(token, checks=self._checks_fit)
         return token
+
+    @property
+    def _checks_fit(self) -> bool:
+        """Whether a draw can be decided by checking its candidates against the grammar
+        (Constraint.fits) instead of masking the logits: where masking first would leave
+        the same candidates with the same probabilities whenever every one is allowed.
+        That holds for the highest token, and for top_k and min_p (the highest is among
+        the allowed, so is the threshold); not for top_p or typical_p, whose cut moves
+        with the mass the mask takes away."""
+        return self.typical_p >= 1.0 and (self.temperature == 0 or self.top_p >= 1.0)
+
+    def _constrained_draw(self, z: np.ndarray) -> int:
+        """The draw from `z` (adjusted logits) with the constraint's mask applied: the same
+        token, and the same random state after it, as masking first. (The mask commutes
+        with adjusted(): bias and penalties keep -inf at -inf.) Where the candidates of the
+        unmasked logits are few and all allowed, the mask would change nothing, so it is
+        not needed: a check of each candidate costs microseconds, a mask up to a
+        millisecond of the core the workers compute on."""
+        c = self.constraint
+        if self._checks_fit:
+            if self.temperature == 0:
+                forced = c.forced()
+                if forced is not None and z[forced] > -np.inf:  # (-inf or NaN: as the mask's argmax decides)
+                    return forced
+                best = int(np.argmax(z))
+                if c.fits((best,)):
+                    return best
+            elif c.worth_checking:  # (the candidates cost a pass over the logits: not while checks fail)
+                ids, p = self._distribution(z)
+                if ids.size <= _FIT_CHECKS_MAX and c.fits(ids):
+                    return int(ids[draw_index(self.rng, p)])
+        return self._draw(c.logits(z))
 
     def _draw(self, z: np.ndarray) -> int:
         if self.temperature == 0 and self.typical_p >= 1.0:

@@ -126,6 +126,71 @@ def test_the_sampler_hook_masks_greedy_and_random_draws():
             assert json.loads(tok.decode(out)).keys() == {"a"}
 
 
+def _mask_first_draw(sampler: Sampler, logits: np.ndarray) -> int:
+    """The definition a constrained draw must meet: the grammar's mask on the logits, then the chain."""
+    token = sampler._draw(sampler.adjusted(sampler.constraint.logits(logits)))
+    sampler.accept((token,))
+    sampler.constraint.advance(token)
+    return token
+
+
+@pytest.mark.parametrize("settings_", [
+    dict(temperature=0.0), dict(temperature=0.0, top_k=0, repeat_penalty=1.3),
+    dict(temperature=0.8, top_k=3, top_p=1.0), dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2),
+    dict(temperature=1.0, top_k=8, top_p=0.9), dict(temperature=0.0, typical_p=0.5)])
+def test_a_draw_checked_against_the_grammar_equals_the_draw_after_the_mask(settings_):
+    """Sampler.sample skips the mask where every candidate passes Constraint.fits. Over random
+    logits that favour an allowed token half of the time (so checks both pass and fail), the
+    tokens and the random state after them are those of masking first, step by step."""
+    tok = spm_tokenizer()
+    # free runs, and bytes it forces ("12" after each [ab]: only that token, not "1" then "2")
+    grammar = constrained.compile_grammar("grammar", 'root ::= "{" [ab12]{1,20} ([ab] "12"){1,6} "}"')
+    rng = np.random.default_rng(7)
+    steps = masks = 0
+    for seed in range(12):
+        fast, slow = (Sampler(seed=seed, **settings_) for _ in range(2))
+        fast.constraint, slow.constraint = (constrained.Constraint(tok, grammar) for _ in range(2))
+        for _ in range(40):
+            logits = rng.normal(size=len(tok.tokens)).astype(np.float32)
+            if rng.random() < 0.5:  # the model's favourites are ones whose bytes the grammar takes next
+                slow.constraint.allowed()  # (the mask's thread is done with the matcher)
+                ok = [t for t in range(len(tok.tokens)) if slow.constraint.matcher.validate_tokens([t])]
+                ok = ok or list(tok.eog_ids)
+                logits[rng.choice(ok, size=min(3, len(ok)), replace=False)] += 8.0
+            a, b = fast.sample(logits), _mask_first_draw(slow, logits)
+            assert a == b
+            assert fast.rng.bit_generator.state == slow.rng.bit_generator.state
+            steps += 1
+            if a in tok.eog_ids:
+                break
+        masks += fast.constraint.masks
+    if fast._checks_fit:
+        assert masks < steps - 20  # the checks did decide draws without a mask
+    else:
+        assert masks >= steps
+
+
+def test_a_greedy_draw_over_free_text_computes_almost_no_masks():
+    """Where the grammar forces nothing and the model keeps to it, a greedy sequence checks its
+    tokens instead of computing masks: a handful at the start, none after."""
+    tok = spm_tokenizer()
+    s = Sampler(0.0)
+    s.constraint = constrained.Constraint(tok, constrained.compile_grammar("grammar", 'root ::= [ab12]{1,200}'))
+    favourite = [tok.piece_to_id(p) for p in ("ab", "12", "a", "1")]
+    for i in range(100):
+        logits = np.zeros(len(tok.tokens), dtype=np.float32)
+        logits[favourite[i % 4]] = 5.0
+        assert s.sample(logits) == favourite[i % 4]
+    assert s.constraint.masks <= 2
+    logits = np.zeros(len(tok.tokens), dtype=np.float32)
+    logits[tok.piece_to_id("x")] = 9.0  # banned: the mask decides, and the next masks are computed ahead again
+    logits[tok.piece_to_id("b")] = 1.0
+    assert s.sample(logits) == tok.piece_to_id("b")
+    for _ in range(3):
+        s.sample(logits)
+    assert s.constraint.masks >= 4
+
+
 def test_forked_choices_get_matchers_of_their_own():
     tok = spm_tokenizer()
     gen = openai_api.parse_generation({"grammar": 'root ::= [ab] "x"', "n": 2}, 16, 64)
