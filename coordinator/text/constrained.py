@@ -285,13 +285,16 @@ class Constraint:
         """True when the grammar allows every one of `tokens` (a few ids) next, as the mask
         would; False when one is banned or only the mask can tell (see the module's doc).
         Reads the mask if one was started; else asks the matcher, which costs microseconds."""
-        if self._next is not None:
+        tokens = [int(t) for t in tokens]
+        if any(t >= self.n_vocab for t in tokens):  # output rows past the vocabulary (padding): banned
+            ok = False  # (and llguidance stops a matcher asked about an id it does not know)
+        elif self._next is not None:
             allowed = self._mask()[0]
-            ok = bool(allowed[np.asarray(tokens, dtype=np.int64)].all())
+            ok = bool(allowed[tokens].all())
         else:
             m = self.matcher
-            ok = not m.is_error() and not any(int(t) in self.tokenizer.eog_ids for t in tokens) \
-                and not m.compute_ff_bytes() and all(m.validate_tokens([int(t)]) == 1 for t in tokens)
+            ok = not m.is_error() and not any(t in self.tokenizer.eog_ids for t in tokens) \
+                and not m.compute_ff_bytes() and all(m.validate_tokens([t]) == 1 for t in tokens)
         self.misses = 0.75 * self.misses + (0.0 if ok else 0.25)
         self._checked = True
         return ok

@@ -170,6 +170,23 @@ def test_a_draw_checked_against_the_grammar_equals_the_draw_after_the_mask(setti
         assert masks >= steps
 
 
+def test_output_rows_past_the_vocabulary_are_never_drawn_nor_asked_about():
+    """A head with more rows than the tokenizer has tokens (padding): a favourite among them is
+    banned as the mask bans it, and the matcher, which stops on an id it does not know, is not
+    asked about it."""
+    tok = spm_tokenizer()
+    grammar = constrained.compile_grammar("grammar", 'root ::= [ab]{1,20}')
+    for temperature, top_k in ((0.0, 40), (1.0, 3)):
+        s = Sampler(temperature, top_k, 1.0, seed=1)
+        s.constraint = constrained.Constraint(tok, grammar)
+        for _ in range(6):
+            logits = np.zeros(len(tok.tokens) + 8, dtype=np.float32)
+            logits[len(tok.tokens) + 2] = 9.0  # padding's row
+            logits[tok.piece_to_id("ab")] = 5.0
+            assert s.sample(logits) == tok.piece_to_id("ab")
+            assert s.constraint.error is None
+
+
 def test_a_greedy_draw_over_free_text_computes_almost_no_masks():
     """Where the grammar forces nothing and the model keeps to it, a greedy sequence checks its
     tokens instead of computing masks: a handful at the start, none after."""
