@@ -242,7 +242,7 @@ class Sampler:
         if self._checks_fit:
             if self.temperature == 0:
                 forced = c.forced()
-                if forced is not None and z[forced] > -np.inf:  # (-inf or NaN: as the mask's argmax decides)
+                if forced is not None and forced < z.size and z[forced] > -np.inf:  # (else the mask decides)
                     return forced
                 best = int(np.argmax(z))
                 if c.fits((best,)):
