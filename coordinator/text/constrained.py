@@ -295,9 +295,13 @@ class Constraint:
             m = self.matcher
             ok = not m.is_error() and not any(t in self.tokenizer.eog_ids for t in tokens) \
                 and not m.compute_ff_bytes() and all(m.validate_tokens([t]) == 1 for t in tokens)
-        self.misses = 0.75 * self.misses + (0.0 if ok else 0.25)
-        self._checked = True
+        self._count_check(ok)
         return ok
+
+    def _count_check(self, passed: bool) -> None:
+        """One more check in `misses`, the recent share that fell to the mask (a moving average)."""
+        self.misses = 0.75 * self.misses + (0.0 if passed else 0.25)
+        self._checked = True
 
     def forced(self) -> int | None:
         """The token the grammar forces next, the only one its mask would allow (llguidance's
@@ -311,8 +315,7 @@ class Constraint:
             ff = self.matcher.compute_ff_tokens()  # (cached in the matcher for a mask that follows)
             token = int(ff[0]) if ff else None
         if token is not None:
-            self.misses *= 0.75
-            self._checked = True
+            self._count_check(True)
         return token
 
     @property
@@ -346,7 +349,7 @@ class Constraint:
         if checks and not self._checked:
             self.misses *= 0.9  # no check this step: try again before long
         self._checked = False
-        if checks and self.misses < self.AHEAD_AFTER_MISSES:
+        if checks and self.worth_checking:
             self._next = None
         else:
             self._start()
