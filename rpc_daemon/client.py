@@ -41,6 +41,7 @@ from rpc_daemon.failure_kind import FailureKind
 from rpc_daemon.service import hoptrace
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
+from rpc_daemon.wire import step_channel
 from rpc_daemon.wire.auth import AuthFailed, ClientAuth
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.sockets import tune_socket
@@ -60,10 +61,11 @@ class PeerFailed(Exception):
     """The connection is gone or unusable. `kind` is FailureKind.UNREACHABLE,
     TIMEOUT, CLOSED or PROTOCOL (a str enum: compares equal to the plain word)."""
 
-    def __init__(self, kind: FailureKind, message: str):
+    def __init__(self, kind: FailureKind, message: str, mid_reply: bool = False):
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.mid_reply = mid_reply  # closed with a reply partly received (a step channel's must not be sent again)
 
 
 def _oserror_text(exc: BaseException) -> str:
@@ -276,7 +278,7 @@ class RpcClient(asyncio.BufferedProtocol):
     def _closed_by_worker(self) -> PeerFailed:
         where = " in the middle of a reply" if self._frames.partial else ""
         return PeerFailed(FailureKind.CLOSED, f"worker {self.endpoint} closed the connection{where} "
-                                    f"(crashed, killed or restarted?)")
+                                    f"(crashed, killed or restarted?)", mid_reply=self._frames.partial)
 
     def connection_lost(self, exc) -> None:
         if exc is None:
@@ -315,6 +317,13 @@ class RpcClient(asyncio.BufferedProtocol):
     @property
     def failed(self) -> PeerFailed | None:
         return self._failure
+
+    def when_lost(self, callback) -> None:
+        """Call `callback()` once the connection is gone (failed, or closed), at once if it is."""
+        if self._failure is not None:
+            self._loop.call_soon(callback)
+        else:
+            self._lost.add_done_callback(lambda _: callback())
 
     # ------------------------------------------------------------ watchdog
     def _arm(self) -> None:
@@ -423,15 +432,17 @@ class RpcClient(asyncio.BufferedProtocol):
         self.frames_sent += 1
         self._wbuf = self.transport.get_write_buffer_size()
 
-    def _send(self, cmd: int, fields: dict, blob, reply_blob: int = 0) -> tuple[int, asyncio.Future]:
-        """Write one request; `reply_blob`: the most blob bytes its reply may carry."""
+    def _send(self, cmd: int, fields: dict, blob, reply_blob: int = 0,
+              silent_since: float | None = None) -> tuple[int, asyncio.Future]:
+        """Write one request; `reply_blob`: the most blob bytes its reply may carry; `silent_since`
+        (monotonic): the worker owes us an answer since then, not only since now."""
         if self._failure is not None:
             raise self._failure
         req_id = next(self._ids)
         fut = self._loop.create_future()
         if not self._pending:
             # the connection may have been quiet for long: silence counts from now
-            self.last_rx = max(self.last_rx, time.monotonic())
+            self.last_rx = max(self.last_rx, time.monotonic() if silent_since is None else silent_since)
         self._pending[req_id] = fut
         if reply_blob > 0:
             self._bounds[req_id] = (reply_blob, int(cmd))
@@ -440,7 +451,8 @@ class RpcClient(asyncio.BufferedProtocol):
         return req_id, fut
 
     async def request(self, cmd: int, fields: dict | None = None, blob=b"",
-                      deadline: float | None = None, reply_blob: int | None = None) -> tuple[dict, bytes]:
+                      deadline: float | None = None, reply_blob: int | None = None,
+                      silent_since: float | None = None) -> tuple[dict, bytes]:
         """Send one request and wait for its reply, pinging while waiting.
         Raises RpcError for an error status, PeerFailed if the peer is gone,
         timed out (liveness or `deadline` seconds), or spoke garbage (also: a
@@ -454,7 +466,7 @@ class RpcClient(asyncio.BufferedProtocol):
         fields = fields or {}
         if reply_blob is None:
             reply_blob = F.reply_blob_bound(cmd, fields, self.limits.max_blob)
-        req_id, fut = self._send(cmd, fields, blob, reply_blob)
+        req_id, fut = self._send(cmd, fields, blob, reply_blob, silent_since)
         if deadline is not None:
             self._deadlines[req_id] = (started + deadline, deadline)
         self._arm()
@@ -510,6 +522,37 @@ class RpcClient(asyncio.BufferedProtocol):
             await asyncio.wait_for(asyncio.shield(self._lost), 1.0)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             pass
+
+
+async def connect_step_channel(endpoint: str, host: str, port: int, ticket: bytes, timeout: float,
+                               limits: P.Limits = P.Limits()) -> RpcClient:
+    """A step channel (docs/protocol.md, "Step channels") to `endpoint`'s compute process, opened
+    by its STEP_CHANNEL reply (`port`, `ticket`): connected, HELLO said and ACKed, all within
+    `timeout`. It has no liveness pings (the compute process answers between steps only): its
+    requests' deadlines bound it, and the connection to the daemon watches the worker."""
+    loop = asyncio.get_running_loop()
+    name = f"{endpoint} (step channel)"
+    try:
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, addr)
+                await loop.sock_sendall(sock, step_channel.pack_hello(ticket))
+                if await loop.sock_recv(sock, 1) != step_channel.ACK:
+                    raise PeerFailed(FailureKind.CLOSED, f"worker {name} refused the step channel")
+                tune_socket(sock)
+                _, client = await loop.create_connection(lambda: RpcClient(name, None, None, limits), sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+    except (TimeoutError, asyncio.TimeoutError):
+        raise PeerFailed(FailureKind.TIMEOUT, f"worker {name}: not open within {timeout:g} s") from None
+    except OSError as exc:
+        raise PeerFailed(FailureKind.UNREACHABLE, f"worker {name} unreachable: {_oserror_text(exc)}") from None
+    return client
 
 
 async def _hello(client: RpcClient, secret: bytes | None, deadline: float) -> dict:

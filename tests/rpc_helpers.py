@@ -57,6 +57,15 @@ class RawConn:
         self.sock.settimeout(timeout)
         self._ids = 0
 
+    @classmethod
+    def over(cls, sock: socket.socket, timeout: float = RECV_TIMEOUT) -> "RawConn":
+        """A RawConn on a socket already connected (a step channel's)."""
+        conn = cls.__new__(cls)
+        conn.sock = sock
+        conn.sock.settimeout(timeout)
+        conn._ids = 0
+        return conn
+
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 

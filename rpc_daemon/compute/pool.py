@@ -40,6 +40,7 @@ from rpc_daemon.service.loop import within
 
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
+CHANNEL_COUNTS_EVERY = 1.0  # seconds between the daemon's asks for a step channel's counts
 
 
 class ComputeFailed(Exception):
@@ -87,6 +88,11 @@ class ComputePool:
         self._dying: list[subprocess.Popen] = []  # killed, not reaped yet
         self._reaper: asyncio.TimerHandle | None = None
         self._lock: FairLock | None = None
+        self.channel_holder: ComputeProcess | None = None  # the one process with a step channel (daemon/step_channel.py)
+        # computes, compute_us, errors, bytes in and out over step channels (told by the processes in
+        # their replies)
+        self.channel_counts = [0, 0, 0, 0, 0]
+        self._channel_poll: asyncio.TimerHandle | None = None
         self._closed = False
         self._respawn = False
         # --mem left for buffers' neighbours (set by the daemon): max_bytes - client buffers
@@ -134,6 +140,20 @@ class ComputePool:
         log.info("compute process assigned", pid=child[0].pid, client=client_id)
         return child
 
+    def poll_channel_counts(self) -> None:
+        """While a process has a step channel, ask it for its counts every CHANNEL_COUNTS_EVERY
+        seconds (its steps pass the daemon by): the metrics lag them by at most that."""
+        if self._channel_poll is not None or self._closed:
+            return
+
+        def tick():
+            self._channel_poll = None
+            holder = self.channel_holder
+            if holder is not None and not self._closed:
+                task = asyncio.get_running_loop().create_task(holder.sync())
+                task.add_done_callback(lambda _: self.poll_channel_counts())
+        self._channel_poll = asyncio.get_running_loop().call_later(CHANNEL_COUNTS_EVERY, tick)
+
     def call_done(self) -> None:
         if self._respawn:  # after the reply has gone out (the caller replies before it yields)
             self._respawn = False
@@ -151,6 +171,8 @@ class ComputePool:
     def release(self, client_id: int) -> None:
         """The client left: its process (which has seen its memory) is killed."""
         proc = self.by_client.pop(client_id, None)
+        if proc is not None and self.channel_holder is proc:
+            self.channel_holder = None
         if proc is not None:
             self._bury(proc.shut())
         if self._lock is not None:
@@ -182,6 +204,8 @@ class ComputePool:
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
+        if self._channel_poll is not None:
+            self._channel_poll.cancel()
         children = [p.shut() for p in self.by_client.values()]
         self.by_client.clear()
         if self._spare is not None:
@@ -213,6 +237,7 @@ class ComputeProcess:
         self.pending_unmaps: set[int] = set()
         self.pending_drops: set[str] = set()
         self.compute_bytes = 0  # the child's graph allocators' buffers, as its last reply said
+        self.channel_counts_seen = (0, 0, 0, 0, 0)  # the current child's channel counts, as its last reply said
         # graphs whose allocation the daemon has seen (so compute_bytes holds them), and calls in
         # flight that may allocate: buffer allocations wait for those, so the two cannot both take
         # the same free memory
@@ -227,6 +252,10 @@ class ComputeProcess:
         self._busy = False
         self._closed = False
         self._flush_task: asyncio.Task | None = None
+        self._taking_back: asyncio.Task | None = None  # its step channel being closed (another client computes)
+        # a death found by a call whose caller tells no client (a sync, a take-back): the cause, which
+        # the client's next compute gets as its answer
+        self.unreported: str | None = None
 
     # ------------------------------------------------------------ lifecycle
     def _start(self) -> None:
@@ -239,6 +268,7 @@ class ComputeProcess:
         self.pending_drops.clear()
         self.sized.clear()
         self.compute_bytes = 0
+        self.channel_counts_seen = (0, 0, 0, 0, 0)
 
     def budget(self) -> int | None:
         """--mem left for this process's intermediates: the cap less every buffer and
@@ -264,7 +294,26 @@ class ComputeProcess:
             return f"compute process died of {name}"
         return f"compute process exited with code {code}"
 
+    async def take_channel_back(self) -> None:
+        """Close this process's step channel (after the step it is in, if any): another client
+        computes, so this one's steps go through the daemon's fair lock again. Concurrent
+        callers share one close."""
+        if self._taking_back is None or self._taking_back.done():
+            self._taking_back = asyncio.get_running_loop().create_task(self._close_channel())
+        await asyncio.shield(self._taking_back)
+
+    async def _close_channel(self) -> None:
+        try:
+            await self.call({"kind": "close_step_channel"})
+        except ComputeFailed as exc:
+            self.unreported = str(exc)  # a lost child took its channel with it; its client hears of it
+        if self.pool.channel_holder is self:
+            self.pool.channel_holder = None
+        log.info("step channel taken back", client=self.client_id)
+
     def _discard(self, cause: str) -> None:
+        if self.pool.channel_holder is self:  # its channel died with it
+            self.pool.channel_holder = None
         log.error("compute process lost", cause=cause, generation=self.generation, client=self.client_id,
                   pid=self.proc.pid if self.proc is not None else None)
         if self.sock is not None:
@@ -309,10 +358,14 @@ class ComputeProcess:
             self._flush_task = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
+        await self.sync()
+
+    async def sync(self) -> None:
+        """Tell the child about freed buffers and graphs, and return once it has taken them."""
         try:
             await self.call({"kind": "sync"})
-        except ComputeFailed:
-            pass  # a lost child holds nothing any more
+        except ComputeFailed as exc:
+            self.unreported = str(exc)  # a lost child holds nothing any more; its client hears of it
 
     async def allocations_settled(self) -> None:
         """Return once no call that may allocate a new graph's intermediates is in
@@ -355,91 +408,117 @@ class ComputeProcess:
         client's arena for every buffer the graph uses; `client_arena` is the
         arena's (size, fd); `spec` is sent only if the child lacks the graph;
         `fds` go to the child after those of the arenas (tensor links' sockets)."""
-        async with self.pool.lock(self.client_id):
-            if self._closed:
-                raise ComputeFailed("the daemon is shutting down")
-            if self.proc is None:
-                self._start()
-            loop = asyncio.get_running_loop()
-            maps = [(k, offset, size) for k, (offset, size) in (buffers or {}).items() if k not in self.mapped]
-            header = dict(header, maps=maps, unmaps=sorted(self.pending_unmaps),
-                          drop_graphs=sorted(self.pending_drops))
-            extra_fds, fds = fds, []
-            if buffers and not self.arena_mapped:  # the client's memory: mapped once per child
-                header["client_arena"] = client_arena[0]
-                fds.append(client_arena[1])
-            arena = self._arena_for(out_size) if out_size else None
-            if arena is not None:
-                header["arena"] = arena[0]
-                fds.append(arena[1])
-            fds.extend(extra_fds)
-            key = header.get("graph_key")
-            if key is not None and key not in self.known_graphs:
-                header["graph"] = spec
-            sizing = key is not None and key not in self.sized
-            if sizing:
-                budget = self.budget()
-                if budget is not None:
-                    header["budget"] = budget
-                self._sizing += 1  # from here on the finally below undoes it
-            self._busy = True
-            try:
-                if hoptrace.ON:
-                    hoptrace.mark("daemon to compute")
-                sending = compute_link.asend(loop, self.sock, header, blob, fds)
-                if len(blob) > LINK_BUFFER // 2:
-                    # only a message larger than the link's buffers can block on a child that stopped
-                    # reading; bounded, it cannot hold the lock (nor ALLOC_BUFFER, waiting for a graph
-                    # being sized) for ever. Smaller ones skip wait_for's extra task on the hot path.
-                    await asyncio.wait_for(sending, self.pool.timeout)
-                else:
-                    await sending
-                if "client_arena" in header:
-                    self.arena_mapped = True
-                self.mapped.update(k for k, _, _ in maps)
-                self.pending_unmaps.clear()
-                self.pending_drops.clear()
-                if key is not None:
-                    self.known_graphs.add(key)
-                reply, out = await within(compute_link.arecv(loop, self.sock), self.pool.timeout)
-            except asyncio.TimeoutError:
-                if self._closed:
-                    raise ComputeFailed("the daemon is shutting down") from None
-                self.proc.kill()
-                cause = f"compute did not finish within {self.pool.timeout:g} s; compute process killed"
-                await self._death_cause()
-                self._discard(cause)
-                raise ComputeFailed(cause) from None
-            except asyncio.CancelledError:
-                # the link is mid-message and cannot be resynchronized
-                if self.proc is not None:
-                    self.proc.kill()
-                    self._discard("call cancelled")
-                raise
-            except (compute_link.LinkClosed, OSError):
-                if self._closed:
-                    raise ComputeFailed("the daemon is shutting down") from None
-                cause = await self._death_cause()
-                self._discard(cause)
-                raise ComputeFailed(cause) from None
-            finally:
-                self._busy = False
-                if self._closed:
-                    self._close_link()
-                self.pool.call_done()
-                if sizing:
-                    self._sizing -= 1
-                    if not self._sizing and self._settled is not None:
-                        self._settled.set()
+        while True:  # no compute of another client beside a channel's: taken back first
+            holder = self.pool.channel_holder
+            if holder is not None and holder is not self:
+                await holder.take_channel_back()
+            if header.get("kind") == "step_channel":
+                # the holder from now on: a free syncs with the process before the channel can be used
+                self.pool.channel_holder = self
+            async with self.pool.lock(self.client_id):
+                holder = self.pool.channel_holder
+                if holder is not None and holder is not self:
+                    continue  # handed over while this call waited for the lock: again
+                return await self._call_locked(header, blob, buffers, spec, out_size, client_arena, fds)
+
+    async def _call_locked(self, header: dict, blob, buffers, spec, out_size: int, client_arena, fds):
+        """call(), the daemon-wide lock held."""
+        if self._closed:
+            raise ComputeFailed("the daemon is shutting down")
+        if header.get("kind") == "compute" and self.unreported is not None:
+            cause, self.unreported = self.unreported, None  # found by a call that could not say it
+            raise ComputeFailed(cause)
+        if self.proc is None:
+            self._start()
+        loop = asyncio.get_running_loop()
+        maps = [(k, offset, size) for k, (offset, size) in (buffers or {}).items() if k not in self.mapped]
+        header = dict(header, maps=maps, unmaps=sorted(self.pending_unmaps),
+                      drop_graphs=sorted(self.pending_drops))
+        extra_fds, fds = fds, []
+        if buffers and not self.arena_mapped:  # the client's memory: mapped once per child
+            header["client_arena"] = client_arena[0]
+            fds.append(client_arena[1])
+        arena = self._arena_for(out_size) if out_size else None
+        if arena is not None:
+            header["arena"] = arena[0]
+            fds.append(arena[1])
+        fds.extend(extra_fds)
+        key = header.get("graph_key")
+        if key is not None and key not in self.known_graphs:
+            header["graph"] = spec
+        sizing = key is not None and key not in self.sized
+        if sizing:
+            budget = self.budget()
+            if budget is not None:
+                header["budget"] = budget
+            self._sizing += 1  # from here on the finally below undoes it
+        self._busy = True
+        try:
             if hoptrace.ON:
-                hoptrace.mark("daemon from compute")
-            self.compute_bytes = reply.get("compute_bytes", self.compute_bytes)
-            if reply.get("graph_dropped") and key is not None:
-                self.known_graphs.discard(key)  # refused for memory: the spec goes again next time
-            elif sizing and reply.get("status") == 0:
-                self.sized.add(key)
+                hoptrace.mark("daemon to compute")
+            sending = compute_link.asend(loop, self.sock, header, blob, fds)
+            if len(blob) > LINK_BUFFER // 2:
+                # only a message larger than the link's buffers can block on a child that stopped
+                # reading; bounded, it cannot hold the lock (nor ALLOC_BUFFER, waiting for a graph
+                # being sized) for ever. Smaller ones skip wait_for's extra task on the hot path.
+                await asyncio.wait_for(sending, self.pool.timeout)
+            else:
+                await sending
+            if "client_arena" in header:
+                self.arena_mapped = True
+            self.mapped.update(k for k, _, _ in maps)
+            self.pending_unmaps.clear()
+            self.pending_drops.clear()
+            if key is not None:
+                self.known_graphs.add(key)
+            reply, out = await within(compute_link.arecv(loop, self.sock), self.pool.timeout)
+        except asyncio.TimeoutError:
             if self._closed:
-                raise ComputeFailed("the client is gone")
-            if reply.get("arena_bytes"):
-                out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
-            return reply, out
+                raise ComputeFailed("the daemon is shutting down") from None
+            self.proc.kill()
+            cause = f"compute did not finish within {self.pool.timeout:g} s; compute process killed"
+            await self._death_cause()
+            self._discard(cause)
+            raise ComputeFailed(cause) from None
+        except asyncio.CancelledError:
+            # the link is mid-message and cannot be resynchronized
+            if self.proc is not None:
+                self.proc.kill()
+                self._discard("call cancelled")
+            raise
+        except (compute_link.LinkClosed, OSError):
+            if self._closed:
+                raise ComputeFailed("the daemon is shutting down") from None
+            cause = await self._death_cause()
+            self._discard(cause)
+            raise ComputeFailed(cause) from None
+        finally:
+            self._busy = False
+            if self._closed:
+                self._close_link()
+            self.pool.call_done()
+            if sizing:
+                self._sizing -= 1
+                if not self._sizing and self._settled is not None:
+                    self._settled.set()
+        if hoptrace.ON:
+            hoptrace.mark("daemon from compute")
+        self.compute_bytes = reply.get("compute_bytes", self.compute_bytes)
+        counts = reply.get("channel_counts")
+        if counts is not None:
+            self.pool.channel_counts = [t + now - seen for t, now, seen in
+                                        zip(self.pool.channel_counts, counts, self.channel_counts_seen)]
+            self.channel_counts_seen = tuple(counts)
+        if not reply.get("channel_open", True) and self.pool.channel_holder is self:
+            self.pool.channel_holder = None  # closed, by the process (client gone, error) or by us
+        elif header.get("kind") == "step_channel" and reply.get("status") == 0:
+            self.pool.poll_channel_counts()
+        if reply.get("graph_dropped") and key is not None:
+            self.known_graphs.discard(key)  # refused for memory: the spec goes again next time
+        elif sizing and reply.get("status") == 0:
+            self.sized.add(key)
+        if self._closed:
+            raise ComputeFailed("the client is gone")
+        if reply.get("arena_bytes"):
+            out = self.arena[: reply["arena_bytes"]]  # a copy: the next call reuses the area
+        return reply, out

@@ -24,14 +24,18 @@ import socket
 import sys
 import time
 
+import structlog
+
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
 from rpc_daemon.compute import link as compute_link
+from rpc_daemon.compute.channel import ChannelEnded, StepChannelServer
 from rpc_daemon.compute.exchange import SPIN_S, SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
 from rpc_daemon.wire.graph_codec import build_graph, context_size
 from rpc_daemon.wire.protocol import Status
 from rpc_daemon.wire.tensor_frames import LinkBroken
 
+log = structlog.get_logger("compute")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -93,6 +97,12 @@ class ComputeState:
         self.compute_bytes = 0  # all graphs' compute buffers: counted against --mem by the daemon
         self.tensor_link: TensorLink | None = None  # to the other members of a tensor-parallel group
         self.segmented: dict[str, SegmentedGraph] = {}  # graph key -> the graph cut at its exchanges
+        self.specs: dict = {}  # graph key -> its validated GraphSpec (a step channel's requests are checked against it)
+        self.buffer_ranges: dict[int, tuple[int, int]] = {}  # key -> (offset, size) in the arena: the buffers mapped
+        self.channel: StepChannelServer | None = None  # the client's step channel, while it has one
+        # computes, compute_us, errors, bytes in and out over step channels: told to the daemon
+        self.channel_counts = [0, 0, 0, 0, 0]
+        self.daemon_sock: socket.socket | None = None  # the link to the daemon (serve() sets it)
 
     def map_client_arena(self, size: int, fd: int) -> None:
         if self.client_arena is not None:  # the daemon maps a client's arena once: never a second one
@@ -109,6 +119,7 @@ class ComputeState:
         populate_resident(addr, size)
         buf = self.backend.buffer_from_ptr(addr, size)
         self.buffers[key] = (buf, addr)
+        self.buffer_ranges[key] = (offset, size)
 
     def map_arena(self, size: int, fd: int) -> None:
         if self.arena is not None:
@@ -120,6 +131,7 @@ class ComputeState:
 
     def unmap_buffer(self, key: int) -> None:
         entry = self.buffers.pop(key, None)
+        self.buffer_ranges.pop(key, None)
         if entry:
             lib.ggml_backend_buffer_free(entry[0])  # the memory stays: it is the arena's
 
@@ -130,7 +142,31 @@ class ComputeState:
         socks = {r: socket.socket(fileno=fd) for r, fd in zip(header["peers"], fds)}
         self.tensor_link = TensorLink(header["link"], header["rank"], socks, self.spin_s)
 
+    def set_step_channel(self, header: dict, fds: list[int]) -> None:
+        self.close_step_channel()
+        self.channel = StepChannelServer(socket.socket(fileno=fds[0]), header["key_prefix"], header["limits"],
+                                         header["compute_timeout"], self.channel_counts, self.daemon_sock,
+                                         header.get("unsafe", False))
+
+    def close_step_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def serve_channel(self) -> bool:
+        """Answer the step channel's next request if one is whole; whether it was a tensor step."""
+        try:
+            request = self.channel.next_request()
+            if request is not None:
+                self.channel.answer(*request, self)
+                return "tensor" in request[0]
+        except ChannelEnded as exc:
+            log.info("step channel closed", reason=str(exc))
+            self.close_step_channel()
+        return False
+
     def drop_graph(self, key: str) -> None:
+        self.specs.pop(key, None)
         seg = self.segmented.pop(key, None)
         if seg is not None:
             seg.close()
@@ -163,7 +199,7 @@ class ComputeState:
     def buffer_table(self) -> dict:
         return self.buffers
 
-    def compute(self, header: dict, blob: bytearray) -> tuple[dict, bytes]:
+    def compute(self, header: dict, blob: bytearray, to_arena: bool = True) -> tuple[dict, bytes]:
         key = header["graph_key"]
         spec = header.get("graph")
         if spec is not None:
@@ -173,6 +209,7 @@ class ComputeState:
             ctx = lib.ggml_init(params[0])
             ptrs, gf = build_graph(ctx, spec, self.buffer_table())
             self.graphs[key] = (ctx, ptrs, gf, Gallocr(self.backend))
+            self.specs[key] = spec
         ctx, ptrs, gf, galloc = self.graphs[key]
         if key not in self.allocated:
             if not galloc.alloc_graph(gf):
@@ -215,11 +252,13 @@ class ComputeState:
         reply = {"status": 0, "outputs": outputs, "compute_us": compute_us}
         if tensor is not None and self.tensor_link is not None:  # of compute_us: sending, waiting, summing
             reply["exchange_us"] = int((self.tensor_link.wait_s - waited) * 1e6)
-        if self.arena is not None and off <= len(self.arena):
+        if to_arena and self.arena is not None and off <= len(self.arena):
             for (i, o, n) in outputs:
                 ffi.memmove(self.arena_ptr + o, ptrs[i].data, n)
             reply["arena_bytes"] = off
             return reply, b""
+        if not to_arena and len(outputs) == 1:  # sent at once (a step channel's reply): no copy
+            return reply, ffi.buffer(ptrs[outputs[0][0]].data, outputs[0][2])
         return reply, b"".join(ffi.buffer(ptrs[i].data, n)[:] for (i, o, n) in outputs)
 
 
@@ -274,14 +313,31 @@ def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
     """Serve the daemon's requests on `sock`; `spin_s`: how long an exchange waits for a peer
     without sleeping (TensorLink), the wait for the step after a tensor-parallel one a quarter of it."""
     state = ComputeState(n_threads, spin_s)
+    state.daemon_sock = sock
     warm_up(state)
     try:
         request_ready = select.poll()
         request_ready.register(sock, select.POLLIN)
         tensor_step = False
+        channel_fd = None
         while True:
-            if tensor_step:
+            if tensor_step and not (state.channel is not None and state.channel.waiting):
                 await_without_sleep(request_ready, spin_s * NEXT_STEP_SPIN_SHARE)
+            fd_now = state.channel.fileno() if state.channel is not None else None
+            if fd_now != channel_fd:  # a channel came or went: wait on it too, or no more
+                if channel_fd is not None:
+                    request_ready.unregister(channel_fd)
+                if fd_now is not None:
+                    request_ready.register(fd_now, select.POLLIN)
+                channel_fd = fd_now
+            if channel_fd is not None:
+                # a whole request already waiting is answered without waiting; the daemon's
+                # requests go first (they may unmap, drop, or take the channel back)
+                ready = {fd for fd, _ in request_ready.poll(0 if state.channel.waiting else None)}
+                if sock.fileno() not in ready:
+                    if ready or state.channel.waiting:
+                        tensor_step = state.serve_channel()
+                    continue
             try:
                 header, blob, fds = compute_link.recv(sock)
                 if hoptrace.ON:
@@ -302,11 +358,19 @@ def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
             if header.get("kind") == "tensor_link":
                 state.set_tensor_link(header, fds)
                 reply, out = {"status": 0}, b""
+            elif header.get("kind") == "step_channel":
+                state.set_step_channel(header, fds)
+                reply, out = {"status": 0}, b""
+            elif header.get("kind") == "close_step_channel":
+                state.close_step_channel()
+                reply, out = {"status": 0}, b""
             elif header.get("kind") == "compute":
                 reply, out = state.compute(header, blob)
             else:
                 reply, out = {"status": 0}, b""
             reply["compute_bytes"] = state.compute_bytes
+            reply["channel_counts"] = state.channel_counts
+            reply["channel_open"] = state.channel is not None
             compute_link.send(sock, reply, out)
             tensor_step = "tensor" in header
             if hoptrace.ON and header.get("kind") == "compute":
@@ -316,6 +380,7 @@ def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
             state.drop_graph(key)
         if state.tensor_link is not None:
             state.tensor_link.close()
+        state.close_step_channel()
         state.backend.close()
 
 

@@ -358,6 +358,8 @@ class Connection(asyncio.BufferedProtocol):
             self.daemon.peer_links.unregister(self.session.steps)
         if self.session.tensor_links is not None:  # its compute process's exchanges end now
             self.session.tensor_links.close()
+        if self.session.step_channel is not None:  # a client connecting its channel: refused now
+            self.session.step_channel.close()
         self._can_write.set()  # a worker waiting to write wakes up and sees the connection gone
         if self.worker is not None:
             self.queue.put_nowait(None)  # the worker frees everything once in-flight work ends

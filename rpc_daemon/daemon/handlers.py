@@ -22,7 +22,7 @@ from ggml_ffi import extra_buffers
 from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, fill_bytes, round_up
-from rpc_daemon.daemon import peers, tensor_links
+from rpc_daemon.daemon import peers, step_channel, tensor_links
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.memory import available_memory
 from rpc_daemon.validation import requests as V
@@ -58,6 +58,7 @@ class Session:
         self.hello_done = False
         self.steps = None  # its step links (daemon/peers.py StepSession), once STEP_PEERS named them
         self.tensor_links = None  # its tensor link (daemon/tensor_links.py), once TENSOR_LINK opened one
+        self.step_channel = None  # its step channel while the client connects (daemon/step_channel.py)
         self.log = log
 
     def authenticated(self) -> None:
@@ -73,7 +74,9 @@ class Session:
         return [f for f in P.FEATURES if f not in self.config.test_older
                 and (f != "tensor_cache" or self.daemon.cache is not None)
                 and (f not in ("step_links", "step_reply_output") or self.daemon.peer_links.usable)
-                and (f != "tensor_links" or not self.config.tls_cert)]
+                and (f not in ("tensor_links", "step_channel") or not self.config.tls_cert)
+                # a request over a step channel never passes the daemon's --test-fault points
+                and (f != "step_channel" or not self.config.test_faults)]
 
     def buffer_of(self, key: int) -> SharedBuffer | None:
         """This client's buffer `key`, or None (validation.requests refuses it)."""
@@ -169,6 +172,8 @@ async def handle_free_buffer(s: Session, h, blob, direct):
     proc = s.daemon.compute.get(s.client_id)
     if proc is not None:
         proc.forget_buffer(buf.key)
+        if s.daemon.compute.channel_holder is proc:  # no step over the channel touches it once it is freed
+            await proc.sync()
     s.daemon.buffers.free(buf)  # its pages are released at once (the child's ggml buffer struct goes below)
     if proc is not None:
         proc.flush_soon()
@@ -298,7 +303,9 @@ async def handle_graph_free(s: Session, h, blob, direct):
     if s.graphs.pop(graph_id, None) is not None:
         s.forget_graph(graph_id)
         proc = s.daemon.compute.get(s.client_id)
-        if proc is not None:
+        if proc is not None and s.daemon.compute.channel_holder is proc:
+            await proc.sync()  # no step over the channel computes it once it is freed
+        elif proc is not None:
             proc.flush_soon()  # its compute memory is returned (and counted free) now, not at the next compute
     return {}
 
@@ -362,4 +369,5 @@ COMMANDS: dict[int, CommandRow] = {
     Command.TENSOR_LINK: CommandRow(tensor_links.handle_tensor_link),
     # the session's compute may be waiting on the link: answered (the link shut down) as soon as it is read
     Command.TENSOR_CANCEL: CommandRow(tensor_links.handle_tensor_cancel, answer_now=_always),
+    Command.STEP_CHANNEL: CommandRow(step_channel.handle_step_channel),
 }

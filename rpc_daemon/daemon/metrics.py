@@ -20,14 +20,15 @@ class DaemonCollector:
                                       "cpu_variant": ggml["cpu_variant"], "llamafile": ggml["kernels"]["llamafile"],
                                       "tiled_k_quants": str(ggml["kernels"]["tiled_k_quants"]).lower()})
         yield CounterMetricFamily("ggml_rpc_compute_seconds", "Time spent in graph compute",
-                                  value=stats["compute_us"] / 1e6)
-        yield CounterMetricFamily("ggml_rpc_computes", "Graph computes run", value=stats["computes"])
+                                  value=(stats["compute_us"] + d.compute.channel_counts[1]) / 1e6)
+        yield CounterMetricFamily("ggml_rpc_computes", "Graph computes run (over step channels too)",
+                                  value=stats["computes"] + d.compute.channel_counts[0])
         yield CounterMetricFamily("ggml_rpc_compute_errors", "Graph computes that returned an error",
-                                  value=stats["compute_errors"])
+                                  value=stats["compute_errors"] + d.compute.channel_counts[2])
         yield CounterMetricFamily("ggml_rpc_compute_restarts", "Compute processes lost (abort, crash, timeout)",
                                   value=stats["compute_restarts"])
-        yield CounterMetricFamily("ggml_rpc_bytes_in", "Bytes received from clients", value=stats["bytes_in"])
-        yield CounterMetricFamily("ggml_rpc_bytes_out", "Bytes sent to clients", value=stats["bytes_out"])
+        yield CounterMetricFamily("ggml_rpc_bytes_in", "Bytes received from clients", value=stats["bytes_in"] + d.compute.channel_counts[3])
+        yield CounterMetricFamily("ggml_rpc_bytes_out", "Bytes sent to clients", value=stats["bytes_out"] + d.compute.channel_counts[4])
         yield CounterMetricFamily("ggml_rpc_step_pushes", "Step outputs pushed to a peer worker (step links)",
                                   value=stats["step_pushes"])
         yield CounterMetricFamily("ggml_rpc_step_push_failures", "Step pushes that failed (the client relayed them)",

@@ -34,8 +34,9 @@ def _uses_dot_type_inputs(header: dict) -> str | None:
     return None
 
 
-# feature -> what a daemon from before it said of a request using it (a refusal, or None)
-OLDER = {"dot_type_inputs": _uses_dot_type_inputs}
+# feature -> what a daemon from before it said of a GRAPH_COMPUTE using it (a refusal, or None); a
+# daemon from before "step_channel" did not know STEP_CHANNEL (UNKNOWN_COMMAND, below)
+OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None}
 log = structlog.get_logger("rpc")
 
 
@@ -50,6 +51,8 @@ class FaultyConnection(Connection):
         self.faults = faults
 
     async def _call(self, cmd, row, header, blob, direct):
+        if cmd == Command.STEP_CHANNEL and "step_channel" in self.daemon.config.test_older:
+            return {"status": int(Status.UNKNOWN_COMMAND), "error": f"unknown command {cmd}"}, self._send
         if cmd == Command.GRAPH_COMPUTE:
             for feature in self.daemon.config.test_older:
                 refusal = OLDER[feature](header)

@@ -13,7 +13,7 @@ from enum import IntEnum
 # type numbers mean something only between processes running the same op table
 PROTOCOL_VERSION = 2
 FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links", "step_reply_output", "tensor_links",
-            "dot_type_inputs")
+            "dot_type_inputs", "step_channel")
 
 
 class Status(IntEnum):
@@ -52,6 +52,7 @@ class Command(IntEnum):
     STEP_INPUT = 15  # a step's input for a session, from a peer worker or from the client itself
     TENSOR_LINK = 16  # link this session's compute process with its tensor-parallel peers' (daemon/tensor_links.py)
     TENSOR_CANCEL = 17  # end this session's waits on its tensor link now (a peer failed)
+    STEP_CHANNEL = 18  # a connection straight to this session's compute process for its steps (daemon/step_channel.py)
 
 
 class ProtocolError(Exception):
