@@ -76,6 +76,7 @@ class Coordinator:
         executor_options = {
             "connect_timeout": config.connect_timeout, "liveness_timeout": config.liveness_timeout,
             "use_cache": config.use_cache, "request_timeout": config.request_timeout,
+            "step_channels": bool(config.step_channels),
             # security (docs/security.md): the workers' shared secret (rpc_daemon/wire/auth.py), TLS CA
             "secret": load_secret(config.secret, config.secret_file), "tls_ca": config.tls_ca,
             # a reconnect or a spare's takeover need not hash the weights again

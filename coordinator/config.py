@@ -92,6 +92,13 @@ class CoordinatorConfig:
     between stages (docs/protocol.md, "Step links"). Same logits; fewer network
     hops per token. False: always relayed.
 
+    `step_channels` (tensor split, workers that grant one): a member's steps go
+    straight to its worker's compute process over a second connection, not
+    through its daemon (docs/protocol.md, "Step channels"). Same logits, the
+    same failure reports; 1-2 ms less a token on a busy machine. False: always
+    through the daemon (e.g. where the coordinator cannot reach the workers'
+    ephemeral ports).
+
     `split_mode` (llama.cpp's name): "layer" (the default): each endpoint holds a
     contiguous range of layers, the stages one after another. "tensor": every
     endpoint (a worker that offers tensor links: not `local`, not over TLS)
@@ -155,6 +162,7 @@ class CoordinatorConfig:
     spare_after: float | None = None
     micro_batch: int = DEFAULT_MICRO_BATCH
     step_links: bool = True
+    step_channels: bool = True
     split_mode: str = "layer"
     tensor_group: int | None = None
     cache_type_k: str = "f16"

@@ -16,16 +16,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
+import structlog
 
 from coordinator.decode.values import FailureKind
 
 from coordinator.cluster.failures import StageFailed
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib
-from rpc_daemon.client import PeerFailed, RpcClient, RpcError
+from rpc_daemon.client import PeerFailed, RpcClient, RpcError, connect_step_channel, parse_endpoint
 from rpc_daemon.request_window import RequestWindow
 from rpc_daemon.wire.graph_codec import encode_graph
+from rpc_daemon.wire import step_channel
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.tls import client_context
+
+log = structlog.get_logger("coordinator")
+CHANNEL_MARGIN = 5.0  # seconds beyond the worker's compute timeout a step-channel request may take
 
 ALIGN = 64
 UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
@@ -332,8 +337,9 @@ class RemoteExecutor:
 
     def __init__(self, endpoint: str, connect_timeout: float = 5.0, liveness_timeout: float | None = 2.0,
                  use_cache: bool = True, request_timeout: float | None = 900.0, secret: bytes | None = None,
-                 tls_ca: str | None = None, digests: ChunkDigests | None = None):
-        """`digests`: the chunk digests shared by the coordinator's executors (tensor cache look-ups)."""
+                 tls_ca: str | None = None, digests: ChunkDigests | None = None, step_channels: bool = True):
+        """`digests`: the chunk digests shared by the coordinator's executors (tensor cache look-ups);
+        `step_channels`: tensor-parallel steps over a step channel where the worker grants one."""
         self.endpoint = endpoint
         self.digests = digests if digests is not None else ChunkDigests()
         self.secret = secret  # shared secret for HELLO's challenge-response (rpc_daemon/wire/auth.py)
@@ -348,7 +354,14 @@ class RemoteExecutor:
         self.sent_graphs: set[int] = set()
         self.buffer: int | None = None
         self.step_token = b""  # this connection's token for step links (STEP_PEERS), new per connection
+        # tensor-parallel steps straight to the worker's compute process (docs/protocol.md, "Step
+        # channels"): asked for once per connection, at its first recompute of a tensor step
+        self.channel: RpcClient | None = None
+        self.use_step_channel = step_channels  # (bench/bench_step_channel.py turns it off and on)
+        self.channel_asked = False
+        self.channel_deadline: float | None = None  # a channel request's bound: the worker's compute timeout
         self.step_peers: frozenset | None = None  # the peers last named to the worker on this connection
+        self.channel_steps = 0  # steps answered over the step channel
         self.compute_us = 0  # worker-side compute time, summed
         self.exchange_us = 0  # of it, in tensor-parallel exchanges (sending, waiting for peers, summing)
         self.rtt: float | None = None  # last step's round trip minus the worker's compute time
@@ -381,6 +394,8 @@ class RemoteExecutor:
                               f"use; upgrade it")
         self.sent_graphs.clear()
         self.step_token, self.step_peers = os.urandom(16), None
+        self._drop_channel()
+        self.channel_asked = False
         return self.info
 
     def _offers(self, feature: str) -> bool:
@@ -571,6 +586,10 @@ class RemoteExecutor:
         tensors, _ = g.wire
         expect = stage.output_size(shape, head)  # the reply's layout: no worker makes us allocate more
         if g.graph_id in self.sent_graphs:
+            if tensor is not None:
+                out = await self._run_on_channel(fields, blob, expect, shape.head_key if head else None)
+                if out is not None:
+                    return out
             try:
                 started = time.monotonic()
                 reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout,
@@ -593,6 +612,112 @@ class RemoteExecutor:
         self._account(reply, time.monotonic() - started, shape.head_key if head else None)
         self.sent_graphs.add(g.graph_id)
         return out
+
+    async def _run_on_channel(self, fields: dict, blob, expect: int, head_key) -> bytes | None:
+        """A recompute over the step channel; None if it has none, or the graph is not cached
+        there, or the channel ended without the reply (taken back by the worker for another
+        client, or its compute process is gone): the step then goes through the daemon, which
+        computes it or says what became of the compute process."""
+        if not self.use_step_channel or len(blob) > step_channel.MAX_BLOB:
+            return None
+        channel = await self._step_channel()
+        if channel is None:
+            return None
+        started = time.monotonic()
+        watch, pinging = self._watch_worker_from(started)
+        try:
+            reply, out = await channel.request(Command.GRAPH_RECOMPUTE, fields, blob, self.channel_deadline, expect)
+        except RpcError as exc:
+            if exc.status == Status.NOT_FOUND:
+                return None
+            raise self._compute_failed(exc) from None
+        except PeerFailed as exc:
+            self._drop_channel()
+            if self.client.failed is not None:  # the worker itself is gone (or stopped): reported as that
+                raise peer_failed(self.endpoint, self.client.failed) from None
+            # computing still, perhaps, or computed: not sent again (a tensor step twice would exchange
+            # out of step with its peers)
+            if exc.kind == FailureKind.TIMEOUT:
+                raise rpc_failed(self.endpoint, RpcError(Status.FAILED, f"no reply over the step channel within "
+                                                         f"{self.channel_deadline:g} s")) from None
+            if exc.mid_reply:
+                raise rpc_failed(self.endpoint, RpcError(Status.FAILED, "the step channel closed in the middle of "
+                                                         "a reply")) from None
+            # closed without a reply, or refused at the framing (before any compute): not computed, or
+            # by a process that is gone (the daemon says so)
+            log.info("step channel ended; steps go through the worker's daemon", endpoint=self.endpoint,
+                     reason=exc.message)
+            return None
+        finally:
+            if watch is not None:
+                watch.cancel()
+            for task in pinging:
+                task.cancel()
+        self._account(reply, time.monotonic() - started, head_key)
+        self.channel_steps += 1
+        return out
+
+    def _watch_worker_from(self, started: float) -> tuple[asyncio.TimerHandle | None, list]:
+        """While a channel request is out, the worker is held to the liveness bound of a request
+        on its connection: past the ping interval without the reply, the connection pings the
+        daemon, counting silence from `started`; a daemon silent for the bound fails the
+        connection, which ends the channel wait (when_lost). A step's usual milliseconds send
+        no ping. The timer, and the list the ping task goes into."""
+        client, pinging = self.client, []
+        if client.liveness_timeout is None:
+            return None, pinging
+
+        async def keep_pinging():
+            while True:
+                try:
+                    await client.request(Command.PING, silent_since=started)
+                except (PeerFailed, RpcError):
+                    return
+                await asyncio.sleep(client.ping_interval)
+        loop = asyncio.get_running_loop()
+        return loop.call_later(client.ping_interval, lambda: pinging.append(loop.create_task(keep_pinging()))), \
+            pinging
+
+    async def _step_channel(self) -> RpcClient | None:
+        """The step channel, opened at the first call on this connection if the worker offers one."""
+        if self.channel is not None:
+            return self.channel
+        if self.channel_asked or not self._offers("step_channel"):
+            return None
+        self.channel_asked = True
+        try:
+            reply, _ = await self.client.request(Command.STEP_CHANNEL, deadline=self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:  # an offer: refused, the steps go through the daemon
+            log.warning("no step channel", endpoint=self.endpoint, error=str(exc))
+            return None
+        if not reply.get("granted"):
+            log.info("no step channel", endpoint=self.endpoint, reason=reply.get("reason"))
+            return None
+        try:
+            channel = await connect_step_channel(self.endpoint, parse_endpoint(self.endpoint)[0], reply["port"],
+                                                 reply["ticket"], self.connect_timeout, self.client.limits)
+        except (PeerFailed, KeyError, TypeError) as exc:
+            log.warning("step channel not opened; steps go through the worker's daemon", endpoint=self.endpoint,
+                        error=str(exc))
+            return None
+        compute_timeout = reply.get("compute_timeout")
+        self.channel_deadline = self.request_timeout if not isinstance(compute_timeout, (int, float)) else \
+            min(self.request_timeout or float("inf"), compute_timeout + CHANNEL_MARGIN)
+        self.channel = channel
+        # a worker lost or stopped ends a channel wait at once (this connection's channel only)
+        self.client.when_lost(lambda: self._drop_channel(channel))
+        log.info("step channel open", endpoint=self.endpoint)
+        return channel
+
+    def _drop_channel(self, only: RpcClient | None = None) -> None:
+        """Close the step channel (`only`: if it is still that one)."""
+        if only is not None and self.channel is not only:
+            return
+        channel, self.channel = self.channel, None
+        if channel is not None and channel.transport is not None:
+            channel.close()
 
     def _compute_failed(self, exc: RpcError) -> StageFailed:
         # this worker's own link missing (its compute process was replaced) is its own failure; a link
@@ -675,6 +800,7 @@ class RemoteExecutor:
         return out
 
     async def close(self) -> None:
+        self._drop_channel()
         if self.client is not None:
             if self.client.failed is None and self.buffer is not None:
                 try:

@@ -162,6 +162,9 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
                        help="hidden states come back through the coordinator between stages (default: worker "
                             "to worker when every worker offers it; docs/protocol.md, Step links)")
+        p.add_argument("--no-step-channels", dest="step_channels", action="store_false",
+                       help="tensor-parallel steps go through each worker's daemon (default: straight to its "
+                            "compute process where the worker grants a channel; docs/protocol.md, Step channels)")
     p.add_argument("--micro-batch", type=_count(0), default=LIBRARY["micro_batch"], metavar="N",
                    help=f"pipelining over several workers: batches cut into micro-batches that keep every worker "
                         f"busy (prompts in chunks of at most N tokens, several sequences in as many groups as "

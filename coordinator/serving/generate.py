@@ -20,6 +20,7 @@ def cmd_generate(args) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, n_ctx=args.ctx_size,
                             **security_options(args), threads=args.threads, progress=sys.stderr.isatty(),
                             head_split=args.head_split, step_links=args.step_links,
+                            step_channels=args.step_channels,
                             micro_batch=args.micro_batch, split_mode=args.split_mode, tensor_group=args.tensor_group,
                             cache_type_k=args.cache_type_k,
                             cache_type_v=args.cache_type_v, **resume_options(args))

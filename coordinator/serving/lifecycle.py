@@ -102,6 +102,7 @@ def _serve(args, socks) -> int:
             c = Coordinator(endpoints, model=args.model, split=args.split, threads=args.threads,
                             **security_options(args), n_ctx=args.parallel * args.ctx_per_slot,
                             progress=sys.stderr.isatty(), head_split=args.head_split, step_links=args.step_links,
+                            step_channels=args.step_channels,
                             **resume_options(args), on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch,
                             split_mode=args.split_mode, tensor_group=args.tensor_group,
                             cache_type_k=args.cache_type_k,

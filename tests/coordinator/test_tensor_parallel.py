@@ -453,3 +453,131 @@ def test_a_members_compute_process_crash_is_a_compute_failure_of_that_member(fau
         pending = [c.token(-1)]
     assert failures == 1
     assert any("compute process" in line and "SIGKILL" in line for line in b.log_lines)
+
+
+# ---------------------------------------------------------------- step channels (docs/protocol.md, "Step channels")
+
+def one_token_logits(c: Coordinator, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """n one-token steps after PROMPT (full logits each, the best one fed back): tokens and logits."""
+    c.kv_clear()
+    toks = c.tokenize(PROMPT)
+    assert c.decode(Batch.single(toks, 0)) == DecodeResult.OK, c.last_error
+    pos, out, rows = len(toks), [], []
+    for _ in range(n):
+        out.append(int(np.argmax(c.logits(-1))))
+        assert c.decode(Batch.single([out[-1]], pos)) == DecodeResult.OK, c.last_error
+        rows.append(c.logits(-1).copy())
+        pos += 1
+    return out, rows
+
+
+def channel_steps(c: Coordinator) -> list[int]:
+    return [p.executor.channel_steps for p in c._places]
+
+
+def test_steps_over_the_step_channel_are_the_daemons_bit_for_bit(tmp_path, start_daemon):
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    direct = [start_daemon("-t", "1") for _ in range(2)]
+    relayed = [start_daemon("-t", "1", "--test-older", "step_channel") for _ in range(2)]
+    with Coordinator([d.endpoint for d in direct], model=model, n_ctx=64, split_mode="tensor") as c:
+        tokens, rows = one_token_logits(c, 6)
+        assert min(channel_steps(c)) >= 5, channel_steps(c)  # every step once its graph was sent
+        assert all(any("step channel up" in line for line in d.log_lines) for d in direct)
+    with Coordinator([d.endpoint for d in relayed], model=model, n_ctx=64, split_mode="tensor") as c:
+        want_tokens, want_rows = one_token_logits(c, 6)
+        assert channel_steps(c) == [0, 0]
+    with Coordinator([d.endpoint for d in direct], model=model, n_ctx=64, split_mode="tensor",
+                     step_channels=False) as c:  # the option: not asked for
+        off_tokens, off_rows = one_token_logits(c, 6)
+        assert channel_steps(c) == [0, 0]
+    assert tokens == want_tokens == off_tokens
+    for got, want, off in zip(rows, want_rows, off_rows):
+        assert np.array_equal(got, want) and np.array_equal(off, want)
+
+
+def test_a_second_client_on_a_member_takes_its_channel_and_the_text_goes_on(tmp_path, workers):
+    """Another client computing on B's worker closes B's step channel (the daemon's fair lock decides
+    again): the generation goes on through B's daemon, with the same text, and nothing fails."""
+    from rpc_helpers import RawConn
+    from graph_helpers import COMPUTE, F32, INPUT, OUTPUT, T, f32s
+    from ggml_ffi import lib
+    from rpc_daemon.wire.protocol import Command
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    ws = workers(2)
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor") as c:
+        want, code = generate_tokens(c, 10)
+        assert code == DecodeResult.OK, c.last_error
+        other = RawConn(ws.workers[1].port)
+        other.hello()
+
+        def intrude(step):
+            if step == 4:
+                graph = [T(F32, [4], flags=INPUT),
+                         T(F32, [4], op=lib.GGML_OP_SCALE, src=[0], params=f32s(2.0), flags=OUTPUT | COMPUTE)]
+                h, _ = other.call(Command.GRAPH_COMPUTE, {"tensors": graph, "inputs": [[0, 0, 16]], "outputs": [1]},
+                                  f32s(1, 2, 3, 4))
+                assert h["status"] == 0, h
+        before = channel_steps(c)
+        got, code = generate_tokens(c, 10, fault=intrude)
+        other.close()
+        assert code == DecodeResult.OK and got == want, c.last_error
+        after = channel_steps(c)
+        assert after[0] - before[0] >= 8 and after[1] - before[1] <= 4, (before, after)  # B's ended at step 4
+        assert c._places[1].executor.channel is None
+        ws.workers[1].wait_log("step channel taken back")
+
+
+def test_a_members_compute_process_killed_under_its_channel_is_a_compute_failure_of_that_member(tmp_path, workers):
+    """B's compute process SIGKILLed while its steps come over its channel: the step fails
+    COMPUTE_FAILED naming B, with the daemon's word for the death; nothing latches; retried, it decodes."""
+    import os
+    import re
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    ws = workers(2)
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
+                     liveness_timeout=LIVENESS) as c:
+        generate_tokens(c, 3)
+        assert min(channel_steps(c)) > 0
+        pid = [int(m.group(1)) for line in ws.workers[1].log_lines
+               if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))][-1]
+        os.kill(pid, signal.SIGKILL)
+        code = c.decode(Batch.single([c.token(-1)], len(c.tokenize(PROMPT)) + 3), greedy=True)
+        assert code == DecodeResult.COMPUTE_FAILED, (code, c.last_error)
+        assert c.last_failed_endpoint == ws.endpoint(1) and "SIGKILL" in c.last_error, c.last_error
+        assert c.failed_endpoints() == []
+        tokens, code = generate_tokens(c, 4)
+        assert code == DecodeResult.OK, c.last_error
+
+
+@pytest.mark.parametrize("what", ["daemon", "worker"])
+def test_a_member_stopped_under_its_channel_is_reported_as_itself_within_the_liveness_bound(what, tmp_path, workers):
+    """B stopped while its steps come over its channel: its daemon alone (its compute process, which
+    still runs, sends the steps through the daemon from then on) or the whole worker (the channel
+    wait pings the daemon): ENDPOINT_FAILED naming B within liveness_timeout, as without a channel."""
+    import os
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    ws = workers(2)
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
+                     liveness_timeout=LIVENESS, request_timeout=30.0) as c:
+        generate_tokens(c, 3)
+        before = channel_steps(c)
+        assert min(before) > 0
+        b = ws.workers[1]
+
+        def stop(step):
+            if step == 5:
+                if what == "daemon":
+                    b.signal(signal.SIGSTOP)
+                else:
+                    os.killpg(b.proc.pid, signal.SIGSTOP)  # the daemon and its compute process
+                stop.at = time.monotonic()
+        try:
+            _, code = generate_tokens(c, 12, fault=stop)
+            took = time.monotonic() - stop.at
+        finally:
+            os.killpg(b.proc.pid, signal.SIGCONT)
+        assert code == DecodeResult.ENDPOINT_FAILED and c.last_failed_endpoint == ws.endpoint(1), c.last_error
+        assert c.last_cause == "timeout" and "while idle" not in c.last_error, c.last_error  # a request's bound
+        assert took < LIVENESS + 2 * SLACK, took
+        assert channel_steps(c)[1] > before[1]  # the steps before the stop went over the channel
