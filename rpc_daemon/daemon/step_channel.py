@@ -19,6 +19,7 @@ import structlog
 
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.wire.protocol import Status
+from rpc_daemon.wire.sockets import tune_socket
 from rpc_daemon.wire.step_channel import ACK, HELLO, TICKET_BYTES, ChannelRefused, check_hello
 
 log = structlog.get_logger("rpc")
@@ -98,7 +99,7 @@ async def _accept(s, channel: StepChannel, listener: socket.socket, ticket: byte
                     sock.close()
                     sock = None
         listener.close()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_socket(sock)  # as the connection's: a whole logits reply fits the kernel's buffers
         # not cancelled once started (a cancelled call kills the process; the client's connection
         # ending kills it anyway, with its channel), and the socket stays open until it has gone
         handover = loop.create_task(s.daemon.compute.for_client(s.client_id).call(
