@@ -30,6 +30,7 @@ from rpc_daemon.wire.step_channel import channel_limits
 log = structlog.get_logger("compute")
 
 SEND_TIMEOUT = 30.0  # seconds a reply may take to leave (a client that stopped reading loses its channel)
+DRAIN_READS = 64  # reads of unread requests before a close (4 MiB)
 
 
 class _Range:
@@ -54,9 +55,8 @@ class StepChannelServer:
     loop looks at the daemon's socket between any two requests."""
 
     def __init__(self, sock: socket.socket, key_prefix: str, limits: P.Limits, compute_timeout: float,
-                 counts: list, daemon_sock: socket.socket, unsafe: bool = False):
+                 counts: list, unsafe: bool = False):
         self.sock = sock
-        self.daemon_sock = daemon_sock  # a reply waiting to leave gives way to the daemon (_send)
         self.unsafe = unsafe  # the daemon's --unsafe-no-validation (tests): its checks, no more
         self.compute_timeout = compute_timeout  # the daemon's bound on one compute: an exchange waits no longer
         self.sock.setblocking(False)  # receives never wait; a send waits in poll(), bounded
@@ -75,8 +75,9 @@ class StepChannelServer:
         closing over unread bytes would reset the connection, which can discard a reply still on
         its way (the client sends a request it had no reply to again, on its connection)."""
         try:
-            while self.sock.recv(1 << 16):
-                pass
+            for _ in range(DRAIN_READS):  # bounded: a client streaming on meets the reset it asked for
+                if not self.sock.recv(1 << 16):
+                    break
         except OSError:
             pass
         try:

@@ -102,7 +102,6 @@ class ComputeState:
         self.channel: StepChannelServer | None = None  # the client's step channel, while it has one
         # computes, compute_us, errors, bytes in and out over step channels: told to the daemon
         self.channel_counts = [0, 0, 0, 0, 0]
-        self.daemon_sock: socket.socket | None = None  # the link to the daemon (serve() sets it)
 
     def map_client_arena(self, size: int, fd: int) -> None:
         if self.client_arena is not None:  # the daemon maps a client's arena once: never a second one
@@ -145,8 +144,7 @@ class ComputeState:
     def set_step_channel(self, header: dict, fds: list[int]) -> None:
         self.close_step_channel()
         self.channel = StepChannelServer(socket.socket(fileno=fds[0]), header["key_prefix"], header["limits"],
-                                         header["compute_timeout"], self.channel_counts, self.daemon_sock,
-                                         header.get("unsafe", False))
+                                         header["compute_timeout"], self.channel_counts, header.get("unsafe", False))
 
     def close_step_channel(self) -> None:
         if self.channel is not None:
@@ -313,7 +311,6 @@ def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
     """Serve the daemon's requests on `sock`; `spin_s`: how long an exchange waits for a peer
     without sleeping (TensorLink), the wait for the step after a tensor-parallel one a quarter of it."""
     state = ComputeState(n_threads, spin_s)
-    state.daemon_sock = sock
     warm_up(state)
     try:
         request_ready = select.poll()
