@@ -182,6 +182,8 @@ class EndpointSet:
         return {"status": status, "split_mode": self.split_mode,
                 "endpoints": [{"endpoint": p.endpoint, "layers": [p.layers.start, p.layers.stop],
                                "shard": _shard(p), "ok": p.failure is None,
+                               # its steps go over a step channel now (docs/protocol.md, "Step channels")
+                               "step_channel": getattr(p.executor, "channel", None) is not None,
                                **({"kind": p.failure.kind, "cause": p.failure.cause, "since": p.failure.since,
                                    "attempts": p.failure.attempts, "next_attempt": p.failure.next_attempt}
                                   if p.failure is not None else {})}

@@ -482,10 +482,12 @@ def test_steps_over_the_step_channel_are_the_daemons_bit_for_bit(tmp_path, start
     with Coordinator([d.endpoint for d in direct], model=model, n_ctx=64, split_mode="tensor") as c:
         tokens, rows = one_token_logits(c, 6)
         assert min(channel_steps(c)) >= 5, channel_steps(c)  # every step once its graph was sent
+        assert [e["step_channel"] for e in c.health()["endpoints"]] == [True, True]
         assert all(any("step channel up" in line for line in d.log_lines) for d in direct)
     with Coordinator([d.endpoint for d in relayed], model=model, n_ctx=64, split_mode="tensor") as c:
         want_tokens, want_rows = one_token_logits(c, 6)
         assert channel_steps(c) == [0, 0]
+        assert [e["step_channel"] for e in c.health()["endpoints"]] == [False, False]
     with Coordinator([d.endpoint for d in direct], model=model, n_ctx=64, split_mode="tensor",
                      step_channels=False) as c:  # the option: not asked for
         off_tokens, off_rows = one_token_logits(c, 6)
