@@ -31,6 +31,7 @@ from rpc_daemon.wire.tls import client_context
 
 log = structlog.get_logger("coordinator")
 CHANNEL_MARGIN = 5.0  # seconds beyond the worker's compute timeout a step-channel request may take
+CHANNEL_ASK_AGAIN = 30.0  # seconds after a step channel was refused or taken back before it is asked for again
 
 ALIGN = 64
 UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/request_window.py)
@@ -355,10 +356,12 @@ class RemoteExecutor:
         self.buffer: int | None = None
         self.step_token = b""  # this connection's token for step links (STEP_PEERS), new per connection
         # tensor-parallel steps straight to the worker's compute process (docs/protocol.md, "Step
-        # channels"): asked for once per connection, at its first recompute of a tensor step
+        # channels"): asked for at a connection's first recompute of a tensor step, and again
+        # `channel_ask_again` seconds after one was refused or taken back
         self.channel: RpcClient | None = None
         self.use_step_channel = step_channels  # (bench/bench_step_channel.py turns it off and on)
-        self.channel_asked = False
+        self.channel_next_ask = 0.0  # monotonic time from which a channel may be asked for
+        self.channel_ask_again = CHANNEL_ASK_AGAIN
         self.channel_deadline: float | None = None  # a channel request's bound: the worker's compute timeout
         self.step_peers: frozenset | None = None  # the peers last named to the worker on this connection
         self.channel_steps = 0  # steps answered over the step channel
@@ -395,7 +398,7 @@ class RemoteExecutor:
         self.sent_graphs.clear()
         self.step_token, self.step_peers = os.urandom(16), None
         self._drop_channel()
-        self.channel_asked = False
+        self.channel_next_ask = 0.0
         return self.info
 
     def _offers(self, feature: str) -> bool:
@@ -637,6 +640,8 @@ class RemoteExecutor:
                 raise peer_failed(self.endpoint, self.client.failed) from None
             # computing still, perhaps, or computed: not sent again (a tensor step twice would exchange
             # out of step with its peers)
+            if exc.kind == FailureKind.TIMEOUT or exc.mid_reply:
+                self.channel_next_ask = float("inf")  # a process that failed so: not again on this connection
             if exc.kind == FailureKind.TIMEOUT:
                 raise rpc_failed(self.endpoint, RpcError(Status.FAILED, f"no reply over the step channel within "
                                                          f"{self.channel_deadline:g} s")) from None
@@ -644,7 +649,8 @@ class RemoteExecutor:
                 raise rpc_failed(self.endpoint, RpcError(Status.FAILED, "the step channel closed in the middle of "
                                                          "a reply")) from None
             # closed without a reply, or refused at the framing (before any compute): not computed, or
-            # by a process that is gone (the daemon says so)
+            # by a process that is gone (the daemon says so); asked for again in a while
+            self.channel_next_ask = time.monotonic() + self.channel_ask_again
             log.info("step channel ended; steps go through the worker's daemon", endpoint=self.endpoint,
                      reason=exc.message)
             return None
@@ -682,9 +688,9 @@ class RemoteExecutor:
         """The step channel, opened at the first call on this connection if the worker offers one."""
         if self.channel is not None:
             return self.channel
-        if self.channel_asked or not self._offers("step_channel"):
+        if time.monotonic() < self.channel_next_ask or not self._offers("step_channel"):
             return None
-        self.channel_asked = True
+        self.channel_next_ask = time.monotonic() + self.channel_ask_again  # unless it opens
         try:
             reply, _ = await self.client.request(Command.STEP_CHANNEL, deadline=self.request_timeout)
         except PeerFailed as exc:

@@ -499,7 +499,8 @@ def test_steps_over_the_step_channel_are_the_daemons_bit_for_bit(tmp_path, start
 
 def test_a_second_client_on_a_member_takes_its_channel_and_the_text_goes_on(tmp_path, workers):
     """Another client computing on B's worker closes B's step channel (the daemon's fair lock decides
-    again): the generation goes on through B's daemon, with the same text, and nothing fails."""
+    again): the generation goes on through B's daemon, with the same text, and nothing fails; once
+    the other client has left, B's steps get a channel again (asked for `channel_ask_again` later)."""
     from rpc_helpers import RawConn
     from graph_helpers import COMPUTE, F32, INPUT, OUTPUT, T, f32s
     from ggml_ffi import lib
@@ -528,6 +529,13 @@ def test_a_second_client_on_a_member_takes_its_channel_and_the_text_goes_on(tmp_
         assert after[0] - before[0] >= 8 and after[1] - before[1] <= 4, (before, after)  # B's ended at step 4
         assert c._places[1].executor.channel is None
         ws.workers[1].wait_log("step channel taken back")
+        executor = c._places[1].executor
+        executor.channel_next_ask = time.monotonic() + 0.5  # as if channel_ask_again were 0.5 s
+        deadline = time.monotonic() + 10 * SLACK
+        while executor.channel is None and time.monotonic() < deadline:
+            got, code = generate_tokens(c, 10)
+            assert code == DecodeResult.OK and got == want, c.last_error
+        assert executor.channel is not None and channel_steps(c)[1] > after[1]
 
 
 def test_a_members_compute_process_killed_under_its_channel_is_a_compute_failure_of_that_member(tmp_path, workers):
