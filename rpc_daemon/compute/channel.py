@@ -25,7 +25,7 @@ from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
 from rpc_daemon.wire.protocol import Command, ProtocolError, Status
-from rpc_daemon.wire.step_channel import channel_limits
+from rpc_daemon.wire.step_channel import COMMANDS, channel_limits
 
 log = structlog.get_logger("compute")
 
@@ -147,10 +147,13 @@ class StepChannelServer:
             if type(req_id) is not int:
                 raise ProtocolError(Status.INVALID_REQUEST, "a request needs an integer 'id'")
             cmd = header.get("cmd")
+            if type(cmd) is not int:  # as on the connection: 12.0 or true is no PING
+                raise ProtocolError(Status.INVALID_REQUEST, f"'cmd' must be an integer (cmd {cmd!r:.40})")
+            if cmd not in COMMANDS:
+                raise ProtocolError(Status.UNKNOWN_COMMAND, f"a step channel carries GRAPH_RECOMPUTE and PING only "
+                                                            f"(cmd {cmd})")
             if cmd == Command.PING:
                 return self._send(P.reply_header(req_id, Status.SUCCESS, time=time.time()), b"")
-            if cmd != Command.GRAPH_RECOMPUTE:
-                raise ProtocolError(Status.UNKNOWN_COMMAND, f"a step channel carries GRAPH_RECOMPUTE only (cmd {cmd!r:.40})")
             extra = [f for f in NOT_ON_A_CHANNEL if f in header]
             if extra:
                 raise ProtocolError(Status.INVALID_REQUEST, f"field {extra[0]!r} is not taken over a step channel: "

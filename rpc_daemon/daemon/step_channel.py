@@ -18,7 +18,6 @@ import socket
 import structlog
 
 from rpc_daemon.compute.pool import ComputeFailed
-from rpc_daemon.wire.protocol import Status
 from rpc_daemon.wire.sockets import tune_socket
 from rpc_daemon.wire.step_channel import ACK, HELLO, TICKET_BYTES, ChannelRefused, check_hello
 

@@ -109,7 +109,9 @@ def test_the_channel_refuses_what_the_daemon_refuses(conn):
         (Command.GRAPH_RECOMPUTE, dict(STEP, reply_output=True), f32s(1, 2, 3, 4), Status.INVALID_REQUEST),
         (Command.ALLOC_BUFFER, {"size": 64}, b"", Status.UNKNOWN_COMMAND),
         (Command.GRAPH_COMPUTE, dict(STEP, tensors=GRAPH), f32s(1, 2, 3, 4), Status.UNKNOWN_COMMAND),
-        ("x", {}, b"", Status.UNKNOWN_COMMAND),
+        ("x", {}, b"", Status.INVALID_REQUEST),
+        (12.0, {}, b"", Status.INVALID_REQUEST),  # no PING: an integer cmd only, as on the connection
+        (True, {}, b"", Status.INVALID_REQUEST),
     ]
     for cmd, fields, blob, status in cases:
         h, _ = ch.call(cmd, fields, blob)
