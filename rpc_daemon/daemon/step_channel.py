@@ -18,6 +18,7 @@ import socket
 import structlog
 
 from rpc_daemon.compute.pool import ComputeFailed
+from rpc_daemon.daemon.listeners import open_listener, recv_up_to
 from rpc_daemon.wire.sockets import tune_socket
 from rpc_daemon.wire.step_channel import ACK, HELLO, TICKET_BYTES, ChannelRefused, check_hello
 
@@ -47,22 +48,17 @@ def alone(s) -> bool:
 
 
 async def handle_step_channel(s, h, blob, direct):
-    if s.config.tls_cert:
-        return {"granted": False, "reason": "no step channel over TLS: it would not be encrypted"}
-    if s.config.test_faults:
-        return {"granted": False, "reason": "no step channel with test faults: its requests would pass them by"}
+    if "step_channel" not in s.features():
+        return {"granted": False, "reason": "this worker offers no step channel (it serves TLS, which the channel "
+                                            "would not have, or runs with test faults, which it would pass by)"}
     if not alone(s):
         return {"granted": False, "reason": "another client computes on this worker: steps go through the daemon"}
     if s.step_channel is not None and s.step_channel.accepting is not None:
         return {"granted": False, "reason": "a step channel is being opened for this connection"}
     channel = s.step_channel = StepChannel()
-    listener = socket.socket(socket.AF_INET6 if ":" in s.config.host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind((s.config.host, 0))
-        listener.listen(1)
-        listener.setblocking(False)
+        listener = open_listener(s.config.host, 1)
     except OSError as exc:  # the channel is an offer: without it the steps go through the daemon
-        listener.close()
         return {"granted": False, "reason": f"cannot open a step-channel listener: {exc}"}
     ticket = os.urandom(TICKET_BYTES)
     channel.accepting = asyncio.get_running_loop().create_task(_accept(s, channel, listener, ticket))
@@ -71,14 +67,8 @@ async def handle_step_channel(s, h, blob, direct):
 
 
 async def _read_hello(loop, sock: socket.socket) -> bytes:
-    data = b""
     async with asyncio.timeout(HELLO_TIMEOUT):
-        while len(data) < HELLO.size:
-            more = await loop.sock_recv(sock, HELLO.size - len(data))
-            if not more:
-                break
-            data += more
-    return data
+        return await recv_up_to(loop, sock, HELLO.size)
 
 
 async def _accept(s, channel: StepChannel, listener: socket.socket, ticket: bytes) -> None:

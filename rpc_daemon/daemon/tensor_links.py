@@ -19,6 +19,7 @@ import socket
 import structlog
 
 from rpc_daemon.compute.pool import ComputeFailed
+from rpc_daemon.daemon.listeners import open_listener, recv_up_to
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire.protocol import ProtocolError, Status
 from rpc_daemon.wire.tensor_frames import ACK, HELLO, TICKET_BYTES, LinkBroken, check_hello, pack_hello
@@ -67,13 +68,9 @@ async def handle_tensor_link(s, h, blob, direct):
     links = links_of(s)
     if req.op == "listen":
         links.close()
-        listener = socket.socket(socket.AF_INET6 if ":" in s.config.host else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            listener.bind((s.config.host, 0))
-            listener.listen(V.MAX_GROUP)
-            listener.setblocking(False)
+            listener = open_listener(s.config.host, V.MAX_GROUP)
         except OSError as exc:
-            listener.close()
             return {"status": Status.FAILED, "error": f"cannot open a tensor-link listener: {exc}"}
         links.link_id, links.listener, links.ticket = req.link, listener, os.urandom(TICKET_BYTES)
         return {"port": listener.getsockname()[1], "ticket": links.ticket}
@@ -117,12 +114,9 @@ async def _join(links: TensorLinks, req) -> dict[int, socket.socket]:
     socks: dict[int, socket.socket] = {}
 
     async def read(sock, n):
-        data = b""
-        while len(data) < n:
-            more = await loop.sock_recv(sock, n - len(data))
-            if not more:
-                raise LinkBroken("the peer closed the tensor link while linking")
-            data += more
+        data = await recv_up_to(loop, sock, n)
+        if len(data) < n:
+            raise LinkBroken("the peer closed the tensor link while linking")
         return data
 
     async def connect(peer):

@@ -244,7 +244,7 @@ def test_a_silent_stranger_holds_the_listener_one_second_only(conn):
     sock.sendall(pack_hello(h["ticket"]))
     sock.settimeout(10 * SLACK)
     assert sock.recv(1) == ACK
-    assert time.monotonic() - started < 1.0 * SLACK + 1
+    assert time.monotonic() - started < (1.0 + 0.5) * SLACK  # the stranger's 1 s hello bound, then ours
     stranger.close()
     sock.close()
 
