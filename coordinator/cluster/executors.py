@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -78,6 +79,17 @@ class TensorLinkFailed(StageFailed):
 class NotLinked(Exception):
     """A linked step's graph was not cached on the worker (NOT_FOUND): the step
     runs again on the relayed path (rewriting the same KV rows)."""
+
+
+@dataclass
+class StepRequest:
+    """A compute request built by RemoteExecutor.step_request, not yet sent."""
+    graph: object  # the stage's BuiltGraph
+    evicted: list  # graphs evicted from the stage's cache to make room: freed on the worker first
+    fields: dict
+    blob: bytes
+    expect: int  # the reply's size
+    head_key: tuple | None  # a head shard's StepShape.head_key (its compute time is kept)
 
 
 def _count_when_done(task, nbytes: int, progress) -> None:
@@ -565,39 +577,54 @@ class RemoteExecutor:
         """A compute request's fields (graph id, inline inputs, outputs) and blob."""
         if g.wire is None:
             g.wire = encode_graph(g.gf, self.addresses.get)
-        tensors, index_of = g.wire
+            index_of = g.wire[1]
+            g.wire_ids = ({name: index_of.get(t) for name, t in g.inputs.items()}, [index_of[out] for out in g.outputs],
+                          [index_of[t] for t in g.exchanges])
+        input_ids, output_ids, _ = g.wire_ids
         specs, parts, off = [], [], 0
         for name, arr in inputs.items():
-            if g.inputs[name] not in index_of:  # not used by this stage's layers
+            index = input_ids[name]
+            if index is None:  # not used by this stage's layers
                 continue
-            specs.append([index_of[g.inputs[name]], off, arr.nbytes])
-            parts.append(arr.tobytes())
+            specs.append([index, off, arr.nbytes])
+            parts.append(arr.data if arr.flags.c_contiguous else arr.tobytes())
             off += arr.nbytes
-        return {"graph_id": g.graph_id, "inputs": specs, "outputs": [index_of[out] for out in g.outputs]}, \
-            b"".join(parts)
+        return {"graph_id": g.graph_id, "inputs": specs, "outputs": output_ids}, b"".join(parts)
 
-    async def run(self, stage, shape, inputs: dict, head: bool = False, tensor: dict | None = None) -> bytes:
-        """`tensor`: a tensor-parallel member's step ({"link", "step", "timeout"}): the graph's
-        all-reduces go over the member's tensor link."""
+    def step_request(self, stage, shape, inputs: dict, head: bool = False, tensor: dict | None = None) -> StepRequest:
+        """A step's compute request, built and not sent (send_step sends it): the members of a
+        tensor-parallel group get theirs built first, then sent back to back, so none starts
+        later than another by the time its request took to build. `tensor`: a tensor-parallel
+        member's step ({"link", "step", "timeout"}): the graph's all-reduces go over the
+        member's tensor link."""
         g, evicted = stage.graph(shape, head, self.dot_type_inputs)
-        for graph_id in self._forget_sent(evicted):
-            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         fields, blob = self._compute_fields(g, inputs)
         if tensor is not None:
-            _, index_of = g.wire
-            fields["tensor"] = dict(tensor, exchange=[index_of[t] for t in g.exchanges])
+            fields["tensor"] = dict(tensor, exchange=g.wire_ids[2])
+        # the reply's layout: no worker makes us allocate more
+        return StepRequest(g, evicted, fields, blob, stage.output_size(shape, head), shape.head_key if head else None)
+
+    async def run(self, stage, shape, inputs: dict, head: bool = False, tensor: dict | None = None) -> bytes:
+        return await self.send_step(self.step_request(stage, shape, inputs, head, tensor))
+
+    async def send_step(self, request: StepRequest) -> bytes:
+        """Send a step_request's request (the graph itself the first time) and wait for the reply."""
+        g, fields, blob, expect, head_key = request.graph, request.fields, request.blob, request.expect, \
+            request.head_key
+        for graph_id in self._forget_sent(request.evicted):
+            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
+        tensor = fields.get("tensor")
         tensors, _ = g.wire
-        expect = stage.output_size(shape, head)  # the reply's layout: no worker makes us allocate more
         if g.graph_id in self.sent_graphs:
             if tensor is not None:
-                out = await self._run_on_channel(fields, blob, expect, shape.head_key if head else None)
+                out = await self._run_on_channel(fields, blob, expect, head_key)
                 if out is not None:
                     return out
             try:
                 started = time.monotonic()
                 reply, out = await self.client.request(Command.GRAPH_RECOMPUTE, fields, blob, self.request_timeout,
                                                        expect)
-                self._account(reply, time.monotonic() - started, shape.head_key if head else None)
+                self._account(reply, time.monotonic() - started, head_key)
                 return out
             except RpcError as exc:
                 if exc.status != Status.NOT_FOUND:
@@ -612,7 +639,7 @@ class RemoteExecutor:
             raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:
             raise self._compute_failed(exc) from None
-        self._account(reply, time.monotonic() - started, shape.head_key if head else None)
+        self._account(reply, time.monotonic() - started, head_key)
         self.sent_graphs.add(g.graph_id)
         return out
 

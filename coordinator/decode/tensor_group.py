@@ -113,8 +113,12 @@ class TensorGroup:
         await self.ensure_linked()
         self.step_no += 1
         tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout}
-        return await self._on_all([p.executor.run(p.stage, shape, stage_inputs(p, common, tokens, hidden, out_rows),
-                                                  tensor=tensor) for p in self.places])
+        try:  # every request built before any is sent: they leave back to back
+            requests = [p.executor.step_request(p.stage, shape, stage_inputs(p, common, tokens, hidden, out_rows),
+                                                tensor=tensor) for p in self.places]
+        except Exception as exc:  # nothing sent: no member waits on the link for this step
+            raise step_failed([exc]) from None
+        return await self._on_all([p.executor.send_step(r) for p, r in zip(self.places, requests)])
 
     async def hidden(self, common: dict, tokens, out_rows, shape: StepShape, hidden=None) -> np.ndarray:
         """A group before the last: its output hidden state (every member's is the same: the first's)."""

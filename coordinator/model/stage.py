@@ -44,6 +44,7 @@ class BuiltGraph:
     outputs: list  # tensors whose data the step returns, concatenated in this order
     graph_id: int
     wire: object = None  # (tensors, index_of), encoded on first remote use
+    wire_ids: tuple = ()  # with wire: the inputs' indices by name (None: unused), the outputs', the exchanges'
     exchanges: list = field(default_factory=list)  # a tensor-parallel member's all-reduced partials, in order
 
 
