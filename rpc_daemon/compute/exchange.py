@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ggml_ffi import ffi, lib
-from rpc_daemon.wire.tensor_frames import EXCHANGE, LinkBroken, check_exchange_header, exchange_header
+from rpc_daemon.wire.tensor_frames import EXCHANGE, LinkBroken, check_exchange_header
 
 _POLL_IN, _POLL_OUT = select.POLLIN, select.POLLOUT
 # How long an exchange waits for its peers without sleeping (all_reduce), by
@@ -41,8 +41,7 @@ class TensorLink:
         for s in socks.values():
             s.setblocking(False)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._inboxes: dict[int, bytearray] = {}
-        self._heads = {r: memoryview(bytearray(EXCHANGE.size)) for r in socks}  # each peer's frame header
+        self._peers = [_Peer(r, s) for r, s in sorted(socks.items())]  # kept between exchanges
         self.exchanges = 0
         self.wait_s = 0.0  # time spent in exchanges (sending, waiting for peers, summing)
 
@@ -63,44 +62,46 @@ class TensorLink:
         few milliseconds, and a sleeping core wakes slowly, on a VM slower
         still (loopback, 2-core VM: bench/bench_exchange.py 173-289 us an
         exchange with poll() alone, 42-83 us spinning; a 1.1B llama over 2
-        workers 9.1 tokens/s with 1 ms of spin, 11.9 with 20 ms)."""
+        workers 9.1 tokens/s with 1 ms of spin, 11.9 with 20 ms).
+
+        Every exchange of a step runs on the critical path of every member (a
+        1.1B llama: 44 a token), so its own work is kept to the system calls:
+        one send of header and partial, one receive of the peer's header and
+        partial, one comparison of the headers (both sides' are the same
+        bytes), one sum."""
         started = time.perf_counter()
         nbytes = len(data)
-        need = EXCHANGE.size + nbytes
-        header = exchange_header(step, index, nbytes)
+        header = EXCHANGE.pack(step, index, nbytes)
         mine = memoryview(data).cast("B")
-        peers = [_Peer(r, s, self._heads[r], self._inbox(r, nbytes)) for r, s in self.socks.items()]
+        peers = self._peers
         for p in peers:
-            p.start_send([memoryview(header), mine])
-        sleep_after = started + self.spin_s
+            p.start(header, mine, nbytes)
         busy = peers
-        while busy:
+        sleep_after = started + self.spin_s
+        while True:
             for p in busy:
                 if p.out:
                     p.send()
-                if p.got < need:
-                    p.receive(need, step, index, nbytes)
-            busy = [p for p in busy if p.out or p.got < need]
-            if not busy:
-                break
+                if p.got < p.need:
+                    p.receive(header)
+            if len(busy) == 1:
+                p = busy[0]
+                if not p.out and p.got >= p.need:
+                    break
+            else:
+                busy = [p for p in busy if p.out or p.got < p.need]
+                if not busy:
+                    break
             if time.perf_counter() < sleep_after:
                 os.sched_yield()  # a peer, a daemon or the coordinator waiting for this core runs first
             else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LinkBroken(f"tensor exchange {index} of step {step}: no answer from rank(s) "
-                                     f"{sorted(p.rank for p in busy)} in time")
-                poller = select.poll()
-                for p in busy:
-                    poller.register(p.sock, (_POLL_IN if p.got < need else 0) | (_POLL_OUT if p.out else 0))
-                poller.poll(min(left, 1.0) * 1000)
+                self._sleep_until_ready(busy, step, index, deadline)
         own = np.frombuffer(data, np.float32)
         if len(peers) == 1:  # two members: a + b is b + a, bit for bit
-            np.add(own, np.frombuffer(peers[0].body, np.float32, len(own)), out=own)
+            np.add(own, peers[0].partial(), out=own)
         else:  # rank order: the same sum, bit for bit, on every member
-            theirs = {p.rank: p.body for p in peers}
-            parts = [own if r == self.rank else np.frombuffer(theirs[r], np.float32, len(own))
-                     for r in range(len(peers) + 1)]
+            theirs = {p.rank: p.partial() for p in peers}
+            parts = [own if r == self.rank else theirs[r] for r in range(len(peers) + 1)]
             total = parts[0] + parts[1]
             for part in parts[2:]:
                 np.add(total, part, out=total)
@@ -108,27 +109,43 @@ class TensorLink:
         self.exchanges += 1
         self.wait_s += time.perf_counter() - started
 
-    def _inbox(self, r: int, nbytes: int) -> memoryview:
-        """A buffer of `nbytes` for rank r's partials, kept between exchanges."""
-        buf = self._inboxes.get(r)
-        if buf is None or len(buf) < nbytes:
-            buf = self._inboxes[r] = bytearray(nbytes)
-        return memoryview(buf)[:nbytes]
+    @staticmethod
+    def _sleep_until_ready(busy: list, step: int, index: int, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LinkBroken(f"tensor exchange {index} of step {step}: no answer from rank(s) "
+                             f"{sorted(p.rank for p in busy)} in time")
+        poller = select.poll()
+        for p in busy:
+            poller.register(p.sock, (_POLL_IN if p.got < p.need else 0) | (_POLL_OUT if p.out else 0))
+        poller.poll(min(left, 1.0) * 1000)
 
 
 class _Peer:
-    """One exchange's progress with one peer: what is left to send, how much has come."""
+    """One peer of the link, and the current exchange's progress with it: what is left to
+    send, how much of its frame has come (into its header and a body kept between calls)."""
 
-    __slots__ = ("rank", "sock", "head", "body", "out", "got")
+    __slots__ = ("rank", "sock", "head", "inbox", "body", "out", "got", "need")
 
-    def __init__(self, rank: int, sock: socket.socket, head: memoryview, body: memoryview):
-        self.rank, self.sock, self.head, self.body = rank, sock, head, body
+    def __init__(self, rank: int, sock: socket.socket):
+        self.rank, self.sock = rank, sock
+        self.head = memoryview(bytearray(EXCHANGE.size))
+        self.inbox = bytearray()
+        self.body = memoryview(self.inbox)
         self.out: list = []
-        self.got = 0
+        self.got = self.need = 0
 
-    def start_send(self, parts: list) -> None:
-        self.out = parts
+    def start(self, header: bytes, mine: memoryview, nbytes: int) -> None:
+        if len(self.body) != nbytes:
+            if len(self.inbox) < nbytes:
+                self.inbox = bytearray(nbytes)
+            self.body = memoryview(self.inbox)[:nbytes]
+        self.got, self.need = 0, EXCHANGE.size + nbytes
+        self.out = [header, mine]
         self.send()
+
+    def partial(self) -> np.ndarray:
+        return np.frombuffer(self.body, np.float32)
 
     def send(self) -> None:
         try:
@@ -143,17 +160,19 @@ class _Peer:
                 k -= len(parts[0])
                 parts.pop(0)
             else:
-                parts[0] = parts[0][k:]
+                parts[0] = memoryview(parts[0])[k:]
                 k = 0
 
-    def receive(self, need: int, step: int, index: int, nbytes: int) -> None:
-        """Read what has come (never blocks); the header is checked as soon as it is whole."""
+    def receive(self, header: bytes) -> None:
+        """Read what has come (never blocks), the header and the partial in one call; the
+        header, as soon as it is whole, must be this member's own (the same step, index and
+        size)."""
         hsize = EXCHANGE.size
-        while self.got < need:
+        while self.got < self.need:
             pos = self.got
-            view = self.head[pos:] if pos < hsize else self.body[pos - hsize:]
+            views = [self.head[pos:], self.body] if pos < hsize else [self.body[pos - hsize:]]
             try:
-                k = self.sock.recv_into(view)
+                k = self.sock.recvmsg_into(views)[0]
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -162,7 +181,8 @@ class _Peer:
                 raise LinkBroken(f"tensor link to rank {self.rank} closed (the peer failed, or the step was "
                                  "cancelled)")
             self.got = pos + k
-            if pos < hsize <= self.got:
+            if pos < hsize <= self.got and self.head != header:
+                step, index, nbytes = EXCHANGE.unpack(header)
                 check_exchange_header(bytes(self.head), step, index, nbytes)
 
 
