@@ -1,11 +1,13 @@
 """Long-running protocol fuzzer against a live daemon (the test suite runs a
 few thousand cases of the same: tests/daemon/test_fuzz_daemon.py).
 
-    python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs,lies,bursts]
+    python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs,lies,bursts,channel]
                                 [--mem MiB] [--daemon-arg=--flag ...]
 
 Starts its own daemon on 127.0.0.1 (a free port), sends --cases messages split
-over the families (strategies in tests/fuzz_protocol.py), and reports
+over the families (strategies in tests/fuzz_protocol.py; `channel`: requests
+and refused frames over a session's step channel, straight to its compute
+process, run first, while that session is the daemon's only one), and reports
 throughput, reply statistics, and whether the daemon is alive, correct and
 back at its memory baseline afterwards. A failing case
 is shrunk by hypothesis and printed with a blob to reproduce it
@@ -25,16 +27,16 @@ sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess, the strategies and hel
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings  # noqa: E402
 
 from conftest import DaemonProcess  # noqa: E402
-from fuzz_protocol import (FuzzClient, command_messages, graph_messages, lying_prefixes,  # noqa: E402
-                           raw_messages, tiny_buffer_bursts)
+from fuzz_protocol import (ChannelFuzzer, FuzzClient, channel_messages, command_messages,  # noqa: E402
+                           graph_messages, lying_prefixes, raw_messages, tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient  # noqa: E402
 from rpc_daemon.wire.protocol import Command  # noqa: E402
 from rpc_helpers import normal_session, rss  # noqa: E402
 
 FAMILIES = {"raw": raw_messages, "commands": command_messages, "graphs": graph_messages, "lies": lying_prefixes,
-            "bursts": tiny_buffer_bursts}
+            "bursts": tiny_buffer_bursts, "channel": channel_messages}
 # share of the cases each family gets: lies and bursts are slower and cover less ground
-WEIGHTS = {"raw": 1.0, "commands": 1.0, "graphs": 1.0, "lies": 0.1, "bursts": 0.02}
+WEIGHTS = {"raw": 1.0, "commands": 1.0, "graphs": 1.0, "lies": 0.1, "bursts": 0.02, "channel": 0.5}
 
 
 async def free_memory(endpoint: str) -> int:
@@ -46,7 +48,20 @@ async def free_memory(endpoint: str) -> int:
         await c.aclose()
 
 
-def fuzz_family(client: FuzzClient, d, name: str, n: int, seed: int) -> None:
+def fuzz_channel(d, n: int, seed: int) -> ChannelFuzzer:
+    """The channel family: one session, its graph cached, its step channel open (the daemon
+    grants one only to a session alone on it: this runs before the other families' clients)."""
+    fuzzer = ChannelFuzzer(d)
+    fuzzer.start()
+    try:
+        fuzz_family(fuzzer, d, "channel", n, seed)
+        fuzzer.check()
+    finally:
+        fuzzer.close()
+    return fuzzer
+
+
+def fuzz_family(client, d, name: str, n: int, seed: int) -> None:
     strategy = FAMILIES[name]()
     last = [time.monotonic()]
 
@@ -88,13 +103,19 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         total = sum(WEIGHTS[f] for f in families)
         print(f"fuzzing {d.endpoint}: {args.cases} cases ({', '.join(families)}), seed {args.seed}", file=sys.stderr)
+        channel = None
         try:
-            for i, name in enumerate(families):
-                fuzz_family(client, d, name, max(1, round(args.cases * WEIGHTS[name] / total)), args.seed + i)
+            for i, name in sorted(enumerate(families), key=lambda f: f[1] != "channel"):
+                n = max(1, round(args.cases * WEIGHTS[name] / total))
+                if name == "channel":
+                    channel = ChannelFuzzer(d)  # kept for the report, even if it fails
+                    channel = fuzz_channel(d, n, args.seed + i)
+                else:
+                    fuzz_family(client, d, name, n, args.seed + i)
         except Exception as exc:  # a failing case, already shrunk and printed by hypothesis
             ok = False
             print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-            for text in client.failures[:3]:
+            for text in client.failures[:3] + (channel.failures[:3] if channel is not None else []):
                 print(f"first failure seen: {text}", file=sys.stderr)
         elapsed = time.monotonic() - t0
         client.close()
@@ -123,6 +144,9 @@ def main(argv=None) -> int:
         print(f"lying connections: at most {client.max_lie_growth / (1 << 20):.1f} MiB of daemon RSS for "
               f"{client.LIES_HELD} held open")
         print("replies: " + ", ".join(f"{k[0]}:{k[1]}={v}" for k, v in sorted(client.statuses.items())))
+        if channel is not None:
+            print(f"step channel: {channel.cases} cases, opened {channel.reopened} times; replies: "
+                  + ", ".join(f"{k}={v}" for k, v in sorted(channel.statuses.items())))
         print("OK" if ok else "FAILED")
     finally:
         d.stop()

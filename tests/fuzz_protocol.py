@@ -22,7 +22,10 @@ Three families of messages:
   daemon must not commit memory for bytes that never came;
 * `tiny_buffer_bursts`: hundreds of one-byte-to-one-page ALLOC_BUFFERs in a
   row: past its limit a client gets LIMIT_EXCEEDED, and another client can
-  still connect, allocate and compute.
+  still connect, allocate and compute;
+* `channel_messages`: what a client sends over its step channel, straight to
+  its compute process (`ChannelFuzzer`: each answered or, refused by the
+  framing, the channel closed; the compute process lives through all of it).
 
 Any message may carry an int-like non-integer (True, 1.0) where the spec says
 int (`Message.must_refuse`): such a request must be refused. A refused request
@@ -54,7 +57,7 @@ from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation.graph import SUPPORTED_OPS
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, rss, small_graph
+from rpc_helpers import RawConn, encode_prefix, rss, small_graph
 
 BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer
 BASE_SIZE = 64 << 10
@@ -759,3 +762,179 @@ class FuzzClient:
         if len(self.buffers) > 48:  # keep the connection's footprint small: start afresh now and then
             self.close()
         return reply
+
+
+# ---------------------------------------------------------------- step channels
+
+# the session's one graph: x (input, 4 floats) -> y = 2x (output)
+def channel_graph() -> list[dict]:
+    from graph_helpers import COMPUTE, F32, INPUT, OUTPUT, T, f32s
+    return [T(F32, [4], flags=INPUT), T(F32, [4], op=lib.GGML_OP_SCALE, src=[0], params=f32s(2.0),
+                                        flags=OUTPUT | COMPUTE)]
+
+
+CHANNEL_STEP = {"graph_id": 1, "inputs": [[0, 0, 16]], "outputs": [1]}
+CHANNEL_X = struct.pack("<4f", 1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class ChannelCase:
+    header: dict | None  # a request (its fields random), or None: `raw` is a whole frame as bytes
+    blob: bytes = b""
+    raw: bytes = b""
+
+
+@st.composite
+def channel_messages(draw):
+    """What a client may send over its step channel (docs/protocol.md, "Step channels"):
+    mostly the session's valid GRAPH_RECOMPUTE with 1-3 of its fields replaced, removed or
+    added (so the compute process's checks are passed as often as refused, each in turn),
+    and whole frames whose prefix lies or whose header is not a msgpack map (the framing
+    refuses them and closes the channel)."""
+    kind = draw(st.sampled_from(["raw", "valid"] + ["mutated"] * 8))
+    if kind == "raw":
+        body = draw(st.binary(max_size=40))
+        blob = draw(st.binary(max_size=40))
+        header_len, blob_len = draw(st.sampled_from([
+            (len(body), len(blob)), (0, len(blob)), ((1 << 20) + 1, 0), (len(body), (64 << 20) + 1),
+            (2**32 - 1, 2**64 - 1)]))
+        return ChannelCase(None, raw=encode_prefix(header_len, blob_len) + body + blob)
+    small = st.one_of(st.integers(-3, 8), st.sampled_from(EDGE_INTS), st.floats(allow_nan=True),
+                      st.text(max_size=4), st.none(), st.booleans(), int_like)
+    entry = st.one_of(st.lists(small, min_size=3, max_size=3), st.lists(small, max_size=4),
+                      st.tuples(st.just(0), small, small).map(list), st.tuples(small, st.just(0), st.just(16)).map(list))
+    choices = {
+        "cmd": st.one_of(st.sampled_from([int(c) for c in Command]), small),
+        "id": st.one_of(st.integers(1, 1 << 30), small),
+        "graph_id": st.one_of(st.integers(0, 3), small),
+        "inputs": st.one_of(st.sampled_from([[], [[0, 0, 16], [0, 0, 16]], [[1, 0, 16]], [[0, 16, 16]], [[0, 0, 8]]]),
+                            st.lists(entry, min_size=1, max_size=3), small, values),
+        "outputs": st.one_of(st.sampled_from([[], [0], [1, 1], [2], [-1], [1, 0]]),
+                             st.lists(st.one_of(st.integers(-1, 3), small), min_size=1, max_size=3), small),
+        "tensor": st.one_of(small, values, st.fixed_dictionaries({}, optional={
+            "link": small, "step": small, "exchange": st.lists(small, max_size=3), "timeout": small})),
+        "step_input": values, "forward": values, "budget": small, "graph": values, "tensors": values,
+    }
+    header = dict(CHANNEL_STEP, cmd=int(Command.GRAPH_RECOMPUTE), id=draw(st.integers(1, 1 << 30)))
+    blob = CHANNEL_X
+    for _ in range(0 if kind == "valid" else draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(sorted(choices) + ["blob"]))
+        if name == "blob":
+            blob = draw(st.binary(max_size=40))
+        elif draw(st.integers(0, 4)) == 0:
+            header.pop(name, None)
+        else:
+            header[name] = draw(choices[name])
+    return ChannelCase(header, blob)
+
+
+@dataclass
+class ChannelFuzzer:
+    """A session on the daemon `d` (a conftest DaemonProcess) with one cached graph and its
+    step channel, re-opened whenever the channel closes. Every case must get a well-formed
+    reply (a known status; our id where we sent an integer one), or, for a frame the framing
+    refuses, the channel's close; the session's compute process must live through all of it,
+    and the daemon too. `check()` then computes right over the channel and the connection."""
+    d: object
+    timeout: float = 20.0
+    conn: RawConn | None = None
+    channel: RawConn | None = None
+    pid: int = 0
+    cases: int = 0
+    reopened: int = 0
+    statuses: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+
+    def start(self) -> None:
+        self.conn = RawConn(self.d.port, timeout=self.timeout)
+        self.conn.hello()
+        h, out = self.conn.call(Command.GRAPH_COMPUTE, dict(CHANNEL_STEP, tensors=channel_graph()), CHANNEL_X)
+        assert h["status"] == Status.SUCCESS and out == struct.pack("<4f", 2, 4, 6, 8), h
+        self.pid = self._assigned_pid()
+        self.open()
+
+    def _assigned_pid(self) -> int:
+        import re
+        found = [int(m.group(1)) for line in self.d.log_lines
+                 if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))]
+        assert found, "no compute process assigned in the daemon's log"
+        return found[-1]
+
+    def open(self) -> None:
+        from rpc_daemon.wire.step_channel import ACK, pack_hello
+        if self.channel is not None:
+            self.channel.close()
+        h, _ = self.conn.call(Command.STEP_CHANNEL)
+        if h["status"] != Status.SUCCESS or not h.get("granted"):
+            raise self._fail(f"the session's step channel was not granted again: {h!r:.1000}")
+        sock = socket.create_connection(("127.0.0.1", h["port"]), timeout=self.timeout)
+        sock.sendall(pack_hello(h["ticket"]))
+        self.channel = RawConn.over(sock, timeout=self.timeout)
+        assert sock.recv(1) == ACK
+        self.reopened += 1
+
+    def _fail(self, text: str) -> FuzzFailure:
+        self.failures.append(text)
+        return FuzzFailure(text)
+
+    def send(self, case: ChannelCase) -> None:
+        self.cases += 1
+        try:
+            if case.header is None:
+                self.channel.send_raw(case.raw)
+            else:
+                try:
+                    self.channel.send(case.header, case.blob)
+                except (TypeError, ValueError, OverflowError):  # not encodable by msgpack: nothing was sent
+                    return
+            reply, _ = self.channel.recv_frame()
+            status = reply.get("status")
+            if type(status) is not int or status not in STATUSES:
+                raise self._fail(f"a reply with status {status!r} to {case!r:.2000}")
+            sent_id = None if case.header is None else case.header.get("id")
+            if type(sent_id) is int and reply.get("id") not in (sent_id, None):
+                raise self._fail(f"the reply to id {sent_id} names id {reply.get('id')!r}")
+            if "internal error" in str(reply.get("error", "")):
+                raise self._fail(f"an internal error answered {case!r:.2000}: {reply!r:.2000}")
+            key = Status(status).name
+            if case.header is None:  # a refusal of the framing: the channel closes after it
+                self.open()
+        except EOFError:  # the framing refused it and closed the channel: the session goes on
+            key = "closed"
+            self._check_alive(case)
+            self.open()
+        except (socket.timeout, TimeoutError):
+            raise self._fail(f"no reply over the step channel within {self.timeout:g} s to {case!r:.2000}") \
+                from None
+        self.statuses[key] = self.statuses.get(key, 0) + 1
+        self._check_alive(case)
+
+    def _check_alive(self, case: ChannelCase) -> None:
+        if not self.d.alive():
+            raise self._fail("daemon died:\n" + "".join(self.d.log_lines[-40:]))
+        if self._assigned_pid() != self.pid or not _alive(self.pid):
+            raise self._fail(f"the session's compute process died after {case!r:.2000}:\n"
+                             + "".join(self.d.log_lines[-40:]))
+
+    def check(self) -> None:
+        """The session computes right, over its channel and over the connection."""
+        for conn, cmd in ((self.channel, Command.GRAPH_RECOMPUTE), (self.conn, Command.GRAPH_RECOMPUTE)):
+            h, out = conn.call(cmd, CHANNEL_STEP, CHANNEL_X)
+            if h["status"] != Status.SUCCESS or out != struct.pack("<4f", 2, 4, 6, 8):
+                raise self._fail(f"after fuzzing the channel the session computes {out!r} ({h!r:.500})")
+        if any("compute process lost" in line for line in self.d.log_lines):
+            raise self._fail("a compute process was lost while fuzzing the channel")
+
+    def close(self) -> None:
+        for c in (self.channel, self.conn):
+            if c is not None:
+                c.close()
+        self.channel = self.conn = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

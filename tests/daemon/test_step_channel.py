@@ -274,43 +274,26 @@ def test_no_channel_with_test_faults(start_daemon):
 
 # ---------------------------------------------------------------- fuzzing the channel's checks
 
-def _fuzz_requests():
-    from hypothesis import strategies as st
-    small = st.one_of(st.integers(-3, 8), st.integers(-(1 << 40), 1 << 40), st.floats(allow_nan=True),
-                      st.text(max_size=4), st.none(), st.booleans())
-    entry = st.lists(small, max_size=4)
-    tensor = st.one_of(small, st.fixed_dictionaries({}, optional={
-        "link": small, "step": small, "exchange": st.lists(small, max_size=3), "timeout": small}))
-    header = st.fixed_dictionaries(
-        {"cmd": st.one_of(st.just(int(Command.GRAPH_RECOMPUTE)), small), "id": st.one_of(st.integers(1, 1 << 30), small)},
-        optional={"graph_id": st.one_of(st.just(1), small), "inputs": st.one_of(st.lists(entry, max_size=3), small),
-                  "outputs": st.one_of(st.lists(small, max_size=3), small), "tensor": tensor})
-    return st.tuples(header, st.binary(max_size=40))
-
-
 def test_whatever_a_client_sends_over_its_channel_the_compute_process_survives(conn):
-    """Random GRAPH_RECOMPUTEs (and other commands) over the channel: each is answered or
-    refused; the compute process never dies, and the session computes right afterwards."""
+    """Random GRAPH_RECOMPUTEs, other commands and refused frames over the channel
+    (fuzz_protocol.channel_messages): each is answered or closes the channel; the compute
+    process never dies, and the session computes right afterwards. bench/fuzz_daemon.py
+    runs as many as you like (--families channel)."""
     from hypothesis import HealthCheck, given, settings
+    from fuzz_protocol import ChannelFuzzer, channel_messages
 
     d, c = conn
-    first_compute(c)
-    pid = assigned_pid(d)
-    state = {"ch": open_channel(c)}
+    c.close()
+    fuzzer = ChannelFuzzer(d)
+    fuzzer.start()
 
     @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(_fuzz_requests())
-    def case(req):
-        header, blob = req
-        try:
-            state["ch"].send(header, blob)
-            reply, _ = state["ch"].recv_frame()
-            assert isinstance(reply.get("status"), int), reply
-        except EOFError:  # the framing refused it: the channel closed, the session goes on
-            state["ch"] = open_channel(c)
-        assert os.path.exists(f"/proc/{pid}") and d.alive(), "".join(d.log_lines[-20:])
+    @given(channel_messages())
+    def case(msg):
+        fuzzer.send(msg)
 
-    case()
-    assert assigned_pid(d) == pid and not any("compute process lost" in line for line in d.log_lines)
-    h, out = state["ch"].call(Command.GRAPH_RECOMPUTE, STEP, f32s(1, 2, 3, 4))
-    assert h["status"] == 0 and floats(out) == [2, 4, 6, 8], h
+    try:
+        case()
+        fuzzer.check()
+    finally:
+        fuzzer.close()
