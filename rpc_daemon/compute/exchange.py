@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ggml_ffi import ffi, lib
-from rpc_daemon.wire.tensor_frames import EXCHANGE, LinkBroken, check_exchange_header
+from rpc_daemon.wire.tensor_frames import EXCHANGE, LinkBroken, check_exchange_header, exchange_header
 
 _POLL_IN, _POLL_OUT = select.POLLIN, select.POLLOUT
 # How long an exchange waits for its peers without sleeping (all_reduce), by
@@ -71,7 +71,7 @@ class TensorLink:
         bytes), one sum."""
         started = time.perf_counter()
         nbytes = len(data)
-        header = EXCHANGE.pack(step, index, nbytes)
+        header = exchange_header(step, index, nbytes)
         mine = memoryview(data).cast("B")
         peers = self._peers
         for p in peers:
