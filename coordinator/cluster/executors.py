@@ -607,6 +607,12 @@ class RemoteExecutor:
     async def run(self, stage, shape, inputs: dict, head: bool = False, tensor: dict | None = None) -> bytes:
         return await self.send_step(self.step_request(stage, shape, inputs, head, tensor))
 
+    def drop_request(self, request: StepRequest) -> None:
+        """A built request that will not be sent: the graphs it evicted from the stage's cache
+        are freed on the worker all the same (else their compute memory stays held there)."""
+        for graph_id in self._forget_sent(request.evicted):
+            asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
+
     async def send_step(self, request: StepRequest) -> bytes:
         """Send a step_request's request (the graph itself the first time) and wait for the reply."""
         g, fields, blob, expect, head_key = request.graph, request.fields, request.blob, request.expect, \

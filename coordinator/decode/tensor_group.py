@@ -113,10 +113,14 @@ class TensorGroup:
         await self.ensure_linked()
         self.step_no += 1
         tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout}
-        try:  # every request built before any is sent: they leave back to back
-            requests = [p.executor.step_request(p.stage, shape, stage_inputs(p, common, tokens, hidden, out_rows),
-                                                tensor=tensor) for p in self.places]
+        requests = []  # every request built before any is sent: they leave back to back
+        try:
+            for p in self.places:
+                requests.append(p.executor.step_request(p.stage, shape, stage_inputs(p, common, tokens, hidden,
+                                                                                     out_rows), tensor=tensor))
         except Exception as exc:  # nothing sent: no member waits on the link for this step
+            for p, request in zip(self.places, requests):
+                p.executor.drop_request(request)
             raise step_failed([exc]) from None
         return await self._on_all([p.executor.send_step(r) for p, r in zip(self.places, requests)])
 

@@ -497,6 +497,54 @@ def test_steps_over_the_step_channel_are_the_daemons_bit_for_bit(tmp_path, start
         assert np.array_equal(got, want) and np.array_equal(off, want)
 
 
+def test_a_step_that_cannot_be_built_sends_nothing_and_frees_what_its_built_requests_evicted(tmp_path, workers):
+    """Every member's request is built before any is sent. When one cannot be built (a bug of
+    ours, planted here in the second member's stage) the step fails as an internal error with
+    nothing sent, the graph the first member's request evicted from its cache is freed on its
+    worker all the same, and the next step runs on the same link."""
+    from coordinator.model.stage import MAX_CACHED_GRAPHS
+    from rpc_daemon.client import RpcError
+    from rpc_daemon.wire.protocol import Command, Status
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    ws = workers(2)
+    with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=128, split_mode="tensor") as c:
+        a, b = c._places
+        for n in range(1, MAX_CACHED_GRAPHS + 1):  # as many shapes as a stage caches graphs
+            c.kv_clear()
+            assert c.decode(Batch.single(list(range(10, 10 + n)), 0)) == DecodeResult.OK, c.last_error
+        oldest = next(iter(a.stage.graphs.values())).graph_id
+        assert oldest in a.executor.sent_graphs
+        links = c.stats["tensor_links"]
+
+        def planted(*args, **kwargs):
+            raise RuntimeError("planted: this graph cannot be built")
+
+        b.stage._build = planted
+        c.kv_clear()
+        assert c.decode(Batch.single(list(range(10, 19)), 0)) == DecodeResult.COMPUTE_FAILED
+        assert "internal error" in c.last_error and "planted" in c.last_error, c.last_error
+        assert oldest not in a.executor.sent_graphs
+
+        async def recompute_oldest():
+            try:
+                await a.executor.client.request(Command.GRAPH_RECOMPUTE, {"graph_id": oldest, "inputs": [],
+                                                                          "outputs": [0]}, deadline=5)
+            except RpcError as exc:
+                return exc.status
+            return Status.SUCCESS
+
+        deadline = time.monotonic() + 5 * SLACK
+        while c._io.run(recompute_oldest()) != Status.NOT_FOUND and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c._io.run(recompute_oldest()) == Status.NOT_FOUND  # freed on A's worker
+
+        del b.stage._build
+        c.kv_clear()
+        assert c.decode(Batch.single(list(range(10, 19)), 0)) == DecodeResult.OK, c.last_error
+        assert c.stats["tensor_links"] == links  # nothing was sent: the link was kept
+
+
 def test_a_second_client_on_a_member_takes_its_channel_and_the_text_goes_on(tmp_path, workers):
     """Another client computing on B's worker closes B's step channel (the daemon's fair lock decides
     again): the generation goes on through B's daemon, with the same text, and nothing fails; once
