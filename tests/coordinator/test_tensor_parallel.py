@@ -72,13 +72,16 @@ def test_every_architecture_matches_in_process(name, tmp_path, workers):
     agree_where_clear(ours, ref, deviation)
 
 
-def test_bundled_gemma3_matches_in_process_and_generates(workers):
-    """gemma3-270m has one KV head: every member computes it (kv_replicated) and its query heads apart."""
-    ws = workers(2)
+@pytest.mark.parametrize("members", [2, 3])
+def test_bundled_gemma3_matches_in_process_and_generates(members, workers):
+    """gemma3-270m has one KV head: every member computes it (kv_replicated) and its query heads apart.
+    Three members (heads 1, 2 and 1) sum their partials in rank order, each with two peers."""
+    ws = workers(members)
     with Coordinator(["local"], n_ctx=256) as c:
         ref = all_logits(c, "The capital of France is Paris. The capital of Germany is")
-    with Coordinator([ws.endpoint(0), ws.endpoint(1)], n_ctx=256, split_mode="tensor") as c:
+    with Coordinator([ws.endpoint(i) for i in range(members)], n_ctx=256, split_mode="tensor") as c:
         assert all(e["shard"]["kv_replicated"] for e in c.endpoints())
+        assert [e["shard"]["of"] for e in c.endpoints()] == [members] * members
         ours = all_logits(c, "The capital of France is Paris. The capital of Germany is")
         deviation = float(np.abs(ours - ref).max())
         agree_where_clear(ours, ref, deviation)
