@@ -455,8 +455,7 @@ class RemoteExecutor:
         The task gives (reply, blob): the blob is empty when every push
         succeeded, unless `reply_output` (then it always holds the outputs)."""
         g, evicted = stage.graph(shape, head, self.dot_type_inputs)
-        for graph_id in self._forget_sent(evicted):
-            asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
+        self._free_evicted(evicted)
         fields, blob = self._compute_fields(g, inputs)
         tensors, index_of = g.wire
         if step_input is not None:
@@ -472,6 +471,12 @@ class RemoteExecutor:
         return asyncio.get_running_loop().create_task(self._linked(cmd, fields, blob, g.graph_id,
                                                                    shape.head_key if head else None,
                                                                    stage.output_size(shape, head)))
+
+    def _free_evicted(self, evicted) -> None:
+        """GRAPH_FREE, without waiting, of the evicted graphs this worker holds (their requests
+        leave now, before any this connection sends later)."""
+        for graph_id in self._forget_sent(evicted):
+            asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
 
     async def _free_quietly(self, graph_id: int) -> None:
         try:
@@ -610,8 +615,7 @@ class RemoteExecutor:
     def drop_request(self, request: StepRequest) -> None:
         """A built request that will not be sent: the graphs it evicted from the stage's cache
         are freed on the worker all the same (else their compute memory stays held there)."""
-        for graph_id in self._forget_sent(request.evicted):
-            asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
+        self._free_evicted(request.evicted)
 
     async def send_step(self, request: StepRequest) -> bytes:
         """Send a step_request's request (the graph itself the first time) and wait for the reply."""
