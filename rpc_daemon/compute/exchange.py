@@ -84,14 +84,9 @@ class TensorLink:
                     p.send()
                 if p.got < p.need:
                     p.receive(header)
-            if len(busy) == 1:
-                p = busy[0]
-                if not p.out and p.got >= p.need:
-                    break
-            else:
-                busy = [p for p in busy if p.out or p.got < p.need]
-                if not busy:
-                    break
+            busy = [p for p in busy if p.out or p.got < p.need]
+            if not busy:
+                break
             if time.perf_counter() < sleep_after:
                 os.sched_yield()  # a peer, a daemon or the coordinator waiting for this core runs first
             else:
