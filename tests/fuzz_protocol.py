@@ -57,7 +57,7 @@ from rpc_daemon.wire import protocol as P
 from rpc_daemon.validation.graph import SUPPORTED_OPS
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import RawConn, encode_prefix, rss, small_graph
+from rpc_helpers import RawConn, assigned_pids, encode_prefix, rss, small_graph
 
 BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer
 BASE_SIZE = 64 << 10
@@ -854,9 +854,7 @@ class ChannelFuzzer:
         self.open()
 
     def _assigned_pid(self) -> int:
-        import re
-        found = [int(m.group(1)) for line in self.d.log_lines
-                 if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))]
+        found = assigned_pids(self.d)
         assert found, "no compute process assigned in the daemon's log"
         return found[-1]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import time
 import urllib.request
@@ -40,6 +41,13 @@ def open_memfds(pid: int) -> int:
         except OSError:
             pass
     return n
+
+
+def assigned_pids(d) -> list[int]:
+    """Compute processes a daemon (a conftest DaemonProcess) handed to a client, from its log
+    (each client computes in its own), in order."""
+    return [int(m.group(1)) for line in d.log_lines
+            if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))]
 
 
 # ---------------------------------------------------------------- raw frames

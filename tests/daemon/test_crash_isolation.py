@@ -18,7 +18,7 @@ from ggml_ffi import Context, lib
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
-from rpc_helpers import N, RawConn, chain_graph, expect_error, normal_session
+from rpc_helpers import N, RawConn, assigned_pids, chain_graph, expect_error, normal_session
 
 pytestmark = pytest.mark.system  # starts real processes on 127.0.0.1 (pyproject.toml: markers)
 
@@ -104,12 +104,6 @@ def eventually(cond, timeout: float = 3.0) -> bool:
 def compute_pids(d) -> list[int]:
     return [int(m.group(1)) for line in d.log_lines
             if "compute process started" in line and (m := re.search(r"pid=(\d+)", line))]
-
-
-def assigned_pids(d) -> list[int]:
-    """Compute processes handed to a client (each client computes in its own)."""
-    return [int(m.group(1)) for line in d.log_lines
-            if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))]
 
 
 def lost_lines(d) -> list[str]:

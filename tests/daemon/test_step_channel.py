@@ -21,7 +21,7 @@ from graph_helpers import COMPUTE, F32, INPUT, OUTPUT, T, f32s
 from ggml_ffi import lib
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_daemon.wire.step_channel import ACK, pack_hello
-from rpc_helpers import RawConn, small_graph
+from rpc_helpers import RawConn, assigned_pids, small_graph
 
 pytestmark = pytest.mark.system
 
@@ -51,12 +51,6 @@ def open_channel(conn: RawConn, ticket: bytes | None = None) -> RawConn:
     channel = RawConn.over(sock)
     channel.ack = ack
     return channel
-
-
-def assigned_pid(d) -> int:
-    pids = [int(m.group(1)) for line in d.log_lines
-            if "compute process assigned" in line and (m := re.search(r"pid=(\d+)", line))]
-    return pids[-1]
 
 
 def eventually(cond, timeout: float = 3.0) -> bool:
@@ -209,7 +203,7 @@ def test_the_compute_processs_death_closes_the_channel_and_the_daemon_says_why(c
     d, c = conn
     first_compute(c)
     ch = open_channel(c)
-    os.kill(assigned_pid(d), signal.SIGKILL)
+    os.kill(assigned_pids(d)[-1], signal.SIGKILL)
     with pytest.raises((EOFError, ConnectionError)):
         ch.call(Command.GRAPH_RECOMPUTE, STEP, f32s(1, 2, 3, 4))
     h, _ = c.call(Command.GRAPH_RECOMPUTE, STEP, f32s(1, 2, 3, 4))  # what the client sends next
@@ -224,7 +218,7 @@ def test_a_death_the_daemon_finds_by_itself_is_the_next_computes_answer(conn):
     d, c = conn
     first_compute(c)
     ch = open_channel(c)
-    os.kill(assigned_pid(d), signal.SIGKILL)
+    os.kill(assigned_pids(d)[-1], signal.SIGKILL)
     assert eventually(lambda: any("compute process lost" in line for line in d.log_lines), timeout=3.0)
     h, _ = c.call(Command.GRAPH_RECOMPUTE, STEP, f32s(1, 2, 3, 4))
     assert h["status"] == Status.FAILED and "SIGKILL" in h["error"], h
