@@ -44,3 +44,26 @@ def give_back_free_heap() -> bool:
         return False
     _trim(0)
     return True
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+_madvise = None  # the C library's madvise, once looked up; False where there is none
+
+
+def advise_huge_pages(addr: int, size: int) -> bool:
+    """Ask for transparent huge pages over the whole 2 MiB pages of [addr, addr+size) (MADV_HUGEPAGE),
+    before it is first touched: where THP is "madvise" (Ubuntu's default, and most VMs'), ggml's
+    reads of weights on 4 KiB pages run measurably slower (docs/operations.md, "Huge pages"). Best
+    effort: False where refused or unsupported, and the memory is as usable either way."""
+    global _madvise
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    start, end = -(-addr // HUGE_PAGE) * HUGE_PAGE, (addr + size) // HUGE_PAGE * HUGE_PAGE
+    if _madvise is False or end <= start:
+        return False
+    return _madvise(start, end - start, MADV_HUGEPAGE) == 0
