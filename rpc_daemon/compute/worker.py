@@ -31,6 +31,7 @@ from rpc_daemon.compute import link as compute_link
 from rpc_daemon.compute.channel import ChannelEnded, StepChannelServer
 from rpc_daemon.compute.exchange import SPIN_S, SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
+from rpc_daemon.service.memory import advise_huge_pages
 from rpc_daemon.wire.graph_codec import build_graph, context_size
 from rpc_daemon.wire.protocol import Status
 from rpc_daemon.wire.tensor_frames import LinkBroken
@@ -55,6 +56,9 @@ def map_shared(fd: int, size: int) -> int:
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+    # the daemon's 2 MiB pages mapped as such here too where the kernel wants asking (shmem_enabled
+    # "advise"); best effort: refused or moot, the mapping stands
+    advise_huge_pages(addr, size)
     return addr
 
 

@@ -47,6 +47,9 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None, spare=
     log.info("ggml", version=ggml["ggml_version"], origin=ggml["origin"], cpu_variant=ggml["cpu_variant"],
              cpu_features=",".join(ggml["cpu_features"]), library=ggml["library"],
              **ggml["kernels"])
+    shm = daemon.shm  # the clients' weights on 2 MiB pages or not: tokens/s depend on it (docs/operations.md)
+    (log.info if shm.huge_pages else log.warning)("shared memory", source=shm.source, huge_pages=shm.huge_pages,
+                                                   why=shm.why)
     log.info("listening", host=config.host, port=port, threads=config.threads,
              mem_bytes=daemon.buffers.max_bytes, cache=config.cache_dir,
              auth="hmac-sha256" if config.secret else None, tls=bool(ssl_context) or None,

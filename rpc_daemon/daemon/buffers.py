@@ -1,6 +1,7 @@
 """Client buffers: anonymous shared memory owned by the daemon process.
 
-Each client has ONE arena: a sparse memfd mapped once (`arena_bytes` of address
+Each client has ONE arena: a sparse file of shared memory (a memfd, or a file on
+a tmpfs given huge pages: service/shared_memory.py) mapped once (`arena_bytes` of address
 space, default up to 1 TiB; only touched pages cost memory). Its buffers are
 page-aligned ranges of it, first fit from a free list that coalesces
 neighbours. So a client costs a constant number of descriptors (the memfd and
@@ -26,6 +27,8 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Callable
+
+from rpc_daemon.service.shared_memory import SharedMemory
 
 ALIGNMENT = 64  # every buffer base is page aligned; tensors inside should be 64-byte aligned
 PAGE = mmap.PAGESIZE
@@ -80,14 +83,16 @@ class SharedBuffer:
 class ClientArena:
     """One client's sparse shared memory and the page ranges of its buffers."""
 
-    def __init__(self, owner: int, size: int):
+    def __init__(self, owner: int, size: int, shm: SharedMemory):
         self.owner = owner
         self.size = size
-        self.fd = os.memfd_create(f"ggml-rpc-client-{owner}", os.MFD_CLOEXEC)
+        self.fd = shm.new_file(f"ggml-rpc-client-{owner}")
         try:
             os.ftruncate(self.fd, size)  # Python's mmap refuses to map past the end of the file...
             self.mm = mmap.mmap(self.fd, size)
             os.ftruncate(self.fd, 0)  # ...which then grows with the buffers
+            if shm.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):  # shmem_enabled "advise" asks for it
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
         except BaseException:
             os.close(self.fd)
             raise
@@ -143,9 +148,10 @@ class ClientArena:
 
 
 class BufferRegistry:
-    def __init__(self, max_bytes: int, arena_bytes: int | None = None):
+    def __init__(self, max_bytes: int, arena_bytes: int | None = None, shm: SharedMemory | None = None):
         self.max_bytes = max_bytes
         self.arena_bytes = arena_bytes or arena_size_for(max_bytes)
+        self.shm = shm or SharedMemory()  # default: memfds
         self.allocated = 0  # page rounded, all clients
         self.compute_bytes: Callable[[], int] = lambda: 0  # set by the daemon: its compute processes' share
         self.arenas: dict[int, ClientArena] = {}
@@ -163,7 +169,7 @@ class BufferRegistry:
         try:
             arena = self.arenas.get(owner)
             if arena is None:
-                arena = self.arenas[owner] = ClientArena(owner, self.arena_bytes)
+                arena = self.arenas[owner] = ClientArena(owner, self.arena_bytes, self.shm)
             off = arena.take(n)
         except OSError:
             return None

@@ -11,6 +11,7 @@ import sys
 
 from rpc_daemon.daemon import security_cli
 from rpc_daemon.daemon.config import DaemonConfig
+from rpc_daemon.service.shared_memory import mount_of
 from rpc_daemon.service.version import VersionAction
 
 _C = DaemonConfig()  # every default below is DaemonConfig's (security_cli: Limits' too)
@@ -44,6 +45,13 @@ def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
                         f"without sleeping, keeping its core busy (a quarter of it for the next step); 0 always "
                         f"sleeps, which costs speed (default {_C.spin_ms:g})")
     p.add_argument("--max-clients", type=int, default=_C.max_clients)
+    p.add_argument("--shm-dir", default=_C.shm_dir, metavar="DIR",
+                   help="keep the clients' memory (weights, KV cache) in files on this tmpfs, e.g. one mounted "
+                        "with huge=within_size (default: memfds, or a private tmpfs of the daemon's own with huge "
+                        "pages where the kernel gives memfds none)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="keep the clients' memory in memfds, on whatever pages the kernel gives them, instead of "
+                        "a private tmpfs with 2 MiB pages (about 3-8%% slower token generation)")
     p.add_argument("--min-rate", type=float, default=_C.min_rate, metavar="BYTES_PER_S",
                    help=f"an authenticated client that sends a frame it has started slower than this, averaged "
                         f"over --min-rate-window, is disconnected (and loses its --max-clients slot) "
@@ -68,11 +76,17 @@ def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonC
         p.error("--spin-ms must be 0..1000")
     if args.cache_max and args.cache is None:
         p.error("--cache-max bounds the tensor cache: give --cache [DIR] too")
+    if args.shm_dir is not None:
+        mount = mount_of(args.shm_dir) if os.path.isdir(args.shm_dir) else None
+        if mount is None or mount[1] != "tmpfs":
+            p.error(f"--shm-dir {args.shm_dir} must be a directory on a tmpfs (it is "
+                    f"{'on ' + mount[1] if mount else 'no directory'}): its files hold the clients' memory")
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, cache_max=args.cache_max << 20, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,
                           metrics_port=args.metrics_port, min_rate=args.min_rate,
-                          min_rate_window=args.min_rate_window, spin_ms=args.spin_ms)
+                          min_rate_window=args.min_rate_window, spin_ms=args.spin_ms, shm_dir=args.shm_dir,
+                          huge_pages=args.huge_pages)
     return security_cli.apply(p, args, config)  # secret, TLS, --insecure, limits
 
 

@@ -38,6 +38,10 @@ class DaemonConfig:
     # sleeping (compute/exchange.py); it waits a quarter of it for the next step. 0: always sleep
     spin_ms: float = 20.0
     max_clients: int = 64
+    # the clients' arenas: files on this tmpfs (None: memfds, or a private tmpfs for huge pages;
+    # service/shared_memory.py); huge_pages False: memfds, whatever pages the kernel gives them
+    shm_dir: str | None = None
+    huge_pages: bool = True
     limits: Limits = Limits()
     unsafe_no_validation: bool = False  # tests only: lets graphs reach libggml unchecked
     test_faults: tuple = ()  # tests only: fault specs for rpc_daemon/testing/faults.py (--test-fault)

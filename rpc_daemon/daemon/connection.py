@@ -32,6 +32,7 @@ from rpc_daemon.daemon.ratelimit import RateFloor, TokenBucket
 from rpc_daemon.daemon.tensor_cache import TensorCache, default_max_bytes
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.memory import give_back_free_heap, physical_memory
+from rpc_daemon.service.shared_memory import SharedMemory
 from rpc_daemon.validation import requests as V
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import llamacpp
@@ -56,7 +57,9 @@ class Daemon:
             config = dataclasses.replace(config, max_clients=max_clients)
         self.config = config
         mem = config.mem or physical_memory()
-        self.buffers = BufferRegistry(mem, arena_size_for(config.limits.max_client_bytes or mem))
+        # where the clients' arenas live, and whether on 2 MiB pages (service/shared_memory.py)
+        self.shm = SharedMemory.open(config.shm_dir, config.huge_pages)
+        self.buffers = BufferRegistry(mem, arena_size_for(config.limits.max_client_bytes or mem), self.shm)
         # one compute process per client that computes (and a spare), serialized daemon-wide
         self.compute = ComputePool(config.threads, config.compute_timeout, config.spin_ms)
         self.buffers.compute_bytes = lambda: self.compute.compute_bytes
@@ -77,6 +80,7 @@ class Daemon:
             conn.abort("daemon shutting down")
         self.peer_links.close()
         self.compute.close()
+        self.shm.close()
 
 
 def _peer_links(config: DaemonConfig, stats) -> PeerLinks:

@@ -141,6 +141,7 @@ async def handle_device_info(s: Session, h, blob, direct):
             "cpu_features": [f.lower() for f in ggml["cpu_features"]], "cpu_variant": ggml["cpu_variant"],
             "kernels": dict(ggml["kernels"], extra_buffers=extra_buffers.known() or {}),
             "ggml": dict(ggml_identity(), origin=ggml["origin"]), "tensor_cache": s.daemon.cache is not None,
+            "shared_memory": s.daemon.shm.describe(),
             "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect
 
 

@@ -166,6 +166,11 @@ def test_worker_and_coordinator_serve_hardened(systemd):
     worker = f"ggml-rpc-server@{port}.service"
     assert systemd.start(worker)[0], systemd.log(worker)
     assert '"auth": "hmac-sha256"' in systemd.log(worker)  # the secret came from the credential
+    # the clients' memory on the unit's own tmpfs, with 2 MiB pages where the kernel has them
+    shm = next(json.loads(line) for line in systemd.log(worker).splitlines() if '"shared memory"' in line)
+    assert shm["source"] == "/run/ggml-rpc-shm" and "huge=within_size" in shm["why"], shm
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/shmem_enabled"):
+        assert shm["huge_pages"] is True, shm
     write_env(systemd, "coordinator.env", f"GGML_ENDPOINTS=127.0.0.1:{port}\nGGML_MODEL={systemd.model}\n"
                                           f"GGML_HTTP_PORT={http}\nGGML_PARALLEL=1\n"
                                           f"GGML_COORDINATOR_EXTRA_ARGS=--ctx-per-slot 64 --threads 1\n")
