@@ -92,7 +92,9 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown families {sorted(unknown)}; choose from {sorted(FAMILIES)}")
 
-    d = DaemonProcess("-t", "1", "-m", str(args.mem), "--max-requests-per-second", "0", *args.daemon_arg)
+    # memfd arenas on 4 KiB pages, as tests/daemon/test_fuzz_daemon.py: on 2 MiB ones a 32 MiB cap holds 16 buffers
+    d = DaemonProcess("-t", "1", "-m", str(args.mem), "--max-requests-per-second", "0", "--no-huge-pages",
+                      *args.daemon_arg)
     ok = True
     try:
         asyncio.run(normal_session(d.endpoint))

@@ -19,7 +19,7 @@ from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.pipeline import Pipeline
 from coordinator.model.architectures.common import head_source
 from coordinator.model.layer_timing import layer_seconds
-from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, human,
+from coordinator.model.split_plan import (DoesNotFit, compute_reserve, endpoint_free, fit_split, human, in_pages,
                                           plan_rows, plan_split, split_weights)
 from coordinator.model.stage import KV_TYPES, Stage
 from coordinator.model.tensor_split import TensorSplitError, plan_shards
@@ -94,7 +94,7 @@ class ModelLoader:
 
         def plan(whole_head: bool):
             def need(index: int, layers: range, head_rows) -> int:
-                return -(-buffer_bytes(self.stage(index, layers, head_rows, whole_head)) // PAGE) * PAGE + reserve
+                return in_pages(buffer_bytes(self.stage(index, layers, head_rows, whole_head)), infos[index]) + reserve
 
             # checked against each worker's free memory before anything is uploaded (DoesNotFit); the whole
             # head besides is taken only where the layers stay as they would be without it
@@ -226,7 +226,7 @@ class ModelLoader:
                 p.stage = Stage.tensor_member(i, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types,
                                               layers, g)
                 reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
-                need, free = -(-buffer_bytes(p.stage) // PAGE) * PAGE + reserve, endpoint_free(infos[i])
+                need, free = in_pages(buffer_bytes(p.stage), infos[i]) + reserve, endpoint_free(infos[i])
                 if free is not None and need > free:
                     short.append(f"{p.endpoint}: its shard needs {human(need)}, {human(free)} free")
                 plan.append({"endpoint": p.endpoint, "group": g, "layers": [layers.start, layers.stop],

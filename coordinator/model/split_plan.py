@@ -44,7 +44,16 @@ def split_weights(split: Sequence[float] | None, infos: list[dict], n_endpoints:
 
 
 # ---------------------------------------------------------------- fitting the split in memory
-PAGE = 4096  # a worker counts every buffer in whole pages
+PAGE = 4096  # a worker counts every buffer in whole pages: these, or what its DEVICE_INFO says
+
+
+def in_pages(n: int, info: dict) -> int:
+    """`n` bytes as the worker DEVICE_INFO `info` counts a buffer of them: whole pages of its
+    arenas (shared_memory.page: 2 MiB on huge pages; 4 KiB from workers that do not say)."""
+    shm = info.get("shared_memory")
+    page = shm.get("page") if isinstance(shm, dict) else None
+    page = page if isinstance(page, int) and 0 < page <= 1 << 30 else PAGE
+    return -(-n // page) * page
 
 
 def endpoint_free(info: dict) -> int | None:

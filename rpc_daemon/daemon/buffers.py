@@ -32,6 +32,7 @@ from rpc_daemon.service.shared_memory import SharedMemory
 
 ALIGNMENT = 64  # every buffer base is page aligned; tensors inside should be 64-byte aligned
 PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 << 20
 MAX_ARENA = 1 << 40
 MIN_ARENA = 1 << 30
 
@@ -91,11 +92,14 @@ class ClientArena:
             os.ftruncate(self.fd, size)  # Python's mmap refuses to map past the end of the file...
             self.mm = mmap.mmap(self.fd, size)
             os.ftruncate(self.fd, 0)  # ...which then grows with the buffers
-            if shm.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):  # shmem_enabled "advise" asks for it
-                self.mm.madvise(mmap.MADV_HUGEPAGE)
         except BaseException:
             os.close(self.fd)
             raise
+        if shm.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):  # shmem_enabled "advise" asks for it
+            try:
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # best effort: the memory is as usable on 4 KiB pages
         self.view = memoryview(self.mm)
         self.end = 0  # file size: one past the highest live buffer
         self._free_offs = [0]  # free ranges, sorted, never adjacent (coalesced)
@@ -152,6 +156,10 @@ class BufferRegistry:
         self.max_bytes = max_bytes
         self.arena_bytes = arena_bytes or arena_size_for(max_bytes)
         self.shm = shm or SharedMemory()  # default: memfds
+        # the arena's page: buffers start on one and count as whole ones. On huge pages the first touch
+        # of a 2 MiB range takes all of it, so a smaller unit would let a client hold up to 512x what the
+        # caps count (4 KiB buffers between freed ranges)
+        self.page = HUGE_PAGE if self.shm.huge_pages else PAGE
         self.allocated = 0  # page rounded, all clients
         self.compute_bytes: Callable[[], int] = lambda: 0  # set by the daemon: its compute processes' share
         self.arenas: dict[int, ClientArena] = {}
@@ -163,7 +171,7 @@ class BufferRegistry:
 
     def alloc(self, owner: int, size: int) -> SharedBuffer | None:
         """A zero-filled buffer, or None if the cap or the system refuses."""
-        n = round_up(size)
+        n = self.round_up(size)
         if size <= 0 or self.allocated + self.compute_bytes() + n > self.max_bytes:
             return None
         try:
@@ -182,6 +190,10 @@ class BufferRegistry:
         self.allocated += n
         self._count += 1
         return buf
+
+    def round_up(self, n: int) -> int:
+        """`n` bytes as the caps count them: whole pages of the arena."""
+        return round_up(n, self.page)
 
     def get(self, owner: int, key: int) -> SharedBuffer | None:
         arena = self.arenas.get(owner)

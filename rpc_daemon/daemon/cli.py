@@ -11,7 +11,7 @@ import sys
 
 from rpc_daemon.daemon import security_cli
 from rpc_daemon.daemon.config import DaemonConfig
-from rpc_daemon.service.shared_memory import mount_of
+from rpc_daemon.service.shared_memory import shm_dir_problem
 from rpc_daemon.service.version import VersionAction
 
 _C = DaemonConfig()  # every default below is DaemonConfig's (security_cli: Limits' too)
@@ -76,11 +76,9 @@ def config_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> DaemonC
         p.error("--spin-ms must be 0..1000")
     if args.cache_max and args.cache is None:
         p.error("--cache-max bounds the tensor cache: give --cache [DIR] too")
-    if args.shm_dir is not None:
-        mount = mount_of(args.shm_dir) if os.path.isdir(args.shm_dir) else None
-        if mount is None or mount[1] != "tmpfs":
-            p.error(f"--shm-dir {args.shm_dir} must be a directory on a tmpfs (it is "
-                    f"{'on ' + mount[1] if mount else 'no directory'}): its files hold the clients' memory")
+    problem = args.shm_dir is not None and shm_dir_problem(args.shm_dir, args.huge_pages)
+    if problem:
+        p.error(problem)
     config = DaemonConfig(host=args.host, port=args.port, threads=args.threads, mem=args.mem << 20,
                           cache_dir=args.cache, cache_max=args.cache_max << 20, idle_timeout=args.idle_timeout,
                           compute_timeout=args.compute_timeout, max_clients=args.max_clients,

@@ -21,7 +21,7 @@ import structlog
 from ggml_ffi import extra_buffers
 from ggml_ffi.core import describe, ggml_identity
 from rpc_daemon.compute.pool import ComputeFailed
-from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, fill_bytes, round_up
+from rpc_daemon.daemon.buffers import ALIGNMENT, SharedBuffer, fill_bytes
 from rpc_daemon.daemon import peers, step_channel, tensor_links
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.memory import available_memory
@@ -141,7 +141,7 @@ async def handle_device_info(s: Session, h, blob, direct):
             "cpu_features": [f.lower() for f in ggml["cpu_features"]], "cpu_variant": ggml["cpu_variant"],
             "kernels": dict(ggml["kernels"], extra_buffers=extra_buffers.known() or {}),
             "ggml": dict(ggml_identity(), origin=ggml["origin"]), "tensor_cache": s.daemon.cache is not None,
-            "shared_memory": s.daemon.shm.describe(),
+            "shared_memory": dict(s.daemon.shm.describe(), page=reg.page),
             "ops": SUPPORTED_OP_NAMES}  # a coordinator checks the ops its graphs need at connect
 
 
@@ -157,7 +157,7 @@ def cpu_model() -> str:
 
 
 async def handle_alloc_buffer(s: Session, h, blob, direct):
-    size = V.check_alloc(h, *s.daemon.buffers.held_by(s.client_id), s.limits, round_up)
+    size = V.check_alloc(h, *s.daemon.buffers.held_by(s.client_id), s.limits, s.daemon.buffers.round_up)
     await s.daemon.compute.allocations_settled()  # a graph's first compute may be taking memory right now
     buf = s.daemon.buffers.alloc(s.client_id, size)
     if buf is None:

@@ -49,6 +49,29 @@ def give_back_free_heap() -> bool:
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 _madvise = None  # the C library's madvise, once looked up; False where there is none
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                            ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_anonymous(size: int) -> int:
+    """Address of `size` bytes of fresh zeroed private memory (munmap_anonymous frees it), asked to
+    be on huge pages. Fresh: memory malloc hands out may have been touched before, on 4 KiB
+    pages, which asking afterwards does not change (glibc serves up to 32 MiB from its heap)."""
+    import mmap
+    addr = _libc.mmap(None, max(1, size), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      -1, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise MemoryError(f"cannot map {size} bytes: {os.strerror(err)}")
+    advise_huge_pages(addr, size)
+    return addr
+
+
+def munmap_anonymous(addr: int, size: int) -> None:
+    _libc.munmap(addr, max(1, size))
 
 
 def advise_huge_pages(addr: int, size: int) -> bool:

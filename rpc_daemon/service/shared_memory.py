@@ -2,16 +2,17 @@
 (daemon/buffers.py), which hold the weights and KV cache its compute processes read.
 
 Token generation reads every weight once a token, so how the weights are mapped
-shows in tokens/s: ggml's matmuls over a 1B model's weights ran 8 % faster in
-one process on 2 MiB pages than on 4 KiB ones, and a tensor-parallel member's
-token 3-6 % faster (docs/operations.md, "Huge pages"). An arena is shared memory
+shows in tokens/s: a 1B model's token ran 4 % faster on a worker alone with its
+arena on 2 MiB pages than on 4 KiB ones, 8 % in one process (docs/operations.md,
+"Huge pages"). An arena is shared memory
 (shmem), and most kernels give shmem no transparent huge pages
 (/sys/kernel/mm/transparent_hugepage/shmem_enabled: never), whatever they do for
 anonymous memory. A tmpfs mounted with huge=within_size gets them all the same.
 So, `SharedMemory.open`:
 
 * `directory` (--shm-dir): arenas are files in it, unlinked at once; it must be a
-  tmpfs (the systemd unit mounts one with huge=within_size, deploy/);
+  tmpfs without a size limit (shm_dir_problem; the systemd unit mounts one with
+  huge=within_size, deploy/);
 * auto (the default): memfds where the kernel already gives shmem huge pages,
   else a private tmpfs of this process's own, mounted with huge=within_size by
   a short-lived child in namespaces of its own (private_tmpfs.py): nobody else
@@ -25,6 +26,8 @@ passed to the compute process.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -53,26 +56,63 @@ def memfd_gets_huge_pages(policy: str) -> bool:
     return policy in ("always", "within_size", "advise", "force")
 
 
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
 def mount_of(path: str) -> tuple[str, str, str] | None:
-    """(mount point, file system type, super options) of the mount holding `path`, from
-    /proc/self/mountinfo; None if unreadable."""
-    path = os.path.realpath(path)
-    best = None
+    """(mount point, file system type, super options) of the mount holding `path` (which must
+    exist), from /proc/self/mountinfo: the deepest mount point above it on its device (the
+    last listed of those stacked on one point); None if unreadable."""
     try:
-        with open("/proc/self/mountinfo") as f:
+        path = os.path.realpath(path)
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo", "rb") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
+    best = None
     for line in lines:
-        head, sep, tail = line.partition(" - ")
+        head, sep, tail = line.partition(b" - ")
         fields, rest = head.split(), tail.split()
         if not sep or len(fields) < 5 or len(rest) < 3:
             continue
-        point = fields[4].encode().decode("unicode_escape")  # \040 and the like
+        # the kernel escapes space, tab, newline and backslash as \NNN; the rest is the path's bytes
+        point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4]))
+        major, _, minor = fields[2].partition(b":")
         inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):  # the last of stacked mounts wins
-            best = (point, rest[0], rest[2])
+        if inside and os.makedev(int(major), int(minor)) == dev and (best is None or len(point) >= len(best[0])):
+            best = (point, os.fsdecode(rest[0]), os.fsdecode(rest[2]))
     return best
+
+
+def shm_dir_problem(directory: str, huge_pages: bool = True) -> str | None:
+    """Why `directory` cannot hold the clients' memory (--shm-dir), or None. It must be a
+    writable directory on a tmpfs without a size limit: a full tmpfs answers the daemon's
+    next write into a buffer with SIGBUS, which would end the daemon (its --mem cap bounds
+    what it puts there)."""
+    if not huge_pages:
+        return "--no-huge-pages keeps the clients' memory in memfds: give it or --shm-dir, not both"
+    if not os.path.isdir(directory):
+        return f"--shm-dir {directory} is not a directory"
+    mount = mount_of(directory)
+    if mount is None or mount[1] != "tmpfs":
+        where = mount[1] if mount else "an unknown file system"
+        return (f"--shm-dir {directory} must be on a tmpfs (it is on {where}): its files hold the clients' "
+                f"memory, which must not be written back to a disk")
+    if os.statvfs(directory).f_blocks:
+        return (f"--shm-dir {directory} is a tmpfs with a size limit ({mount[2]}): mount it with size=0 (the "
+                f"daemon's --mem caps what it holds there), since a full tmpfs would end the daemon (SIGBUS)")
+    try:
+        probe = SharedMemory(directory, False, "", os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except OSError as exc:
+        return f"--shm-dir {directory} cannot be opened: {exc}"
+    try:
+        os.close(probe.new_file("ggml-rpc-probe"))
+    except OSError as exc:
+        return f"--shm-dir {directory}: cannot make a file there: {exc}"
+    finally:
+        probe.close()
+    return None
 
 
 def tmpfs_gets_huge_pages(options: str, policy: str) -> bool:
@@ -95,14 +135,14 @@ class SharedMemory:
 
     @classmethod
     def open(cls, directory: str | None = None, huge_pages: bool = True) -> SharedMemory:
-        """The daemon's source of shared memory (raises ValueError for a `directory` that is no tmpfs)."""
+        """The daemon's source of shared memory (raises ValueError for a `directory` that
+        shm_dir_problem refuses: the command line checks it first)."""
         policy = shmem_thp()
         if directory is not None:
+            problem = shm_dir_problem(directory, huge_pages)
+            if problem:
+                raise ValueError(problem)
             mount = mount_of(directory)
-            if mount is None or mount[1] != "tmpfs":
-                raise ValueError(f"--shm-dir {directory} is not on a tmpfs (it is on "
-                                 f"{mount[1] if mount else 'an unknown file system'}): its files are the clients' "
-                                 f"memory, which must not be written back to a disk")
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             huge = tmpfs_gets_huge_pages(mount[2], policy)
             return cls(directory, huge, f"tmpfs at {mount[0]} ({mount[2]}); shmem_enabled {policy}", fd)
@@ -121,9 +161,16 @@ class SharedMemory:
         """A new empty file of shared memory, named `name` where /proc/PID/fd shows it, linked nowhere."""
         if self.dir_fd is None:
             return os.memfd_create(name, os.MFD_CLOEXEC)
-        # named, then unlinked at once: /proc/PID/fd says whose it is, as a memfd's name does
-        unique = f"{name}-{os.getpid()}"  # another daemon may share the directory
-        fd = os.open(unique, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
+        # named, then unlinked at once: /proc/PID/fd says whose it is, as a memfd's name does. The
+        # suffix is random: others who can write the directory cannot take the names in advance
+        for attempt in range(8):
+            unique = f"{name}-{os.getpid()}-{secrets.token_hex(6)}"
+            try:
+                fd = os.open(unique, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
+                break
+            except FileExistsError:
+                if attempt == 7:
+                    raise
         try:
             os.unlink(unique, dir_fd=self.dir_fd)
         except OSError:
@@ -148,7 +195,11 @@ def private_tmpfs(options: str = TMPFS_OPTIONS, timeout: float = HELPER_TIMEOUT)
         mountpoint = tempfile.mkdtemp(prefix="ggml-rpc-shm-")  # a mount point in the child's namespace only
     except OSError as exc:
         return None, f"no directory to mount on: {exc}"
-    ours, theirs = socket.socketpair()
+    try:
+        ours, theirs = socket.socketpair()
+    except OSError as exc:
+        os.rmdir(mountpoint)
+        return None, f"no socket pair for the mount helper: {exc}"
     try:
         try:
             child = subprocess.Popen([sys.executable, "-I", "-S", HELPER, str(theirs.fileno()), mountpoint,
@@ -169,6 +220,7 @@ def private_tmpfs(options: str = TMPFS_OPTIONS, timeout: float = HELPER_TIMEOUT)
                 child.kill()
                 _, err = child.communicate()
         if fds and msg == b"ok":
+            os.set_inheritable(fds[0], False)  # recvmsg gives it without close-on-exec
             return fds[0], ""
         for fd in fds:
             os.close(fd)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.model.split_plan import (PAGE, DoesNotFit, compute_reserve, endpoint_free, fit_split, human,
-                                          plan_rows, plan_split, split_weights)
+                                          in_pages, plan_rows, plan_split, split_weights)
 
 MiB = 1 << 20
 
@@ -111,6 +111,17 @@ def test_endpoint_free():
 
 def test_page():
     assert PAGE == 4096
+
+
+@pytest.mark.parametrize("info, n, counted", [
+    ({}, 1, 4096), ({"shared_memory": {"page": 2 * MiB}}, 1, 2 * MiB), ({"shared_memory": {"page": 2 * MiB}},
+                                                                         2 * MiB + 1, 4 * MiB),
+    ({"shared_memory": {"page": 4096}}, 8192, 8192), ({"shared_memory": {"page": 0}}, 1, 4096),
+    ({"shared_memory": {"page": "2M"}}, 1, 4096), ({"shared_memory": None}, 1, 4096), ({"shared_memory": 5}, 1, 4096)])
+def test_a_stage_is_planned_in_the_pages_its_worker_counts(info, n, counted):
+    """A worker on huge pages counts a buffer in whole 2 MiB pages (DEVICE_INFO shared_memory.page);
+    one that does not say, or says nonsense, in 4 KiB ones."""
+    assert in_pages(n, info) == counted
 
 
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (1536 * 1024, "1.50 MiB"),

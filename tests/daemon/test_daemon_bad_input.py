@@ -437,7 +437,7 @@ async def wait_free_memory(c: RpcClient, want: int, timeout: float = 5.0) -> Non
 
 
 def test_mem_cap(start_daemon):
-    d = start_daemon("-t", "1", "-m", "1")
+    d = start_daemon("-t", "1", "-m", "1", "--no-huge-pages")  # 4 KiB pages: a 1 MiB cap holds buffers
 
     async def scenario():
         c = await RpcClient.connect(d.endpoint)
@@ -502,7 +502,7 @@ def test_mem_cap_counts_compute_memory(start_daemon):
     """--mem covers what a graph's intermediates take in the compute process, not only client buffers: a
     graph whose compute buffer does not fit is refused (ALLOC_FAILED, saying so) before any compute, and a
     graph that fits shows up in free_memory until it is freed."""
-    d = start_daemon("-t", "1", "-m", "2")
+    d = start_daemon("-t", "1", "-m", "2", "--no-huge-pages")  # 4 KiB pages: a 2 MiB cap holds buffers
 
     async def scenario():
         c = await RpcClient.connect(d.endpoint)
@@ -640,7 +640,7 @@ def test_disconnect_frees_buffers(start_daemon, leave):
     """Every way of leaving frees the client's buffers and its connection slot:
     with --max-clients 2 and a watcher connected, a leaked connection would lock
     the next client out."""
-    d = start_daemon("-t", "1", "-m", "1", "--max-clients", "2")
+    d = start_daemon("-t", "1", "-m", "1", "--max-clients", "2", "--no-huge-pages")  # 4 KiB pages
 
     async def watch():
         watcher = await RpcClient.connect(d.endpoint)

@@ -918,7 +918,8 @@ def test_rate_limit(start_daemon):
 
 
 def test_per_client_memory_cap(start_daemon):
-    dd = start_daemon("-t", "1", "-m", "4", "--max-client-mem", "1", "--max-buffers", "3")
+    # 4 KiB pages (2 MiB ones: test_shared_memory.py)
+    dd = start_daemon("-t", "1", "-m", "4", "--max-client-mem", "1", "--max-buffers", "3", "--no-huge-pages")
 
     async def scenario():
         a = await RpcClient.connect(dd.endpoint)
