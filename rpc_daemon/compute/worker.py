@@ -32,6 +32,7 @@ from rpc_daemon.compute.channel import ChannelEnded, StepChannelServer
 from rpc_daemon.compute.exchange import SPIN_S, SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
 from rpc_daemon.service.memory import advise_huge_pages
+from rpc_daemon.service.shared_memory import shmem_thp
 from rpc_daemon.wire.graph_codec import build_graph, context_size
 from rpc_daemon.wire.protocol import Status
 from rpc_daemon.wire.tensor_frames import LinkBroken
@@ -45,6 +46,7 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it (EINVAL) and pages fault in one by one
+SHMEM_ASKS = shmem_thp() == "advise"
 _RESIDENT_RUN = re.compile(rb"[^\x00]+")  # mincore sets bit 0 of a resident page's byte
 
 
@@ -56,9 +58,10 @@ def map_shared(fd: int, size: int) -> int:
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    # the daemon's 2 MiB pages mapped as such here too where the kernel wants asking (shmem_enabled
-    # "advise"); best effort: refused or moot, the mapping stands
-    advise_huge_pages(addr, size)
+    # memfds get 2 MiB pages under shmem_enabled "advise" only where their mappers ask (the daemon
+    # does); a huge tmpfs's are mapped as such without asking. Best effort: refused, the mapping stands
+    if SHMEM_ASKS:
+        advise_huge_pages(addr, size)
     return addr
 
 

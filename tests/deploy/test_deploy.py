@@ -191,16 +191,18 @@ def test_daemon_metrics_port():
             c = await RpcClient.connect(d.endpoint)
             h, _ = await c.request(Command.ALLOC_BUFFER, {"size": 4096})
             await c.request(Command.SET_TENSOR, {"buffer": h["buffer"], "offset": 0, "size": 4096}, b"\1" * 4096)
-            return c
+            info, _ = await c.request(Command.DEVICE_INFO)
+            return c, info["shared_memory"]["page"]
 
         loop = asyncio.new_event_loop()
-        client = loop.run_until_complete(use_it())
+        client, page = loop.run_until_complete(use_it())
         import urllib.request
         text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
         values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                   if line and not line.startswith("#")}
         assert values["ggml_rpc_clients"] == 1
-        assert values["ggml_rpc_buffers"] == 1 and values["ggml_rpc_buffer_bytes"] == 4096
+        # a buffer counts whole pages of its arena: 4 KiB, or 2 MiB on huge pages (DEVICE_INFO shared_memory.page)
+        assert values["ggml_rpc_buffers"] == 1 and values["ggml_rpc_buffer_bytes"] == page
         assert values["ggml_rpc_bytes_in_total"] >= 4096
         for name in ("ggml_rpc_compute_seconds_total", "ggml_rpc_compute_restarts_total", "ggml_rpc_bytes_out_total"):
             assert name in values, name
