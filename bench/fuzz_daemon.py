@@ -2,6 +2,7 @@
 few thousand cases of the same: tests/daemon/test_fuzz_daemon.py).
 
     python bench/fuzz_daemon.py [--cases 50000] [--seed N] [--families raw,commands,graphs,lies,bursts,channel]
+                                [--huge-pages]
                                 [--mem MiB] [--daemon-arg=--flag ...]
 
 Starts its own daemon on 127.0.0.1 (a free port), sends --cases messages split
@@ -85,6 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=int(time.time()), help="hypothesis seed (default: the time)")
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--mem", type=int, default=32, help="daemon --mem in MiB (default 32)")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="client arenas on 2 MiB pages, the daemon's default (every buffer counts 2 MiB: give --mem "
+                        "room, e.g. 4096, and leave out the bursts family, whose hundreds of buffers meet the cap); "
+                        "default: --no-huge-pages, 4 KiB pages")
     p.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
     args = p.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -92,9 +97,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown families {sorted(unknown)}; choose from {sorted(FAMILIES)}")
 
-    # memfd arenas on 4 KiB pages, as tests/daemon/test_fuzz_daemon.py: on 2 MiB ones a 32 MiB cap holds 16 buffers
-    d = DaemonProcess("-t", "1", "-m", str(args.mem), "--max-requests-per-second", "0", "--no-huge-pages",
-                      *args.daemon_arg)
+    # memfd arenas on 4 KiB pages unless asked, as tests/daemon/test_fuzz_daemon.py: on 2 MiB ones a 32 MiB cap
+    # holds 16 buffers
+    pages = [] if args.huge_pages else ["--no-huge-pages"]
+    d = DaemonProcess("-t", "1", "-m", str(args.mem), "--max-requests-per-second", "0", *pages, *args.daemon_arg)
     ok = True
     try:
         asyncio.run(normal_session(d.endpoint))

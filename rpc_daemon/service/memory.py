@@ -5,6 +5,7 @@ the coordinator needs it without the daemon's modules."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 
 
@@ -60,7 +61,6 @@ def map_anonymous(size: int) -> int:
     """Address of `size` bytes of fresh zeroed private memory (munmap_anonymous frees it), asked to
     be on huge pages. Fresh: memory malloc hands out may have been touched before, on 4 KiB
     pages, which asking afterwards does not change (glibc serves up to 32 MiB from its heap)."""
-    import mmap
     addr = _libc.mmap(None, max(1, size), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                       -1, 0)
     if addr in (None, _MAP_FAILED):
