@@ -51,7 +51,7 @@ def build_parser(prog: str = "ggml-rpc-server") -> argparse.ArgumentParser:
                         "pages where the kernel gives memfds none)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="keep the clients' memory in memfds, on whatever pages the kernel gives them, instead of "
-                        "a private tmpfs with 2 MiB pages (about 3-8%% slower token generation)")
+                        "a private tmpfs with 2 MiB pages (token generation up to 8%% slower)")
     p.add_argument("--min-rate", type=float, default=_C.min_rate, metavar="BYTES_PER_S",
                    help=f"an authenticated client that sends a frame it has started slower than this, averaged "
                         f"over --min-rate-window, is disconnected (and loses its --max-clients slot) "

@@ -49,11 +49,11 @@ def give_back_free_heap() -> bool:
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
-_madvise = None  # the C library's madvise, once looked up; False where there is none
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype, _libc.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -79,14 +79,5 @@ def advise_huge_pages(addr: int, size: int) -> bool:
     before it is first touched: where THP is "madvise" (Ubuntu's default, and most VMs'), ggml's
     reads of weights on 4 KiB pages run measurably slower (docs/operations.md, "Huge pages"). Best
     effort: False where refused or unsupported, and the memory is as usable either way."""
-    global _madvise
-    if _madvise is None:
-        try:
-            _madvise = ctypes.CDLL(None, use_errno=True).madvise
-            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        except (OSError, AttributeError):
-            _madvise = False
     start, end = -(-addr // HUGE_PAGE) * HUGE_PAGE, (addr + size) // HUGE_PAGE * HUGE_PAGE
-    if _madvise is False or end <= start:
-        return False
-    return _madvise(start, end - start, MADV_HUGEPAGE) == 0
+    return end > start and _libc.madvise(start, end - start, MADV_HUGEPAGE) == 0

@@ -15,6 +15,7 @@ import pytest
 from rpc_daemon.service.shared_memory import (SharedMemory, mount_of, private_tmpfs, shm_dir_problem, shmem_thp,
                                               tmpfs_gets_huge_pages)
 from rpc_daemon.wire.protocol import Command, Status
+from conftest import SLACK
 from rpc_helpers import raw_session
 
 MiB = 1 << 20
@@ -92,7 +93,7 @@ def test_a_mount_the_kernel_refuses_is_a_reason_not_an_exception():
     assert fd is None and why, why
 
 
-def arena_round_trip(d) -> None:
+def arena_round_trip(d) -> tuple[dict, int]:
     """Two buffers of 3 MiB on a daemon: written and read back whole, and after the first is freed
     and taken again, it reads zero (the pages were given back) while the second keeps its bytes."""
     rng = np.random.default_rng(3)
@@ -152,11 +153,12 @@ def unlimited_tmpfs(path, options: str = "huge=within_size,size=0,mode=0700"):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ggml-test-shm", str(path)], check=True, timeout=30)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ggml-test-shm", str(path)], check=True,
+                   timeout=30 * SLACK)
     try:
         yield str(path)
     finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=30 * SLACK)
 
 
 def test_shm_dir_keeps_client_memory_in_unlinked_files_there(start_daemon, tmp_path):
@@ -196,5 +198,5 @@ def test_shm_dir_that_cannot_hold_client_memory_is_refused_at_the_command_line(t
     expected = shm_dir_problem(args[0], "--no-huge-pages" not in args)
     assert expected, case
     r = subprocess.run([sys.executable, "-m", "rpc_daemon", "-p", "0", "--shm-dir", *args],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60 * SLACK)
     assert r.returncode == 2 and expected in r.stderr, r.stderr
