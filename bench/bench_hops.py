@@ -11,8 +11,8 @@ step time against the sum of compute, next to an in-process run of the same
 steps in the same invocation (this machine is shared: only side by side
 numbers compare). Bounded: --tg steps (default 32) per setup.
 
-The hop table is of the layer chain alone (head_split=False: one request per
-stage, in order); then the default setup (step links, the output head split
+The hop table is of the layer chain alone (head_split=False, step_links=False:
+one request per stage, in order, each relayed through the coordinator); then the default setup (step links, the output head split
 over the workers, as head_split="auto" places it on loopback) is broken down
 along its critical path: coordinator to stage 0's compute, stage 0's layers,
 the push to stage 1, stage 1's layers, the push of the normed rows to each
@@ -27,30 +27,45 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 TRACE = tempfile.NamedTemporaryFile(prefix="hops-", suffix=".txt", delete=False).name
 os.environ["GGML_RPC_HOP_TRACE"] = TRACE  # before rpc_daemon is imported: hoptrace reads it once
 
 from coordinator import Coordinator  # noqa: E402
+from rpc_daemon.service import hoptrace  # noqa: E402
 from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
 from decode_steps import timed_steps  # noqa: E402
 
 
-def steps(c: Coordinator, n: int, greedy: bool) -> list[float]:
-    def keep_only_the_measured_steps():
-        with open(TRACE, "w"):
-            pass
+def steps(c: Coordinator, n: int, greedy: bool) -> tuple[list[float], tuple[float, float]]:
+    """The seconds of `n` measured steps, and their window on the trace's clock (microseconds)."""
+    window = []
 
-    return timed_steps(c, n, greedy, warmup=8, before_measuring=keep_only_the_measured_steps)
+    def measuring_from_now():
+        window.append(time.monotonic() * 1e6)
+
+    seconds = timed_steps(c, n, greedy, warmup=8, before_measuring=measuring_from_now)
+    window.append(time.monotonic() * 1e6)
+    hoptrace.flush()
+    time.sleep(0.2)  # the workers write their points as they go quiet, after each reply
+    return seconds, (window[0], window[1])
 
 
-def hops(path: str, n_stages: int) -> list[list[tuple[str, float]]]:
-    """Per stage: (from -> to, median microseconds) between consecutive points."""
+def trace_events(path: str, window: tuple[float, float]) -> list[tuple[int, int, str]]:
+    """(microseconds, pid, point) of the trace within `window`, in time order."""
     events = []
     for line in open(path).read().splitlines():
-        point, t = line.split(" ", 1)[1].rsplit(" ", 1)  # "pid point words microseconds"
-        events.append((int(t), point))
-    events.sort()
+        pid, rest = line.split(" ", 1)
+        point, t = rest.rsplit(" ", 1)  # "pid point words microseconds"
+        if window[0] <= int(t) <= window[1]:
+            events.append((int(t), int(pid), point))
+    return sorted(events)
+
+
+def hops(path: str, n_stages: int, window: tuple[float, float]) -> list[list[tuple[str, float]]]:
+    """Per stage: (from -> to, median microseconds) between consecutive points."""
+    events = [(t, point) for t, _, point in trace_events(path, window)]
     requests, cur = [], None
     for t, point in events:
         if point == "client send":
@@ -68,17 +83,12 @@ def hops(path: str, n_stages: int) -> list[list[tuple[str, float]]]:
             for g in gaps]
 
 
-def critical_path(path: str) -> list[tuple[str, float]]:
+def critical_path(path: str, window: tuple[float, float]) -> list[tuple[str, float]]:
     """(segment, median microseconds) along a linked, head-split step over two
     workers: each step's events start at its burst of requests (stage 0, stage 1,
     two head shards) and end at the last reply; the compute processes' first
     computes of a step are the layers, in stage order, the next two the heads."""
-    events = []
-    for line in open(path).read().splitlines():
-        pid, rest = line.split(" ", 1)
-        point, t = rest.rsplit(" ", 1)
-        events.append((int(t), int(pid), point))
-    events.sort()
+    events = trace_events(path, window)
     steps, cur, replies = [], None, 0
     for e in events:
         if e[2] == "client send" and (cur is None or replies >= 4):
@@ -125,15 +135,16 @@ def main() -> int:
     with LocalWorkers(2, threads=1) as workers:
         endpoints = workers.endpoints
         local = Coordinator(["local"], model=args.model, n_ctx=256, threads=1)
-        remote = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, head_split=False)
+        # relayed through the coordinator (no step links): one request per stage, in order, as the table reads them
+        remote = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, head_split=False, step_links=False)
         # split every step (what head_split="auto" places on loopback): the critical path reads four computes a step
         shared = Coordinator(endpoints, model=args.model, n_ctx=256, threads=1, head_split=True)
         try:
-            local_steps = steps(local, args.tg, args.greedy)
-            remote_steps = steps(remote, args.tg, args.greedy)
-            table = hops(TRACE, len(endpoints))
-            shared_steps = steps(shared, args.tg, args.greedy)
-            path = critical_path(TRACE)
+            local_steps, _ = steps(local, args.tg, args.greedy)
+            remote_steps, window = steps(remote, args.tg, args.greedy)
+            table = hops(TRACE, len(endpoints), window)
+            shared_steps, window = steps(shared, args.tg, args.greedy)
+            path = critical_path(TRACE, window)
         finally:
             shared.close()
             remote.close()

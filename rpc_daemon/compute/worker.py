@@ -325,6 +325,8 @@ def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
         tensor_step = False
         channel_fd = None
         while True:
+            if hoptrace.ON:
+                hoptrace.flush()  # about to wait: the points written off the hops they time
             if tensor_step and not (state.channel is not None and state.channel.waiting):
                 await_without_sleep(request_ready, spin_s * NEXT_STEP_SPIN_SHARE)
             fd_now = state.channel.fileno() if state.channel is not None else None

@@ -489,6 +489,8 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.writelines([frame, blob])
         else:
             self.transport.write(frame)
+        if hoptrace.ON:
+            hoptrace.flush()  # the reply is out: the points written off the hops they time
 
     async def _dispatch(self, header: dict, blob, direct: bool) -> None:
         await self._answer(await self._handle(header, blob, direct))

@@ -7,19 +7,42 @@ points of the compute path. bench/bench_hops.py runs local workers with it
 and prints the median time between consecutive points: where a remote step's
 time goes besides compute. Unset (the default), a point costs one test of
 `ON`; nothing is written.
+
+Points are kept in memory and written by `flush()`, which each process
+calls where it is about to wait anyway (the compute process before it waits
+for its next request, the daemon after a reply; a bench between its steps),
+or when FLUSH_EVERY have gathered, and at exit. A write per point put its own
+cost between the points: a coordinator's hand-over to its loop thread read
+375 us with a line-buffered write per point, 197 us with one os.write, 50 us
+with none. A killed process loses the points it has not written (a compute
+process is killed when its client leaves: it writes before every wait).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import time
 
 _PATH = os.environ.get("GGML_RPC_HOP_TRACE")
 ON = bool(_PATH)
-_file = None
+FLUSH_EVERY = 256
+_points: list[tuple[str, float]] = []
 
 
 def mark(point: str) -> None:
-    global _file
-    if _file is None:
-        _file = open(_PATH, "a", buffering=1)
-    _file.write(f"{os.getpid()} {point} {time.monotonic() * 1e6:.0f}\n")
+    _points.append((point, time.monotonic()))
+    if len(_points) >= FLUSH_EVERY:
+        flush()
+
+
+def flush() -> None:
+    if not _points:
+        return
+    pid = os.getpid()
+    with open(_PATH, "a") as f:
+        f.write("".join(f"{pid} {point} {t * 1e6:.0f}\n" for point, t in _points))
+    _points.clear()
+
+
+if ON:
+    atexit.register(flush)
