@@ -34,6 +34,8 @@ os.environ["GGML_RPC_HOP_TRACE"] = TRACE  # before rpc_daemon is imported: hoptr
 
 from coordinator import Coordinator  # noqa: E402
 from rpc_daemon.service import hoptrace  # noqa: E402
+
+hoptrace.FLUSH_EVERY = 1 << 20  # this process writes its points between its runs only (steps())
 from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
 from decode_steps import timed_steps  # noqa: E402
 
@@ -43,6 +45,7 @@ def steps(c: Coordinator, n: int, greedy: bool) -> tuple[list[float], tuple[floa
     window = []
 
     def measuring_from_now():
+        hoptrace.flush()  # the warm-up's points out now, not in the middle of a measured hop
         window.append(time.monotonic() * 1e6)
 
     seconds = timed_steps(c, n, greedy, warmup=8, before_measuring=measuring_from_now)

@@ -489,8 +489,6 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.writelines([frame, blob])
         else:
             self.transport.write(frame)
-        if hoptrace.ON:
-            hoptrace.flush()  # the reply is out: the points written off the hops they time
 
     async def _dispatch(self, header: dict, blob, direct: bool) -> None:
         await self._answer(await self._handle(header, blob, direct))
@@ -525,6 +523,8 @@ class Connection(asyncio.BufferedProtocol):
         """Reply with a handler's result: its fields (`status` and `error` among them set the reply's) and blob."""
         status, error = fields.pop("status", Status.SUCCESS), fields.pop("error", "")
         self._reply(req_id, status, error, out, **fields)
+        if hoptrace.ON:  # a handler's reply is out (not an ack answered at once: a push may wait on it)
+            hoptrace.flush()
 
     async def _answer(self, outcome) -> None:
         """Reply with a request's outcome (_handle's)."""

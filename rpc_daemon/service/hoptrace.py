@@ -20,13 +20,16 @@ process is killed when its client leaves: it writes before every wait).
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import time
 
 _PATH = os.environ.get("GGML_RPC_HOP_TRACE")
 ON = bool(_PATH)
 FLUSH_EVERY = 256
-_points: list[tuple[str, float]] = []
+# a deque: its append and popleft are atomic, so a thread may stamp points while another
+# flushes (a bench's main thread, atexit), and none is lost or written twice
+_points: collections.deque = collections.deque()
 
 
 def mark(point: str) -> None:
@@ -38,10 +41,15 @@ def mark(point: str) -> None:
 def flush() -> None:
     if not _points:
         return
+    taken = []
+    while True:  # until empty: two threads flushing at once share the points out
+        try:
+            taken.append(_points.popleft())
+        except IndexError:
+            break
     pid = os.getpid()
     with open(_PATH, "a") as f:
-        f.write("".join(f"{pid} {point} {t * 1e6:.0f}\n" for point, t in _points))
-    _points.clear()
+        f.write("".join(f"{pid} {point} {t * 1e6:.0f}\n" for point, t in taken))
 
 
 if ON:

@@ -35,3 +35,42 @@ def test_points_are_written_when_flushed_when_the_buffer_fills_and_at_exit(tmp_p
     assert done.returncode == 0, done.stderr
     lines = trace.read_text().splitlines()
     assert len(lines) == 2 + hoptrace.FLUSH_EVERY + 1 and lines[-1].split(" ", 1)[1].startswith("at exit ")
+
+
+SCRIPT_THREADS = r"""
+import os
+from rpc_daemon.service import hoptrace
+path = os.environ["GGML_RPC_HOP_TRACE"]
+real_open = open
+
+
+class StampingWhileWritten:
+    # the file's write releases the GIL: another thread's point may come then
+    def __init__(self, f):
+        self.f = f
+    def write(self, text):
+        hoptrace.mark("during")
+        return self.f.write(text)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+hoptrace.open = lambda p, mode: StampingWhileWritten(real_open(p, mode))
+hoptrace.mark("before")
+hoptrace.flush()
+hoptrace.open = real_open
+hoptrace.flush()
+points = [l.split(" ", 1)[1].rsplit(" ", 1)[0] for l in real_open(path).read().splitlines()]
+assert points == ["before", "during"], points
+"""
+
+
+def test_a_point_stamped_while_the_points_are_written_is_written_once(tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("")
+    done = subprocess.run([sys.executable, "-c", SCRIPT_THREADS],
+                          env={"GGML_RPC_HOP_TRACE": str(trace), "PATH": "/usr/bin"},
+                          capture_output=True, text=True, timeout=30 * SLACK)
+    assert done.returncode == 0, done.stderr
