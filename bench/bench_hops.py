@@ -12,8 +12,8 @@ steps in the same invocation (this machine is shared: only side by side
 numbers compare). Bounded: --tg steps (default 32) per setup.
 
 The hop table is of the layer chain alone (head_split=False, step_links=False:
-one request per stage, in order, each relayed through the coordinator); then the default setup (step links, the output head split
-over the workers, as head_split="auto" places it on loopback) is broken down
+one request per stage, in order, each relayed through the coordinator); then
+the default setup (step links, the output head split over the workers, as head_split="auto" places it on loopback) is broken down
 along its critical path: coordinator to stage 0's compute, stage 0's layers,
 the push to stage 1, stage 1's layers, the push of the normed rows to each
 head shard, the shards' compute, and the last reply, with the step time; the
@@ -33,11 +33,11 @@ TRACE = tempfile.NamedTemporaryFile(prefix="hops-", suffix=".txt", delete=False)
 os.environ["GGML_RPC_HOP_TRACE"] = TRACE  # before rpc_daemon is imported: hoptrace reads it once
 
 from coordinator import Coordinator  # noqa: E402
+from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
+from decode_steps import timed_steps  # noqa: E402
 from rpc_daemon.service import hoptrace  # noqa: E402
 
 hoptrace.FLUSH_EVERY = 1 << 20  # this process writes its points between its runs only (steps())
-from coordinator.serving.local_workers import LocalWorkers  # noqa: E402
-from decode_steps import timed_steps  # noqa: E402
 
 
 def steps(c: Coordinator, n: int, greedy: bool) -> tuple[list[float], tuple[float, float]]:

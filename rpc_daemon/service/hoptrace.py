@@ -10,7 +10,7 @@ time goes besides compute. Unset (the default), a point costs one test of
 
 Points are kept in memory and written by `flush()`, which each process
 calls where it is about to wait anyway (the compute process before it waits
-for its next request, the daemon after a reply; a bench between its steps),
+for its next request, the daemon after a handler's reply; a bench between its steps),
 or when FLUSH_EVERY have gathered, and at exit. A write per point put its own
 cost between the points: a coordinator's hand-over to its loop thread read
 375 us with a line-buffered write per point, 197 us with one os.write, 50 us
