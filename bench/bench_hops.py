@@ -13,11 +13,12 @@ numbers compare). Bounded: --tg steps (default 32) per setup.
 
 The hop table is of the layer chain alone (head_split=False, step_links=False:
 one request per stage, in order, each relayed through the coordinator); then
-the default setup (step links, the output head split over the workers, as head_split="auto" places it on loopback) is broken down
-along its critical path: coordinator to stage 0's compute, stage 0's layers,
-the push to stage 1, stage 1's layers, the push of the normed rows to each
-head shard, the shards' compute, and the last reply, with the step time; the
-last line compares the step times.
+the default setup (step links, the output head split over the workers, as
+head_split="auto" places it on loopback) is broken down along its critical
+path: coordinator to stage 0's compute, stage 0's layers, the push to stage 1,
+stage 1's layers, the push of the normed rows to each head shard, the shards'
+compute, and the last reply, with the step time; the last line compares the
+step times.
 """
 from __future__ import annotations
 
