@@ -61,11 +61,12 @@ class PeerFailed(Exception):
     """The connection is gone or unusable. `kind` is FailureKind.UNREACHABLE,
     TIMEOUT, CLOSED or PROTOCOL (a str enum: compares equal to the plain word)."""
 
-    def __init__(self, kind: FailureKind, message: str, mid_reply: bool = False):
+    def __init__(self, kind: FailureKind, message: str, mid_reply: bool = False, how: str = ""):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.mid_reply = mid_reply  # closed with a reply partly received (a step channel's must not be sent again)
+        self.how = how  # a closed connection's way of ending: "EOF" or the socket's error ("connection reset by peer")
 
 
 def _oserror_text(exc: BaseException) -> str:
@@ -78,6 +79,9 @@ def _oserror_text(exc: BaseException) -> str:
         return os.strerror(code).lower()
     return str(exc) or type(exc).__name__
 
+
+# errnos of a connection the worker's side ended (RST), as good as its EOF
+_PEER_GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 KEEPALIVE_MAX = 5.0  # seconds between pings on an idle connection, at most
 
@@ -170,7 +174,7 @@ class RpcClient(asyncio.BufferedProtocol):
                 # a worker of ours answers any HELLO, even a refused one; a peer that hangs up on it speaks
                 # another protocol (or TLS): say the likely one first
                 raise PeerFailed(FailureKind.CLOSED, f"worker {endpoint} is probably not a ggml-distributed worker: "
-                                           f"it hung up on our HELLO ({exc.message}), as llama.cpp's rpc-server "
+                                           f"it hung up on our HELLO ({exc.how or exc.message}), as llama.cpp's rpc-server "
                                            f"(which also uses port 50052) does with clients of another protocol; "
                                            f"run ggml-distributed's ggml-rpc-server there. If it is one that serves TLS, give its CA "
                                            f"(tls_ca / --tls-ca)") from None
@@ -275,14 +279,20 @@ class RpcClient(asyncio.BufferedProtocol):
         self._fail(self._closed_by_worker())
         return False
 
-    def _closed_by_worker(self) -> PeerFailed:
+    def _closed_by_worker(self, error: BaseException | None = None) -> PeerFailed:
         where = " in the middle of a reply" if self._frames.partial else ""
+        how = "EOF" if error is None else _oserror_text(error)
+        said = "" if error is None else f"{how}: "
         return PeerFailed(FailureKind.CLOSED, f"worker {self.endpoint} closed the connection{where} "
-                                    f"(crashed, killed or restarted?)", mid_reply=self._frames.partial)
+                                    f"({said}crashed, killed or restarted?)", mid_reply=self._frames.partial, how=how)
 
     def connection_lost(self, exc) -> None:
         if exc is None:
             self._fail(self._closed_by_worker(), abort=False)
+        elif getattr(exc, "errno", None) in _PEER_GONE:
+            # a killed worker sends FIN, or RST when our bytes sat unread in its buffer (a ping, the
+            # next request): a race, so both read the same
+            self._fail(self._closed_by_worker(exc), abort=False)
         else:
             self._fail(PeerFailed(FailureKind.CLOSED, f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"),
                        abort=False)

@@ -26,6 +26,7 @@ import re
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,7 @@ class Rig:
         self.a = DaemonProcess("-t", "1", "--cache", self.cache_dir)
         self.b = DaemonProcess("-t", "1", "--cache", self.cache_dir)
         self.port_b = self.b.port
+        self.b_faulted = False
         self.c = Coordinator([self.a.endpoint, self.b.endpoint], model=model, split=[1, 1], n_ctx=N_CTX, head_split=True,
                              liveness_timeout=LIVENESS)
         self.baseline_text = self.c.generate(PROMPT, max_tokens=N_GEN)
@@ -107,6 +109,18 @@ class Rig:
         for f in faults:
             args += ["--test-fault", f + ",armed=0"]
         self.b = DaemonProcess(*args, port=self.port_b)
+        self.b_faulted = bool(faults)
+
+    def settle(self) -> None:
+        """Undo what a failed test left behind (B faulted or dead, B latched, a sequence to
+        re-feed), so that one failure is reported once, not again by every test after it."""
+        if self.b_faulted or not self.b.alive():
+            self.restart_b()
+        if self.c.failed_endpoints():
+            self.c.reconnect()
+        if self.c.needs_refeed():
+            self.c.kv_seq_rm(-1)
+            self.c.generate(PROMPT, max_tokens=1)  # sequence 0 filled, as the tests leave it
 
     def arm(self) -> None:
         mark = len(self.b.log_lines)
@@ -135,7 +149,7 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(model, tmp_path_factory):
+def module_rig(model, tmp_path_factory):
     r = Rig(model, tmp_path_factory.mktemp("tensor-cache"))
     yield r
     r.close()
@@ -143,6 +157,12 @@ def rig(model, tmp_path_factory):
         print("\ndetection latency (s) from the fault to decode/reconnect returning:")
         for cell, xs in sorted(r.detections.items()):
             print(f"  {cell:<16} median {statistics.median(xs):.3f} max {max(xs):.3f} (n={len(xs)})")
+
+
+@pytest.fixture
+def rig(module_rig):
+    module_rig.settle()
+    return module_rig
 
 
 def check_latched(rig: Rig, pos: int, kind: str) -> None:
@@ -806,6 +826,45 @@ def test_worker_half_close_with_our_request_unsent_fails_at_once():
                                {"buffer": 1, "offset": 0, "size": 64 << 20}, bytes(64 << 20))
     assert exc.kind == "closed" and "closed the connection" in exc.message, exc.message
     assert took < 2.0 * SLACK, took
+
+
+@pytest.mark.parametrize("half_sent", [False, True])
+def test_worker_reset_reads_as_a_closed_connection(half_sent):
+    """A worker killed with bytes of ours unread (a ping, the next request) ends with RST, not FIN: a race
+    the kill cannot choose. Both must read as the table's 'closed the connection' (with ' in the middle of a
+    reply' when half of it came), the reset named as well; it once read 'connection to worker … lost'."""
+    def reset(s, next_header):
+        h = next_header()
+        if half_sent:
+            frame = F.encode_frame({"id": h["id"], "status": 0, "pad": "x" * 4096})
+            s.sendall(frame[: len(frame) // 2])
+        s.recv(1)  # our second request arrives, and stays unread
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # RST, as the kernel sends for a killed process with unread bytes
+
+    async def scenario(endpoint, done):
+        c = await RpcClient.connect(endpoint)
+        try:
+            first = asyncio.ensure_future(c.request(Command.DEVICE_INFO))
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(c.request(Command.DEVICE_INFO))
+            failures = []
+            for fut in (first, second):
+                with pytest.raises(PeerFailed) as info:
+                    await asyncio.wait_for(fut, 5)
+                failures.append(info.value)
+            assert failures[0] is failures[1]  # one failure, the connection's
+            return failures[0]
+        finally:
+            done.set()
+            await c.aclose()
+
+    exc = run(scenario(*_scripted_worker(reset)))
+    where = " in the middle of a reply" if half_sent else ""
+    assert exc.kind == "closed" and exc.how == "connection reset by peer", exc.message
+    assert exc.message.startswith(f"worker 127.0.0.1:") and exc.message.endswith(
+        f"closed the connection{where} (connection reset by peer: crashed, killed or restarted?)"), exc.message
+    assert exc.mid_reply is half_sent
 
 
 def test_kv_calls_from_another_thread_wait_for_the_step_in_flight(model, start_daemon):

@@ -30,7 +30,7 @@ PROMPT = "water"  # the tiny model's greedy text after it runs 24 tokens without
 N_GEN = 24
 N_CTX = 64
 RESTART_AFTER = 0.5
-KILLED = re.compile(r"closed the connection|connection reset by peer")  # how a kill -9 reaches us
+KILLED = re.compile(r"closed the connection")  # how a kill -9 reaches us, by FIN or by RST
 
 
 @pytest.fixture(scope="module")

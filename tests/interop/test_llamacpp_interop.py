@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import socket
 import struct
 import subprocess
@@ -178,3 +179,4 @@ def test_our_coordinator_against_llamacpp_rpc_server_names_the_likely_cause(tmp_
     err = r.stderr
     assert "probably not a ggml-distributed worker" in err and "llama.cpp's rpc-server" in err, err
     assert err.index("probably not a ggml-distributed worker") < err.index("give its CA"), err
+    assert re.search(r"it hung up on our HELLO \((EOF|connection reset by peer)\), as", err), err
