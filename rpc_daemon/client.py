@@ -294,7 +294,8 @@ class RpcClient(asyncio.BufferedProtocol):
             # next request): a race, so both read the same
             self._fail(self._closed_by_worker(exc), abort=False)
         else:
-            self._fail(PeerFailed(FailureKind.CLOSED, f"connection to worker {self.endpoint} lost: {_oserror_text(exc)}"),
+            how = _oserror_text(exc)
+            self._fail(PeerFailed(FailureKind.CLOSED, f"connection to worker {self.endpoint} lost: {how}", how=how),
                        abort=False)
         self._can_write.set()  # a request waiting to write wakes up and sees the failure
         if not self._lost.done():

@@ -116,6 +116,7 @@ class Rig:
         re-feed), so that one failure is reported once, not again by every test after it."""
         if self.b_faulted or not self.b.alive():
             self.restart_b()
+            self.c.reconnect(self.eb)  # the old B's end may not have reached the coordinator yet
         if self.c.failed_endpoints():
             self.c.reconnect()
         if self.c.needs_refeed():
@@ -497,6 +498,11 @@ class FakeServer:
                 writer.close()
             elif self.mode == "silent":
                 await asyncio.sleep(30)
+            elif self.mode in ("hangup", "reset"):  # a peer of another protocol: it hangs up on our HELLO
+                if self.mode == "reset":  # RST, as a peer does that closes with our bytes unread
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                                struct.pack("ii", 1, 0))
+                writer.close()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
 
@@ -513,6 +519,9 @@ class FakeServer:
     ("version", "is incompatible: protocol version", "protocol"),
     ("garbage", "sent a bad frame", "protocol"),
     ("silent", "did not answer HELLO", "timeout"),
+    ("hangup", "probably not a ggml-distributed worker: it hung up on our HELLO (EOF), as llama.cpp's", "closed"),
+    ("reset", "probably not a ggml-distributed worker: it hung up on our HELLO (connection reset by peer), as",
+     "closed"),
 ])
 def test_wrong_peer_is_a_clear_error(model, mode, fragment, kind):
     fake = FakeServer(mode)

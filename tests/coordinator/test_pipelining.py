@@ -237,7 +237,7 @@ def test_worker_killed_mid_pipeline_is_reported_as_that_worker(model, victim):
             code = c.decode(Batch.single(ids, 0, all_logits=True))
             assert code is DecodeResult.ENDPOINT_FAILED, (code, c.last_error)
             assert c.last_failed_endpoint == eps[victim] and c.last_cause == "closed", c.last_error
-            assert "closed the connection" in c.last_error or "reset" in c.last_error
+            assert "closed the connection" in c.last_error, c.last_error
             with pytest.raises(Exception):
                 c.logits(-1)
             assert c.kv.used() == 0
