@@ -871,7 +871,7 @@ def test_worker_reset_reads_as_a_closed_connection(half_sent):
     exc = run(scenario(*_scripted_worker(reset)))
     where = " in the middle of a reply" if half_sent else ""
     assert exc.kind == "closed" and exc.how == "connection reset by peer", exc.message
-    assert exc.message.startswith(f"worker 127.0.0.1:") and exc.message.endswith(
+    assert exc.message.startswith("worker 127.0.0.1:") and exc.message.endswith(
         f"closed the connection{where} (connection reset by peer: crashed, killed or restarted?)"), exc.message
     assert exc.mid_reply is half_sent
 
