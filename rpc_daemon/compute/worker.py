@@ -31,20 +31,13 @@ from rpc_daemon.compute import link as compute_link
 from rpc_daemon.compute.channel import ChannelEnded, StepChannelServer
 from rpc_daemon.compute.exchange import SPIN_S, SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
-from rpc_daemon.service.memory import advise_huge_pages
+from rpc_daemon.service.memory import advise_huge_pages, libc, map_pages
 from rpc_daemon.service.shared_memory import shmem_thp
 from rpc_daemon.wire.graph_codec import build_graph, context_size
 from rpc_daemon.wire.protocol import Status
 from rpc_daemon.wire.tensor_frames import LinkBroken
 
 log = structlog.get_logger("compute")
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it (EINVAL) and pages fault in one by one
 SHMEM_ASKS = shmem_thp() == "advise"
 _RESIDENT_RUN = re.compile(rb"[^\x00]+")  # mincore sets bit 0 of a resident page's byte
@@ -54,10 +47,7 @@ def map_shared(fd: int, size: int) -> int:
     """Address of a shared mapping of `size` bytes of `fd`. Python's mmap will not
     map past the end of the file, and the client's arena file is only as long as
     its highest live buffer: the rest of the range faults until it grows."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+    addr = map_pages(size, mmap.MAP_SHARED, fd)
     # memfds get 2 MiB pages under shmem_enabled "advise" only where their mappers ask (the daemon
     # does); a huge tmpfs's are mapped as such without asking. Best effort: refused, the mapping stands
     if SHMEM_ASKS:
@@ -76,10 +66,10 @@ def populate_resident(addr: int, size: int) -> None:
     first = addr - addr % mmap.PAGESIZE
     n = -(-(addr + size - first) // mmap.PAGESIZE)
     vec = ctypes.create_string_buffer(n)
-    if _libc.mincore(first, n * mmap.PAGESIZE, vec) != 0:
+    if libc.mincore(first, n * mmap.PAGESIZE, vec) != 0:
         return
     for run in _RESIDENT_RUN.finditer(vec.raw):
-        _libc.madvise(first + run.start() * mmap.PAGESIZE, (run.end() - run.start()) * mmap.PAGESIZE,
+        libc.madvise(first + run.start() * mmap.PAGESIZE, (run.end() - run.start()) * mmap.PAGESIZE,
                       MADV_POPULATE_READ)
 
 

@@ -28,11 +28,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rpc_daemon.service.memory import HUGE_PAGE
 from rpc_daemon.service.shared_memory import SharedMemory
 
 ALIGNMENT = 64  # every buffer base is page aligned; tensors inside should be 64-byte aligned
 PAGE = mmap.PAGESIZE
-HUGE_PAGE = 2 << 20
 MAX_ARENA = 1 << 40
 MIN_ARENA = 1 << 30
 

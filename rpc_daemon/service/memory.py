@@ -49,29 +49,41 @@ def give_back_free_heap() -> bool:
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                            ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype, _libc.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+# the C library's memory calls, typed once for every user in the process (the compute process's
+# shared mappings too)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.restype, libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.restype, libc.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.mincore.restype, libc.mincore.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_pages(size: int, flags: int, fd: int = -1) -> int:
+    """Address of a read-write mapping of `size` bytes (`flags`: mmap's MAP_*); OSError if refused.
+    Python's mmap would not do for a file: it will not map past the file's end."""
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return addr
 
 
 def map_anonymous(size: int) -> int:
     """Address of `size` bytes of fresh zeroed private memory (munmap_anonymous frees it), asked to
     be on huge pages. Fresh: memory malloc hands out may have been touched before, on 4 KiB
     pages, which asking afterwards does not change (glibc serves up to 32 MiB from its heap)."""
-    addr = _libc.mmap(None, max(1, size), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                      -1, 0)
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise MemoryError(f"cannot map {size} bytes: {os.strerror(err)}")
+    try:
+        addr = map_pages(max(1, size), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        raise MemoryError(f"cannot map {size} bytes: {exc.strerror}") from None
     advise_huge_pages(addr, size)
     return addr
 
 
 def munmap_anonymous(addr: int, size: int) -> None:
-    _libc.munmap(addr, max(1, size))
+    libc.munmap(addr, max(1, size))
 
 
 def advise_huge_pages(addr: int, size: int) -> bool:
@@ -80,4 +92,4 @@ def advise_huge_pages(addr: int, size: int) -> bool:
     reads of weights on 4 KiB pages run measurably slower (docs/operations.md, "Huge pages"). Best
     effort: False where refused or unsupported, and the memory is as usable either way."""
     start, end = -(-addr // HUGE_PAGE) * HUGE_PAGE, (addr + size) // HUGE_PAGE * HUGE_PAGE
-    return end > start and _libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
+    return end > start and libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
