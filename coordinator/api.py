@@ -106,9 +106,28 @@ class Coordinator:
                                         min(config.request_timeout or 600.0, 600.0), config.tensor_group))
             if len(self._pipeline.groups) == 1:  # one tensor-parallel group computes every step: nothing to pipeline
                 self._decoder.micro.micro_batch = 0
+            if config.warmup:
+                self._warm_up()
         except BaseException:
             self.close()
             raise
+
+    def _warm_up(self) -> None:
+        """One token through every stage as a generation's steps run it (CoordinatorConfig.warmup),
+        then the cache as it was: empty, and the stats not counting it."""
+        stats, started = dict(self.stats), time.perf_counter()
+        try:
+            for pos, greedy in enumerate((True, False)):
+                outcome = self._run(self._decoder.decode(Batch.single([0], pos), greedy))
+                if outcome.code != DecodeResult.OK:
+                    log.warning("warm-up step failed", code=outcome.code.name, error=outcome.error)
+                    break
+            else:
+                log.info("warmed up", seconds=round(time.perf_counter() - started, 3))
+        finally:
+            self._kv_op(self._decoder.kv_clear)
+            self.stats.clear()
+            self.stats.update(stats)
 
     async def _close_all(self) -> None:
         if hasattr(self, "_endpoints"):  # else the constructor failed before connecting anything

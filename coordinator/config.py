@@ -138,7 +138,17 @@ class CoordinatorConfig:
     (host:port workers), and back to its own endpoint once that is back; the
     KV cache is rebuilt by replaying the steps exactly as first decoded, and
     the step is retried: the same text as without the failure. Not back within
-    `resume_within`: the original error."""
+    `resume_within`: the original error.
+
+    `warmup`: after loading, decode one token at position 0 (the argmax, then
+    the full logits: a generation's two kinds of one-token step) and clear the
+    cache, so the first request does not pay the workers' first computes: each
+    shape's graph sent, validated, built and placed, and each compute process's
+    first pass over its weights (0.2-0.45 s on gemma3-270m over 2 workers).
+    What llama.cpp's tools do unless --no-warmup; off here, as in its library,
+    on in `ggml-coordinator generate` and `serve`. Its steps are not counted in
+    `stats`; a failed one is logged and leaves its endpoint latched, as any
+    decode's failure does."""
     endpoints: Sequence[str] = ("local",)
     model: str | None = None
     split: Sequence[float] | None = None
@@ -167,6 +177,7 @@ class CoordinatorConfig:
     tensor_group: int | None = None
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    warmup: bool = False
 
     @classmethod
     def of(cls, endpoints, model, options: dict) -> "CoordinatorConfig":

@@ -186,6 +186,13 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                    help=argparse.SUPPRESS)
 
 
+def _warmup_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="after loading, run one token through the workers and clear the cache, so the first "
+                        "request does not pay their first computes (default: on; llama.cpp's --no-warmup "
+                        "turns it off)")
+
+
 def _resume_flags(p: argparse.ArgumentParser, default: float, what: str) -> None:
     """Resuming through a lost worker (docs/failure-semantics.md, "Resuming"), for generate and serve alike."""
     p.add_argument("--resume-within", type=_seconds, default=default, metavar="S",
@@ -228,6 +235,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--top-p", type=float, default=GENERATION["top_p"])
     g.add_argument("--seed", type=int, default=GENERATION["seed"])
     _resume_flags(g, 0.0, "the generation")
+    _warmup_flag(g)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--version", action=VersionAction, prog="ggml-coordinator")
     _common(s)
@@ -278,6 +286,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the chat template of /v1/chat/completions: a built-in (chatml, gemma, llama3, mistral, "
                         "phi3) or a Jinja template file (default: the model's own, else a generic fallback)")
     _resume_flags(s, SERVE_RESUME_WITHIN, "a request")
+    _warmup_flag(s)
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)

@@ -23,15 +23,18 @@ def cmd_generate(args) -> int:
                             step_channels=args.step_channels,
                             micro_batch=args.micro_batch, split_mode=args.split_mode, tensor_group=args.tensor_group,
                             cache_type_k=args.cache_type_k,
-                            cache_type_v=args.cache_type_v, **resume_options(args))
+                            cache_type_v=args.cache_type_v, **resume_options(args), warmup=args.warmup)
         except (ConnectionError, OSError, ValueError) as exc:
             return cannot_start(exc)
         with c:
             started, n = time.perf_counter(), 0
             generated0 = c.stats["generated"]
+            first = None  # (seconds, tokens) when the first piece came: the prompt's step and the first token
             try:
                 for piece in c.stream(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                    if first is None:
+                        first = (time.perf_counter() - started, c.stats["generated"] - generated0)
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             except DecodeError as exc:
@@ -39,6 +42,9 @@ def cmd_generate(args) -> int:
                 return EXIT_DECODE_FAILED
             elapsed = time.perf_counter() - started
             n = c.stats["generated"] - generated0
+            # the rate after the first piece, as llama.cpp's "eval" line: the prompt's step (and a new
+            # prompt length's first graphs) not in it
+            after = (n - first[1], elapsed - first[0]) if first and n > first[1] else None
             n_layer = c.hp.n_layer
             share = ", ".join(f"{e['endpoint']} " + (
                 f"shard {e['shard']['rank'] + 1}/{e['shard']['of']} of "  # tensor-parallel
@@ -49,7 +55,11 @@ def cmd_generate(args) -> int:
                 for e in c.endpoints())
             if args.log_format == "json":
                 say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
+                    first_piece_seconds=round(first[0], 3) if first else None,
+                    tokens_per_second_after_first=round(after[0] / after[1], 1) if after else None,
                     endpoints=c.endpoints())
             else:
-                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s; {share}]", file=sys.stderr)
+                rate = f", {after[0] / after[1]:.1f} after the first" if after else ""
+                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s{rate}; {share}]",
+                      file=sys.stderr)
     return 0

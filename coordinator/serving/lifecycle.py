@@ -106,7 +106,7 @@ def _serve(args, socks) -> int:
                             **resume_options(args), on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch,
                             split_mode=args.split_mode, tensor_group=args.tensor_group,
                             cache_type_k=args.cache_type_k,
-                            cache_type_v=args.cache_type_v)
+                            cache_type_v=args.cache_type_v, warmup=args.warmup)
         except (ConnectionError, OSError, ValueError) as exc:
             return cannot_start(exc)
         with c:

@@ -634,6 +634,24 @@ def test_close_during_an_in_process_step_does_not_crash(local):
     assert "in flight at close: True" in r.stdout and "closed" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("split_mode", ["layer", "tensor"])
+def test_warmup_leaves_nothing_behind_but_the_workers_first_computes(split_mode, daemons, model_paths):
+    """Coordinator(warmup=True): its steps send every stage its one-token graphs (the argmax's and
+    the full logits') before the first request, and leave the cache empty and the stats at zero:
+    a prompt and its greedy continuation decode to the same bits as without it."""
+    endpoints, runs = [d.endpoint for d in daemons[:2]], {}
+    for warmup in (False, True):
+        with Coordinator(endpoints, model=model_paths["tiny"], n_ctx=N_CTX, split=[1, 1], split_mode=split_mode,
+                         warmup=warmup) as c:
+            sent = [len(p.executor.sent_graphs) for p in c._endpoints.places]
+            assert all(sent) if warmup else not any(sent), sent
+            assert c.stats["decodes"] == c.stats["tokens"] == 0 and c.kv_seq_pos_max(0) == -1, c.stats
+            runs[warmup] = greedy(c, c.tokenize(PROMPTS["tiny"]), 8)
+    (logits0, tokens0, last0), (logits1, tokens1, last1) = runs[False], runs[True]
+    assert tokens1 == tokens0
+    assert np.array_equal(logits1, logits0) and np.array_equal(last1, last0)
+
+
 # ---------------------------------------------------------------- CLI
 def _cli() -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "ggml-coordinator")
@@ -649,7 +667,7 @@ def test_cli_generate_with_local_workers(local):
                        text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stdout
-    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*layers 0-\d+ \(\d+%\) head \d+%"
+    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s, [\d.]+ after the first; .*layers 0-\d+ \(\d+%\) head \d+%"
                      r".*layers \d+-17 \(\d+%\) head \d+%\]", r.stderr), r.stderr
     c = local["gemma3"]
     c.kv_clear()
@@ -657,7 +675,8 @@ def test_cli_generate_with_local_workers(local):
     r = subprocess.run(_cli() + ["generate", "-p", prompt, "-n", "8"], capture_output=True, text=True,
                        timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
-    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s; .*(layers 0-\d+ \(\d+%\)|shard 1/2 of every layer)",
+    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s, [\d.]+ after the first; "
+                     r".*(layers 0-\d+ \(\d+%\)|shard 1/2 of every layer)",
                      r.stderr), r.stderr
 
 
@@ -813,6 +832,7 @@ def test_cli_generate_json_logs_every_stderr_line(model_paths):
     summary = [e for e in events if e["event"] == "generated"]
     assert len(summary) == 1 and summary[0]["tokens"] == 4 and summary[0]["level"] == "info", events[-3:]
     assert len(summary[0]["endpoints"]) == 2 and summary[0]["tokens_per_second"] > 0
+    assert 0 < summary[0]["first_piece_seconds"] <= summary[0]["seconds"], summary[0]
 
 
 @pytest.mark.parametrize("where", ["local x2", "2 workers", "2 workers head whole"])

@@ -37,6 +37,16 @@ def test_the_commands_take_the_split_by_measurement_unless_told():
     assert CoordinatorConfig.split_mode == "layer"
 
 
+def test_the_commands_warm_up_unless_told():
+    """generate and serve warm the workers up after loading (llama.cpp's tools do, unless --no-warmup);
+    the library does not."""
+    from coordinator.config import CoordinatorConfig
+    for command in (["serve"], ["generate", "-p", "hi"]):
+        assert parse_args([*command, *MODEL]).warmup is True
+        assert parse_args([*command, *MODEL, "--no-warmup"]).warmup is False
+    assert CoordinatorConfig.warmup is False
+
+
 def test_n_predict():
     assert parsed("-n", "12").n_predict == 12
     assert parsed("--n-predict", "-1").n_predict == -1  # a negative number is a value, not a flag
