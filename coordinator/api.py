@@ -54,6 +54,8 @@ __all__ = ["Batch", "Coordinator", "CoordinatorConfig", "DecodeError", "DecodeRe
            "EndpointFailure", "EndpointUnavailable", "FailureKind", "default_model_path", "plan_rows", "plan_split"]
 
 log = structlog.get_logger("coordinator")
+# what a decode step adds to Coordinator.stats (the warm-up's steps take theirs back)
+DECODE_COUNTS = ("decodes", "tokens", "decode_seconds", "micro_batches", "linked_steps")
 
 
 class Coordinator:
@@ -113,21 +115,33 @@ class Coordinator:
             raise
 
     def _warm_up(self) -> None:
-        """One token through every stage as a generation's steps run it (CoordinatorConfig.warmup),
-        then the cache as it was: empty, and the stats not counting it."""
-        stats, started = dict(self.stats), time.perf_counter()
-        try:
-            for pos, greedy in enumerate((True, False)):
-                outcome = self._run(self._decoder.decode(Batch.single([0], pos), greedy))
-                if outcome.code != DecodeResult.OK:
-                    log.warning("warm-up step failed", code=outcome.code.name, error=outcome.error)
-                    break
-            else:
+        """A generation's two kinds of one-token step through every stage (CoordinatorConfig.warmup),
+        each at position 0 with the cache cleared after it; then nothing left of them to read or
+        count: the decode counters, the head placement's step counts and the last outcome as before.
+        On the loop, between no other steps: a reconnect task's own counters are not touched."""
+        async def warm_up() -> None:
+            counts = {k: self.stats[k] for k in DECODE_COUNTS if k in self.stats}
+            head, started = self._head.mark(), time.perf_counter()
+            try:
+                for greedy in (True, False):
+                    outcome = await self._decoder.decode(Batch.single([0], 0), greedy)
+                    self._decoder.kv_clear()
+                    if outcome.code != DecodeResult.OK:  # its endpoint stays latched, as any failed decode's
+                        log.warning("warm-up step failed", code=outcome.code.name, error=outcome.error)
+                        return
                 log.info("warmed up", seconds=round(time.perf_counter() - started, 3))
-        finally:
-            self._kv_op(self._decoder.kv_clear)
-            self.stats.clear()
-            self.stats.update(stats)
+            except Exception as exc:  # the start goes on without it, as after a failed step
+                log.warning("warm-up step failed", error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._decoder.kv_clear()
+                for k in DECODE_COUNTS:
+                    if k in counts:
+                        self.stats[k] = counts[k]
+                    else:
+                        self.stats.pop(k, None)
+                self._head.restore(head)
+                self._decoder.last = DecodeOutcome(DecodeResult.OK)
+        self._run(warm_up())
 
     async def _close_all(self) -> None:
         if hasattr(self, "_endpoints"):  # else the constructor failed before connecting anything

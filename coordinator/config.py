@@ -140,15 +140,18 @@ class CoordinatorConfig:
     the step is retried: the same text as without the failure. Not back within
     `resume_within`: the original error.
 
-    `warmup`: after loading, decode one token at position 0 (the argmax, then
-    the full logits: a generation's two kinds of one-token step) and clear the
-    cache, so the first request does not pay the workers' first computes: each
-    shape's graph sent, validated, built and placed, and each compute process's
-    first pass over its weights (0.2-0.45 s on gemma3-270m over 2 workers).
-    What llama.cpp's tools do unless --no-warmup; off here, as in its library,
-    on in `ggml-coordinator generate` and `serve`. Its steps are not counted in
-    `stats`; a failed one is logged and leaves its endpoint latched, as any
-    decode's failure does."""
+    `warmup`: after loading, decode one token at position 0 twice (the argmax's
+    step, then the full logits': a generation's two kinds of one-token step),
+    the cache cleared after each, so the first request does not pay the
+    workers' first computes: those steps' graphs sent, validated, built and
+    placed (one-token steps over the first 256 cells; longer contexts, other
+    batch sizes and greedy=k steps still pay on their first use), and each
+    compute process's first pass over its weights (0.2-0.45 s on gemma3-270m
+    over 2 workers). What llama.cpp's tools do unless --no-warmup; off here, as
+    in its library, on in `ggml-coordinator generate` and `serve`. Its steps
+    count nowhere (stats, the head placement's steps, logits()); a failed one
+    is logged and leaves its endpoint latched, as any decode's failure does,
+    and the start goes on."""
     endpoints: Sequence[str] = ("local",)
     model: str | None = None
     split: Sequence[float] | None = None

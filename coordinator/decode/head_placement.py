@@ -88,7 +88,17 @@ class HeadPlacement:
         self.here_held = False  # this process holds the rows besides the last worker's share (set at load)
         self._last_inputs: tuple = (None, None, 0)  # (one-way s, saved s, extra hops) of the last choice
 
+    def mark(self) -> tuple:
+        """The step counts and last choice as they are now (restore(mark) returns to them)."""
+        return dict(self.steps), self.changes, self.choice, self._last_inputs
+
+    def restore(self, mark: tuple) -> None:
+        """Forget the steps since mark(): steps that are not the user's (the warm-up's)."""
+        steps, self.changes, self.choice, self._last_inputs = mark
+        self.steps.update(steps)
+
     # ------------------------------------------------------------ measurements
+
     def record_rtt(self, endpoint: str, seconds: float) -> None:
         self._rtts.setdefault(endpoint, collections.deque(maxlen=RTT_SAMPLES)).append(float(seconds))
 

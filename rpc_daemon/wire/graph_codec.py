@@ -7,6 +7,7 @@ the daemon's compute process on a graph that graph.py already validated.
 from __future__ import annotations
 
 import struct
+import sys
 from typing import Callable
 
 import numpy as np
@@ -17,20 +18,25 @@ GGML_OP_NONE = 0
 
 
 # A graph's tensors are read as raw structs, in one numpy pass, not field by field through cffi: a
-# member's graph of about 1,000 tensors took 14-27 ms to encode that way (a new prompt length's first
-# step waits for it), ~4 ms so. The layout is the cdef's, which is generated from the loaded ggml's
-# headers (tests/ggml_ffi checks it against the library).
+# member's gemma3-270m graph of 1,023 tensors took 8-15 ms to encode that way (a new prompt length's
+# first step waits for it), 5-9 ms so. The layout is the cdef's, which is generated from the loaded
+# ggml's headers (tests/ffi/test_ffi_layout.py checks it against the library).
 _TENSOR_SIZE = ffi.sizeof("struct ggml_tensor")
 _TENSOR_PTR = ffi.typeof("struct ggml_tensor *")
-_OFFSETS = {f: ffi.offsetof("struct ggml_tensor", f) for f in
-            ("type", "ne", "nb", "op", "op_params", "flags", "src", "view_src", "view_offs", "name")}
+_FIELDS = dict(ffi.typeof("struct ggml_tensor").fields)
+_OFFSETS = {name: f.offset for name, f in _FIELDS.items()}
+if not (sys.byteorder == "little" and ffi.sizeof("void *") == ffi.sizeof("size_t") == 8
+        and ffi.sizeof(_FIELDS["type"].type) == ffi.sizeof(_FIELDS["op"].type) == 4
+        and ffi.sizeof(_FIELDS["op_params"].type) == ffi.sizeof(_FIELDS["name"].type) == 64
+        and _OFFSETS["view_src"] == _OFFSETS["src"] + 80):
+    raise ImportError("graph_codec reads struct ggml_tensor as a little-endian 64-bit layout with src[10] "
+                      "followed by view_src; this ggml build differs")
 _STRUCT = np.dtype({"names": ["type", "ne", "nb", "op", "flags", "src", "view_src", "view_offs"],
                     "formats": ["<i4", ("<i8", 4), ("<u8", 4), "<i4", "<i4", ("<u8", 10), "<u8", "<u8"],
                     "offsets": [_OFFSETS[f] for f in ("type", "ne", "nb", "op", "flags", "src", "view_src",
                                                       "view_offs")],
                     "itemsize": _TENSOR_SIZE})
 _SOURCES = struct.Struct("<11Q")  # src[10], then view_src
-assert _OFFSETS["view_src"] == _OFFSETS["src"] + 80, "struct ggml_tensor: view_src must follow src[10]"
 _PARAMS, _NAME = _OFFSETS["op_params"], _OFFSETS["name"]
 
 

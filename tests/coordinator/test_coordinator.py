@@ -639,14 +639,20 @@ def test_warmup_leaves_nothing_behind_but_the_workers_first_computes(split_mode,
     """Coordinator(warmup=True): its steps send every stage its one-token graphs (the argmax's and
     the full logits') before the first request, and leave the cache empty and the stats at zero:
     a prompt and its greedy continuation decode to the same bits as without it."""
-    endpoints, runs = [d.endpoint for d in daemons[:2]], {}
+    endpoints, runs, counts = [d.endpoint for d in daemons[:2]], {}, {}
     for warmup in (False, True):
         with Coordinator(endpoints, model=model_paths["tiny"], n_ctx=N_CTX, split=[1, 1], split_mode=split_mode,
                          warmup=warmup) as c:
             sent = [len(p.executor.sent_graphs) for p in c._endpoints.places]
             assert all(sent) if warmup else not any(sent), sent
-            assert c.stats["decodes"] == c.stats["tokens"] == 0 and c.kv_seq_pos_max(0) == -1, c.stats
+            assert c.kv_seq_pos_max(0) == -1
+            with pytest.raises(RuntimeError, match="did not return OK"):  # nothing of the warm-up to read
+                c.logits()
+            head = c.head_placement()
+            counts[warmup] = (dict(c.stats), {k: head.get(k) for k in ("choice", "steps_split", "steps_whole",
+                                                                      "steps_here", "changes")})
             runs[warmup] = greedy(c, c.tokenize(PROMPTS["tiny"]), 8)
+    assert counts[True] == counts[False]  # the warm-up's steps count nowhere
     (logits0, tokens0, last0), (logits1, tokens1, last1) = runs[False], runs[True]
     assert tokens1 == tokens0
     assert np.array_equal(logits1, logits0) and np.array_equal(last1, last0)
@@ -833,6 +839,8 @@ def test_cli_generate_json_logs_every_stderr_line(model_paths):
     assert len(summary) == 1 and summary[0]["tokens"] == 4 and summary[0]["level"] == "info", events[-3:]
     assert len(summary[0]["endpoints"]) == 2 and summary[0]["tokens_per_second"] > 0
     assert 0 < summary[0]["first_piece_seconds"] <= summary[0]["seconds"], summary[0]
+    assert "tokens_per_second_after_first" in summary[0]
+    assert [e for e in events if e["event"] == "warmed up"], events  # generate warms up by default
 
 
 @pytest.mark.parametrize("where", ["local x2", "2 workers", "2 workers head whole"])

@@ -383,6 +383,20 @@ def test_cli_generate_resumes_through_a_killed_and_restarted_worker(model, clust
     assert got.stdout == want.stdout
 
 
+def test_a_failed_warm_up_leaves_its_worker_latched_and_the_start_goes_on(model, cluster, capfd):
+    """Coordinator(warmup=True) with a worker that dies on its first compute: the start completes and
+    logs the failed step, and the dead worker is latched and named, as after any failed decode."""
+    w = cluster(2)
+    w.restart(1, "--test-fault", "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=0,action=kill,armed=0")
+    arm_self_kill(w, 1)
+    with Coordinator([w.endpoint(0), w.endpoint(1)], model=model, n_ctx=N_CTX, warmup=True) as c:
+        assert [f.endpoint for f in c.failed_endpoints()] == [w.endpoint(1)]
+        assert "warm-up step failed" in "".join(capfd.readouterr())
+        assert c.stats["decodes"] == 0 and c.kv_seq_pos_max(0) == -1
+        assert c.decode(Batch.single([1, 2, 3], 0)) == DecodeResult.ENDPOINT_FAILED
+        assert c.last_failed_endpoint == w.endpoint(1)
+
+
 def test_http_stream_survives_a_killed_and_restarted_worker(model, cluster):
     """serve (resuming on by default): a worker killed during two streaming
     requests and back 0.5 s later; /health says degraded (200) meanwhile; both

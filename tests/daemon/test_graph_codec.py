@@ -1,7 +1,8 @@
 """encode_graph reads a graph's tensors as raw structs in bulk: checked here
 field by field against cffi's own reading of the same tensors, on a graph with
 views of views' sources, a ggml_cast (a CPY naming itself), op parameters,
-names, several sources and tensors placed in a client buffer."""
+names, several sources, a gap in the sources and tensors placed in a client
+buffer."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,3 +64,18 @@ def test_encode_graph_reads_every_field_as_cffi_does():
         assert tensors[index_of[out]]["name"] == "out"
         # and what it encodes passes the daemon's validation
         parse_graph({"tensors": tensors}, Limits(), lambda b: 1 << 20 if b == 7 else None)
+
+
+def test_encode_graph_keeps_a_gap_in_the_sources():
+    """soft_max without a mask and with sinks: src [x, -1, sinks], the -1 kept, trailing ones dropped."""
+    with Context(16) as ctx:
+        x = ctx.new_tensor(lib.GGML_TYPE_F32, [8, 3, 1], "x")
+        sinks = ctx.new_tensor(lib.GGML_TYPE_F32, [1], "sinks")
+        probs = lib.ggml_soft_max_ext(ctx.ptr, x, NULL, 0.125, 0.0)
+        lib.ggml_soft_max_add_sinks(probs, sinks)
+        gf = ctx.new_graph()
+        lib.ggml_build_forward_expand(gf, probs)
+        tensors, index_of = encode_graph(gf, lambda t: None)
+        assert tensors[index_of[probs]]["src"] == [index_of[x], -1, index_of[sinks]]
+        for x_, i in index_of.items():
+            assert tensors[i] == by_field(x_, index_of, lambda t: None), (i, tensors[i])
