@@ -7,7 +7,6 @@ the daemon's compute process on a graph that graph.py already validated.
 from __future__ import annotations
 
 import struct
-import sys
 from typing import Callable
 
 import numpy as np
@@ -25,19 +24,20 @@ _TENSOR_SIZE = ffi.sizeof("struct ggml_tensor")
 _TENSOR_PTR = ffi.typeof("struct ggml_tensor *")
 _FIELDS = dict(ffi.typeof("struct ggml_tensor").fields)
 _OFFSETS = {name: f.offset for name, f in _FIELDS.items()}
-if not (sys.byteorder == "little" and ffi.sizeof("void *") == ffi.sizeof("size_t") == 8
-        and ffi.sizeof(_FIELDS["type"].type) == ffi.sizeof(_FIELDS["op"].type) == 4
-        and ffi.sizeof(_FIELDS["op_params"].type) == ffi.sizeof(_FIELDS["name"].type) == 64
-        and _OFFSETS["view_src"] == _OFFSETS["src"] + 80):
-    raise ImportError("graph_codec reads struct ggml_tensor as a little-endian 64-bit layout with src[10] "
-                      "followed by view_src; this ggml build differs")
+_POINTER, _SIZE_T = ffi.sizeof("void *"), ffi.sizeof("size_t")  # 4 on a 32-bit board, 8 elsewhere
+_UNSIGNED = {4: "u4", 8: "u8"}
 _STRUCT = np.dtype({"names": ["type", "ne", "nb", "op", "flags", "src", "view_src", "view_offs"],
-                    "formats": ["<i4", ("<i8", 4), ("<u8", 4), "<i4", "<i4", ("<u8", 10), "<u8", "<u8"],
+                    "formats": [f"i{ffi.sizeof(_FIELDS['type'].type)}", ("i8", 4), (_UNSIGNED[_SIZE_T], 4),
+                                f"i{ffi.sizeof(_FIELDS['op'].type)}", "i4", (_UNSIGNED[_POINTER], 10),
+                                _UNSIGNED[_POINTER], _UNSIGNED[_SIZE_T]],
                     "offsets": [_OFFSETS[f] for f in ("type", "ne", "nb", "op", "flags", "src", "view_src",
                                                       "view_offs")],
-                    "itemsize": _TENSOR_SIZE})
-_SOURCES = struct.Struct("<11Q")  # src[10], then view_src
-_PARAMS, _NAME = _OFFSETS["op_params"], _OFFSETS["name"]
+                    "itemsize": _TENSOR_SIZE})  # in this machine's byte order, as the structs are
+# src[10] and view_src, read as one run while walking the graph (C puts no padding between pointers)
+_SOURCES = struct.Struct("=" + ("Q" if _POINTER == 8 else "I") * 11)
+assert _OFFSETS["view_src"] == _OFFSETS["src"] + 10 * _POINTER
+_PARAMS = slice(_OFFSETS["op_params"], _OFFSETS["op_params"] + ffi.sizeof(_FIELDS["op_params"].type))
+_NAME = slice(_OFFSETS["name"], _OFFSETS["name"] + ffi.sizeof(_FIELDS["name"].type))
 
 
 def _address(t) -> int:
@@ -87,9 +87,9 @@ def encode_graph(gf, placement: Callable) -> tuple[list[dict], dict]:
     wire = []
     for a, r, (ttype, ne, nb, op, flags, src, n, view_src, view_offs) in zip(order, records, columns):
         src = [index_of[s] if s else -1 for s in src[:n]]
-        t = {"type": ttype, "ne": ne, "nb": nb, "op": op, "params": r[_PARAMS:_PARAMS + 64].rstrip(b"\0"),
+        t = {"type": ttype, "ne": ne, "nb": nb, "op": op, "params": r[_PARAMS].rstrip(b"\0"),
              "flags": flags, "src": src, "view_src": index_of[view_src] if view_src else -1, "view_offs": view_offs,
-             "name": r[_NAME:_NAME + 64].split(b"\0", 1)[0].decode(errors="replace")}
+             "name": r[_NAME].split(b"\0", 1)[0].decode(errors="replace")}
         if not view_src:
             where = placement(ffi.cast(_TENSOR_PTR, a))
             if where is not None:
