@@ -50,6 +50,7 @@ def encode_graph(gf, placement: Callable) -> tuple[list[dict], dict]:
     gives (buffer_id, offset) for tensors held in a remote buffer, None for
     inputs and intermediates."""
     raw: dict[int, bytes] = {}  # address -> the struct's bytes
+    pointer: dict[int, object] = {}  # address -> the tensor's cffi pointer (placement's and index_of's keys)
     index_of: dict[int, int] = {}
     order: list[int] = []
 
@@ -66,7 +67,8 @@ def encode_graph(gf, placement: Callable) -> tuple[list[dict], dict]:
                 continue
             r = raw.get(a)
             if r is None:
-                r = raw[a] = ffi.buffer(ffi.cast(_TENSOR_PTR, a), _TENSOR_SIZE)[:]
+                p = pointer[a] = ffi.cast(_TENSOR_PTR, a)
+                r = raw[a] = ffi.buffer(p, _TENSOR_SIZE)[:]
             stack.append((a, True))
             *src, view_src = _SOURCES.unpack_from(r, _OFFSETS["src"])
             if view_src and view_src not in index_of:
@@ -91,11 +93,11 @@ def encode_graph(gf, placement: Callable) -> tuple[list[dict], dict]:
              "flags": flags, "src": src, "view_src": index_of[view_src] if view_src else -1, "view_offs": view_offs,
              "name": r[_NAME].split(b"\0", 1)[0].decode(errors="replace")}
         if not view_src:
-            where = placement(ffi.cast(_TENSOR_PTR, a))
+            where = placement(pointer[a])
             if where is not None:
                 t["buffer"], t["offset"] = where
         wire.append(t)
-    return wire, {ffi.cast(_TENSOR_PTR, a): i for a, i in index_of.items()}
+    return wire, {pointer[a]: i for a, i in index_of.items()}
 
 
 def context_size(n_tensors: int) -> int:

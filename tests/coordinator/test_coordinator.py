@@ -673,7 +673,8 @@ def test_cli_generate_with_local_workers(local):
                        text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stdout
-    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s, [\d.]+ after the first; .*layers 0-\d+ \(\d+%\) head \d+%"
+    assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s, [\d.]+ after the first; "
+                     r".*layers 0-\d+ \(\d+%\) head \d+%"
                      r".*layers \d+-17 \(\d+%\) head \d+%\]", r.stderr), r.stderr
     c = local["gemma3"]
     c.kv_clear()
