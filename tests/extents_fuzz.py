@@ -452,6 +452,18 @@ def op_cont(g: Gen, via=None):
     return g.node(OP.CONT, t, out, [a])
 
 
+def op_concat(g: Gen):
+    """f32 sources of any strides, equal but in the joined dim."""
+    r = g.r
+    dim = r.randint(0, 3)
+    ne = g.shape()
+    bne = list(ne)
+    bne[dim] = r.choice([1, 2, 3, ne[dim]])
+    a, b = g.src(F32, ne, strided_ok=True), g.src(F32, bne, strided_ok=True)
+    out = [n + m if d == dim else n for d, (n, m) in enumerate(zip(ne, bne))]
+    return g.node(OP.CONCAT, F32, out, [a, b], i32s(dim))
+
+
 def view_of(g: Gen, a: int, via) -> int:
     r = g.r
     x = g.tensors[a]
@@ -625,7 +637,7 @@ BUILDERS = {
     OP.PERMUTE: lambda g: op_cont(g, OP.PERMUTE), OP.TRANSPOSE: lambda g: op_cont(g, OP.TRANSPOSE),
     OP.ROPE: op_rope, OP.SOFT_MAX: op_soft_max, OP.FLASH_ATTN_EXT: op_flash, OP.UNARY: op_unary,
     OP.GLU: op_glu, OP.ARGMAX: op_argmax, OP.SUM_ROWS: op_sum_rows, OP.ARANGE: op_arange,
-    OP.TOP_K: op_top_k, OP.MUL_MAT_ID: op_mul_mat_id,
+    OP.TOP_K: op_top_k, OP.MUL_MAT_ID: op_mul_mat_id, OP.CONCAT: op_concat,
 }
 OPS = sorted(op for op in G.OP_RULES if op != OP.NONE)
 assert set(OPS) == set(BUILDERS), "every op the validator accepts needs a builder here"

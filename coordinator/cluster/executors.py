@@ -183,6 +183,9 @@ class Executor(Protocol):
     @property
     def dot_type_inputs(self) -> bool: ...  # takes matmul inputs converted to the weights' dot type
 
+    @property
+    def concat(self) -> bool: ...  # takes CONCAT (GraphBuilder.product)
+
     # step links (only where step_links is True)
     async def name_peers(self, peers: frozenset) -> None: ...
     def send_linked(self, stage, shape, inputs: dict, head: bool, step_input: tuple | None, forward: list[dict],
@@ -222,6 +225,7 @@ class LocalExecutor:
     step_token = b""
     step_links = step_reply_output = False  # nothing to link: the stage runs in this process
     dot_type_inputs = True  # this process's ggml takes matmul inputs in the weights' dot type
+    concat = True
 
     async def ping(self) -> float | None:
         return None  # nothing to measure: no network between here and here
@@ -280,7 +284,7 @@ class LocalExecutor:
                 progress(len(data))
 
     def _run(self, stage, shape, inputs: dict, head: bool) -> bytes:
-        g, evicted = stage.graph(shape, head, self.dot_type_inputs)
+        g, evicted = stage.graph(shape, head, self.dot_type_inputs, self.concat)
         for old in evicted:
             galloc = self.gallocs.pop(id(old), None)
             self.allocated.discard(id(old))
@@ -442,6 +446,11 @@ class RemoteExecutor:
         """The worker's MUL_MAT takes src1 in the weights' dot type, made by a cast (an older one: f32 only)."""
         return self._offers("dot_type_inputs")
 
+    @property
+    def concat(self) -> bool:
+        """The worker takes CONCAT (an older one refuses the graph)."""
+        return self._offers("concat")
+
     async def name_peers(self, peers: frozenset) -> None:
         """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
         if peers != self.step_peers:
@@ -463,7 +472,7 @@ class RemoteExecutor:
         calls (the task and those of evicted graphs' GRAPH_FREE start in order).
         The task gives (reply, blob): the blob is empty when every push
         succeeded, unless `reply_output` (then it always holds the outputs)."""
-        g, evicted = stage.graph(shape, head, self.dot_type_inputs)
+        g, evicted = stage.graph(shape, head, self.dot_type_inputs, self.concat)
         self._free_evicted(evicted)
         fields, blob = self._compute_fields(g, inputs)
         tensors, index_of = g.wire
@@ -611,7 +620,7 @@ class RemoteExecutor:
         later than another by the time its request took to build. `tensor`: a tensor-parallel
         member's step ({"link", "step", "timeout"}): the graph's all-reduces go over the
         member's tensor link."""
-        g, evicted = stage.graph(shape, head, self.dot_type_inputs)
+        g, evicted = stage.graph(shape, head, self.dot_type_inputs, self.concat)
         fields, blob = self._compute_fields(g, inputs)
         if tensor is not None:
             fields["tensor"] = dict(tensor, exchange=g.wire_ids[2])

@@ -70,7 +70,7 @@ async def layer_seconds(arch, hp, gguf, threads: int, other_bytes: int) -> float
         if hp.n_swa:
             inputs["mask_swa"] = mask
         shape = StepShape(1, N_KV, 1)
-        graph, _ = stage.graph(shape, dot_type_inputs=executor.dot_type_inputs)
+        graph, _ = stage.graph(shape, dot_type_inputs=executor.dot_type_inputs, concat=executor.concat)
         unfed = sorted(set(graph.inputs) - set(inputs))
         if unfed:  # an architecture with inputs of its own: not run with garbage in them
             raise ValueError(f"the layer's graph has inputs this timing does not fill: {unfed}")

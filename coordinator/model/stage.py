@@ -250,22 +250,24 @@ class Stage:
             return StageOutput(logits=np.frombuffer(data, np.float32).reshape(n_out, self.hp.n_vocab))
         return StageOutput(hidden=np.frombuffer(data, np.float32))
 
-    def graph(self, shape: StepShape, head: bool = False, dot_type_inputs: bool = False) -> tuple[BuiltGraph, list]:
+    def graph(self, shape: StepShape, head: bool = False, dot_type_inputs: bool = False,
+              concat: bool = False) -> tuple[BuiltGraph, list]:
         """The step graph for `shape` (its head graph if `head`) and the graphs
         evicted to make room for it. `dot_type_inputs`: where it runs takes matmul
-        inputs converted to the weights' dot type (GraphBuilder.shared_inputs)."""
+        inputs converted to the weights' dot type (GraphBuilder.shared_inputs);
+        `concat`: it takes CONCAT (GraphBuilder.product)."""
         if head:
             key = ("head", shape.n_outputs, shape.argmax)
         else:
             whole = self.head_here(shape)
             key = (shape.n_tokens, shape.n_kv, shape.n_outputs, shape.argmax if whole or self.shard is not None else 0,
-                   whole, shape.normed, dot_type_inputs)
+                   whole, shape.normed, dot_type_inputs, concat)
         evicted = []
         g = self.graphs.get(key)
         if g is not None:
             self.graphs.move_to_end(key)
             return g, evicted
-        g = self._build_head(shape) if head else self._build(shape, dot_type_inputs)
+        g = self._build_head(shape) if head else self._build(shape, dot_type_inputs, concat)
         self.graphs[key] = g
         while len(self.graphs) > MAX_CACHED_GRAPHS:
             evicted.append(self.graphs.popitem(last=False)[1])
@@ -276,7 +278,7 @@ class Stage:
         self._next_graph_id += 1
         return graph_id
 
-    def _build(self, shape: StepShape, dot_type_inputs: bool = False) -> BuiltGraph:
+    def _build(self, shape: StepShape, dot_type_inputs: bool = False, concat: bool = False) -> BuiltGraph:
         hp = self.hp
         ctx = Context(TENSORS_PER_LAYER * len(self.layers) + 64)
         gf = ctx.new_graph()
@@ -294,7 +296,7 @@ class Stage:
         if self.last:
             inputs.new(ctx, "out_rows", I32, [shape.n_outputs])
         b = GraphBuilder(ctx, hp, self.weights, self.kv, shape, inputs, gf)
-        b.dot_type_inputs = dot_type_inputs
+        b.dot_type_inputs, b.concat = dot_type_inputs, concat
         if self.shard is not None:
             b.exchanges = []
         if self.first:

@@ -34,9 +34,18 @@ def _uses_dot_type_inputs(header: dict) -> str | None:
     return None
 
 
+def _uses_concat(header: dict) -> str | None:
+    """What a daemon from before "concat" said of a graph with a CONCAT node."""
+    tensors = header.get("tensors")
+    for i, t in enumerate(tensors if isinstance(tensors, list) else ()):
+        if isinstance(t, dict) and t.get("op") == lib.GGML_OP_CONCAT:
+            return f"tensors[{i}]: op CONCAT is not supported by this daemon"
+    return None
+
+
 # feature -> what a daemon from before it said of a GRAPH_COMPUTE using it (a refusal, or None); a
 # daemon from before "step_channel" did not know STEP_CHANNEL (UNKNOWN_COMMAND, below)
-OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None}
+OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None, "concat": _uses_concat}
 log = structlog.get_logger("rpc")
 
 

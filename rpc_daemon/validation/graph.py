@@ -526,6 +526,19 @@ def rule_cont(t, tensors):
         _need(a.is_contiguous(), t, "a quantized src must be contiguous")
 
 
+def rule_concat(t, tensors):
+    """f32 only: the kernel copies element by element through every stride (its f32 path
+    asserts a 4-byte type; the others are not taken)."""
+    a, b = _srcs(t, tensors, 2)
+    _types(t, a, (F32,), "src0"); _types(t, b, (F32,), "src1")
+    dim = t.param_i32(0)
+    _need(0 <= dim < 4, t, f"dim {dim} not in 0..3")
+    _need(all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), t, f"sources must match in every dim but {dim}")
+    ne = tuple(a.ne[d] + b.ne[d] if d == dim else a.ne[d] for d in range(4))
+    _need(t.type == F32 and t.ne == ne, t, f"result must be f32 {list(ne)}")
+    _need(t.is_contiguous(), t, "result must be contiguous")
+
+
 def rule_view(t, tensors):
     (a,) = _srcs(t, tensors, 1)
     _need(t.type == a.type, t, "a view keeps its source's type")
@@ -715,6 +728,7 @@ OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_SET_ROWS: rule_set_rows,
     lib.GGML_OP_CPY: rule_cpy,
     lib.GGML_OP_CONT: rule_cont,
+    lib.GGML_OP_CONCAT: rule_concat,
     lib.GGML_OP_RESHAPE: rule_reshape,
     lib.GGML_OP_VIEW: rule_view,
     lib.GGML_OP_PERMUTE: rule_view,

@@ -222,6 +222,30 @@ def test_cont_of_a_strided_quantized_view_is_refused(s):
     s.refused(tensors, outputs=[2], fragment="quantized src must be contiguous")
 
 
+@pytest.mark.parametrize("case,fragment", [
+    ("f16 source", "src1 type f16 not supported"),
+    ("dim 4", "dim 4 not in 0..3"),
+    ("shapes differ", "sources must match in every dim but 0"),
+    ("short result", "result must be f32 [8, 2, 1, 1]"),
+    ("strided result", "must be a new tensor, not a view"),
+])
+def test_concat_outside_its_rule_is_refused(s, case, fragment):
+    """CONCAT's kernel (f32 only) copies element by element through every stride and
+    asserts the type size: each way out of the rule is refused before it runs."""
+    src1 = T(F16 if case == "f16 source" else F32, [4, 3 if case == "shapes differ" else 2], flags=INPUT)
+    out = T(F32, [6 if case == "short result" else 8, 2], op=lib.GGML_OP_CONCAT, src=[0, 1], flags=OUTPUT,
+            params=struct.pack("<i", 4 if case == "dim 4" else 0))
+    tensors = [T(F32, [4, 2], flags=INPUT), src1, out]
+    if case == "strided result":
+        tensors = [T(F32, [16, 2], buffer=s.buf), tensors[0], tensors[1],
+                   T(F32, [8, 2], [4, 64, 128, 128], op=lib.GGML_OP_CONCAT, src=[1, 2], view_src=0, flags=OUTPUT,
+                     params=struct.pack("<i", 0))]
+    n = len(tensors) - 1
+    s.refused(tensors, inputs=[(n - 2, 0, 32), (n - 1, 0, 16 if case == "f16 source" else 32)],
+              blob=f32s(*[1.0] * 8) + (bytes(16) if case == "f16 source" else f32s(*[1.0] * 8)), outputs=[n],
+              fragment=fragment)
+
+
 def test_cpy_into_a_strided_quantized_view_is_refused(s):
     tensors = [
         T(Q8_0, [64, 4], buffer=s.buf),

@@ -291,6 +291,22 @@ def _(b):
 
 # ---- layout ops; pure views are observed through the node that consumes them
 
+@case("CONCAT", "dim0-interleave")
+def _(b):  # GraphBuilder.product's pairs: a weight's even and odd rows multiplied apart, interleaved
+    w = b.weight(Q4_K, [1280, 8])
+    x = b.input(F32, [1280, 9])
+    halves = [lib.ggml_reshape_3d(b.c, lib.ggml_mul_mat(b.c, lib.ggml_view_2d(b.c, w, 1280, 4, 2 * w.nb[1],
+                                                                               parity * w.nb[1]), x), 1, 4, 9)
+              for parity in (0, 1)]
+    b.output(lib.ggml_concat(b.c, halves[0], halves[1], 0))
+
+
+@case("CONCAT", "dim2-of-views")
+def _(b):
+    x = lib.ggml_add(b.c, b.input(F32, [8, 4, 3]), b.input(F32, [8, 4, 3]))
+    b.output(lib.ggml_concat(b.c, lib.ggml_permute(b.c, x, 0, 2, 1, 3), b.input(F32, [8, 3, 2]), 2))
+
+
 @case("CONT", "permuted")
 def _(b):
     x = lib.ggml_add(b.c, b.input(F32, [8, 4, 3]), b.input(F32, [8, 4, 3]))

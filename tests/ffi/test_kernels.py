@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from ggml_ffi import ORIGIN, Context, cpu_library, describe, ffi, lib
+from coordinator.model.architectures.common import PAIRED_ROWS, GraphBuilder
 from rpc_daemon.wire.graph_limits import DOT_TYPES, WEIGHT_TYPES
 
 BATCHES = [1, 2, 3, 7, 8, 9, 16, 63, 64, 65, 130]
@@ -30,16 +31,19 @@ ROWS = 36  # not a multiple of 8 or 16: tinyBLAS's row tiles and its fallback bo
 needs_build = pytest.mark.skipif(ORIGIN.kind != "build", reason="the kernels of the pinned build are tested")
 
 
-def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0, cast: bool = False) -> dict[int, np.ndarray]:
+def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0, cast: bool = False,
+             paired: bool = False) -> dict[int, np.ndarray]:
     """{n: the [n, rows] product of a `type_name` weight [k, rows] and the first n of a fixed
     set of f32 activation rows}, each computed as a graph of its own; `cast`: the rows
-    converted to the weight's dot type first (ggml_cast), as a shared input is."""
+    converted to the weight's dot type first (ggml_cast), as a shared input is; `paired`:
+    by GraphBuilder.product where CONCAT is taken (its even and odd rows apart, where
+    PAIRED_ROWS says so)."""
     wtype = getattr(lib, "GGML_TYPE_" + type_name)
     x = np.random.default_rng(seed).standard_normal((max(BATCHES), k)).astype(np.float32)
     w = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)  # row i: the same for any `rows`
     out = {}
     for n in BATCHES:
-        with Context(8, no_alloc=False, mem_size=(rows + n) * k * 4 * 2 + (8 << 20)) as ctx:
+        with Context(16, no_alloc=False, mem_size=(rows + n) * k * 4 * 2 + (8 << 20)) as ctx:
             a = ctx.new_tensor(wtype, [k, rows])
             b = ctx.new_tensor(lib.GGML_TYPE_F32, [k, n])
             if type_name == "F32":
@@ -51,8 +55,14 @@ def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0, cas
             ffi.memmove(b.data, x[:n].tobytes(), n * k * 4)
             if cast:
                 b = lib.ggml_cast(ctx.ptr, b, DOT_TYPES[wtype])
-            c = lib.ggml_mul_mat(ctx.ptr, a, b)
-            gf = ctx.new_graph(8)
+            if paired:
+                builder = GraphBuilder(ctx, None, {}, None, None, None, None)
+                builder.concat = True
+                c = builder.product(a, b)
+                assert (c.op == lib.GGML_OP_RESHAPE) == (n in PAIRED_ROWS[wtype]), (type_name, n)
+            else:
+                c = lib.ggml_mul_mat(ctx.ptr, a, b)
+            gf = ctx.new_graph(16)
             lib.ggml_build_forward_expand(gf, c)
             assert cpu_library().lib.ggml_graph_compute_with_ctx(ctx.ptr, gf, threads) == lib.GGML_STATUS_SUCCESS
             out[n] = np.frombuffer(ffi.buffer(c.data, rows * n * 4), np.float32).reshape(n, rows).copy()
@@ -134,6 +144,17 @@ def test_a_product_of_a_converted_input_has_the_same_bits(type_name, k, threads)
     plain, cast = products(type_name, k, ROWS, threads), products(type_name, k, ROWS, threads, cast=True)
     for n in BATCHES:
         assert np.array_equal(plain[n], cast[n]), (type_name, n)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_product_by_even_and_odd_rows_apart_has_the_same_bits(type_name, threads):
+    """A weight whose rows are an odd number of blocks (5 here) multiplied by its even and its
+    odd rows apart (GraphBuilder.product, for the batch sizes PAIRED_ROWS names; the others
+    as one product) gives the plain product's bits at every batch size."""
+    plain, paired = products(type_name, 1280, ROWS, threads), products(type_name, 1280, ROWS, threads, paired=True)
+    for n in BATCHES:
+        assert np.array_equal(plain[n], paired[n]), (type_name, n)
 
 
 @needs_build

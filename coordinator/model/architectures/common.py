@@ -14,6 +14,15 @@ from ggml_ffi import NULL, lib, type_traits
 from rpc_daemon.wire.graph_limits import DOT_TYPES, WEIGHT_TYPES  # what the workers' matmul and get_rows accept
 
 F32, F16, I32, I64 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_I32, lib.GGML_TYPE_I64
+# ggml's tiled K-quant kernel reads a weight from memory much slower when its rows are an odd
+# number (5 or more) of 256-element blocks apart than an even number, in products of a few to a
+# hundred rows of x (2-core EPYC VM, 2048 rows x 2816 columns, the same bits out): Q4_K 2.0x at
+# 8-16 rows, 1.6x at 32, 1.2x at 64 and 128, none at 256; Q5_K 1.4x at 8-16, 1.15x at 32, none
+# from 64; Q6_K 1.1x at 8-16, none from 32; rows 5 blocks apart (Q4_K) 1.8x at 16, 1.1x at 64;
+# 3 apart, none (pairs lose). Below 8 rows ggml takes its other kernel, which does not mind.
+# GraphBuilder.product then multiplies by the even rows and by the odd rows (views two rows apart)
+# and interleaves the results (CONCAT): per type, the rows of x for which it does.
+PAIRED_ROWS = {lib.GGML_TYPE_Q4_K: range(8, 129), lib.GGML_TYPE_Q5_K: range(8, 33), lib.GGML_TYPE_Q6_K: range(8, 17)}
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 # From this many rows on, an input that several quantized products share is converted to their dot
 # type once (GraphBuilder.shared_inputs); below, the extra node costs about what it saves.
@@ -108,6 +117,9 @@ class GraphBuilder:
         # where the graph runs, MUL_MAT takes src1 already in its weights' dot type (a worker that offers
         # "dot_type_inputs", or this process): shared_inputs may convert an input once for several products
         self.dot_type_inputs = False
+        # where the graph runs, CONCAT is taken (a worker that offers "concat", or this process): product
+        # may multiply by a weight's even and odd rows apart
+        self.concat = False
 
     # ---------------------------------------------------------------- blocks
     def shared_inputs(self, x, weights: list) -> list:
@@ -122,6 +134,20 @@ class GraphBuilder:
         converted = {d: lib.ggml_cast(self.c, x, d) for d in dict.fromkeys(dots)
                      if d is not None and dots.count(d) > 1}
         return [converted.get(d, x) for d in dots]
+
+    def product(self, w, x):
+        """w x (MUL_MAT, x 2-D), by the even and the odd rows of w apart where PAIRED_ROWS says
+        that is faster: each output row is the same dot product, so the same bits."""
+        rows = PAIRED_ROWS.get(w.type)
+        n0, n1, n = w.ne[0], w.ne[1], x.ne[1]
+        if (not self.concat or rows is None or n not in rows or x.type != F32 or n1 % 2
+                or (n0 // 256) % 2 == 0 or n0 < 5 * 256 or w.ne[2] * w.ne[3] * x.ne[2] * x.ne[3] != 1):
+            return lib.ggml_mul_mat(self.c, w, x)
+        c, half = self.c, n1 // 2
+        even, odd = (lib.ggml_reshape_3d(c, lib.ggml_mul_mat(c, lib.ggml_view_2d(c, w, n0, half, 2 * w.nb[1],
+                                                                                  parity * w.nb[1]), x), 1, half, n)
+                     for parity in (0, 1))
+        return lib.ggml_reshape_2d(c, lib.ggml_concat(c, even, odd, 0), n1, n)
 
     def norm(self, x, weight):
         return lib.ggml_mul(self.c, lib.ggml_rms_norm(self.c, x, self.hp.rms_eps), weight)
@@ -182,7 +208,7 @@ class GraphBuilder:
         p = f"blk.{il}."
         fused = self.w.get(p + "attn_qkv.weight")
         if fused is not None:
-            qkv = lib.ggml_mul_mat(c, fused, x)
+            qkv = self.product(fused, x)
             row = lib.ggml_row_size(qkv.type, hp.head_dim)
             q_bytes = lib.ggml_row_size(qkv.type, hp.head_dim * hp.n_head)
             kv_bytes = lib.ggml_row_size(qkv.type, hp.n_embd_kv)
@@ -195,7 +221,7 @@ class GraphBuilder:
         projected = []
         for name, w, x_in, n_head in zip(names, weights, self.shared_inputs(x, weights),
                                          (hp.n_head, hp.n_head_kv, hp.n_head_kv)):
-            y = lib.ggml_mul_mat(c, w, x_in)
+            y = self.product(w, x_in)
             bias = self.w.get(p + name + ".bias")
             if bias is not None:
                 y = lib.ggml_add(c, y, bias)
@@ -210,14 +236,14 @@ class GraphBuilder:
     def all_reduce(self, partial):
         """A shard's partial sum, summed over its group (after the output projections: the only
         places where a tensor-parallel layer's members need each other's work); else as it is."""
-        if self.exchanges is not None:
-            self.exchanges.append(partial)
+        if self.exchanges is not None:  # summed where it is computed: a product's interleaved rows in their CONCAT
+            self.exchanges.append(partial.view_src if partial.op == lib.GGML_OP_RESHAPE else partial)
         return partial
 
     def attn_output(self, il: int, attn, x):
         """The attention's output projection (all-reduced in a shard) and the residual, of the
         output rows only in the last layer (output_rows_only)."""
-        cur, x = self.output_rows_only(il, lib.ggml_mul_mat(self.c, self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        cur, x = self.output_rows_only(il, self.product(self.w[f"blk.{il}.attn_output.weight"], attn), x)
         return self.all_reduce(cur), x
 
     def attn_residual(self, il: int, attn, x):
@@ -233,8 +259,8 @@ class GraphBuilder:
     def gated_ffn(self, il: int, x, glu):
         p = f"blk.{il}."
         weights = [self.w[p + "ffn_gate.weight"], self.w[p + "ffn_up.weight"]]
-        gate, up = (lib.ggml_mul_mat(self.c, w, x_in) for w, x_in in zip(weights, self.shared_inputs(x, weights)))
-        return self.all_reduce(lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], glu(self.c, gate, up)))
+        gate, up = (self.product(w, x_in) for w, x_in in zip(weights, self.shared_inputs(x, weights)))
+        return self.all_reduce(self.product(self.w[p + "ffn_down.weight"], glu(self.c, gate, up)))
 
     def moe_ffn(self, il: int, x):
         """Mixture of experts, as llama.cpp's build_moe_ffn with softmax gating: router logits
@@ -267,8 +293,8 @@ class GraphBuilder:
     def fused_ffn(self, il: int, x):
         """SwiGLU over one ffn_up product whose first half is the gate (phi3)."""
         p = f"blk.{il}."
-        up = lib.ggml_mul_mat(self.c, self.w[p + "ffn_up.weight"], x)
-        return self.all_reduce(lib.ggml_mul_mat(self.c, self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up)))
+        up = self.product(self.w[p + "ffn_up.weight"], x)
+        return self.all_reduce(self.product(self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up)))
 
     def final_norm(self, x):
         """The rows that want logits, normalized: what the output head multiplies."""
