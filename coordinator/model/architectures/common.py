@@ -237,7 +237,8 @@ class GraphBuilder:
         """A shard's partial sum, summed over its group (after the output projections: the only
         places where a tensor-parallel layer's members need each other's work); else as it is."""
         if self.exchanges is not None:  # summed where it is computed: a product's interleaved rows in their CONCAT
-            self.exchanges.append(partial.view_src if partial.op == lib.GGML_OP_RESHAPE else partial)
+            paired = partial.op == lib.GGML_OP_RESHAPE and partial.view_src.op == lib.GGML_OP_CONCAT
+            self.exchanges.append(partial.view_src if paired else partial)
         return partial
 
     def attn_output(self, il: int, attn, x):
