@@ -13,6 +13,7 @@ from coordinator.model.architectures.common import SHARED_INPUT_MIN_ROWS, StepSh
 from ggml_ffi import lib
 from rpc_daemon.wire.graph_limits import DOT_TYPES
 
+from older_workers import assert_an_older_worker_changes_no_logit
 from tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.system
@@ -67,14 +68,7 @@ def test_workers_with_and_without_the_feature_give_the_in_process_logits(tmp_pat
     for bit (the cast makes the bits each product made), so the older worker got plain
     graphs and the current one computed the same."""
     model = write_tiny_model(tmp_path / "qwen3.gguf", "qwen3")
-    with Coordinator(["local"], model=model, n_ctx=64) as c:
-        want = all_logits(c)
-    current, older = start_daemon("-t", "1"), start_daemon("-t", "1", "--test-older", "dot_type_inputs")
-    for pair in ((current, older), (older, current), (current, current)):
-        with Coordinator([d.endpoint for d in pair], model=model, n_ctx=64, split_mode="layer") as c:
-            assert len(c._places) == 2
-            got = all_logits(c)
-        assert np.array_equal(got, want), np.abs(got - want).max()
+    assert_an_older_worker_changes_no_logit(model, "dot_type_inputs", start_daemon, all_logits)
 
 
 def test_an_older_daemon_refuses_a_cast_and_does_not_offer_the_feature(start_daemon):

@@ -13,6 +13,7 @@ from coordinator.api import Batch, Coordinator, DecodeResult
 from coordinator.model.architectures.common import PAIRED_ROWS, StepShape
 from ggml_ffi import lib
 
+from older_workers import assert_an_older_worker_changes_no_logit
 from tiny_models import Dims, write_plain_llama
 
 pytestmark = pytest.mark.system
@@ -57,15 +58,7 @@ def test_workers_with_and_without_the_feature_give_the_in_process_logits(model, 
     CONCAT as it did: every logit of the prompt equals in process's, bit for bit (each
     output row is the same dot product), so the older worker got plain graphs and the
     current one computed the same in pairs."""
-    with Coordinator(["local"], model=model, n_ctx=64) as c:
-        want = all_logits(c)
-    current, older = start_daemon("-t", "1"), start_daemon("-t", "1", "--test-older", "concat")
-    for pair in ((current, older), (older, current), (current, current)):
-        with Coordinator([d.endpoint for d in pair], model=model, n_ctx=64, split_mode="layer") as c:
-            assert len(c._places) == 2
-            assert [p.executor.concat for p in c._places] == [d is current for d in pair]
-            got = all_logits(c)
-        assert np.array_equal(got, want), np.abs(got - want).max()
+    assert_an_older_worker_changes_no_logit(model, "concat", start_daemon, all_logits)
 
 
 def test_an_older_daemon_refuses_concat_and_does_not_offer_the_feature(start_daemon):

@@ -140,8 +140,9 @@ class GraphBuilder:
         that is faster: each output row is the same dot product, so the same bits."""
         rows = PAIRED_ROWS.get(w.type)
         n0, n1, n = w.ne[0], w.ne[1], x.ne[1]
+        blocks = n0 // type_traits(w.type).blck_size if rows is not None else 0
         if (not self.concat or rows is None or n not in rows or x.type != F32 or n1 % 2
-                or (n0 // 256) % 2 == 0 or n0 < 5 * 256 or w.ne[2] * w.ne[3] * x.ne[2] * x.ne[3] != 1):
+                or blocks % 2 == 0 or blocks < 5 or w.ne[2] * w.ne[3] * x.ne[2] * x.ne[3] != 1):
             return lib.ggml_mul_mat(self.c, w, x)
         c, half = self.c, n1 // 2
         even, odd = (lib.ggml_reshape_3d(c, lib.ggml_mul_mat(c, lib.ggml_view_2d(c, w, n0, half, 2 * w.nb[1],
