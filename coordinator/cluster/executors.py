@@ -800,9 +800,22 @@ class RemoteExecutor:
         return reply
 
     async def tensor_join(self, link: int, rank: int, n: int, peers: list[dict], timeout: float) -> None:
-        """TENSOR_LINK join: linked with every lower rank in `peers` and every higher rank's connection."""
-        await self._request(Command.TENSOR_LINK, {"op": "join", "link": link, "rank": rank, "n": n, "peers": peers,
-                                                  "timeout": timeout}, kind_on_error=FailureKind.ENDPOINT)
+        """TENSOR_LINK join: linked with every lower rank in `peers` and every higher rank's connection.
+        A join cancelled because another member's failed is that member's failure, not this one's
+        (reported only when nothing else failed, not latched)."""
+        fields = {"op": "join", "link": link, "rank": rank, "n": n, "peers": peers, "timeout": timeout}
+        try:
+            await self.client.request(Command.TENSOR_LINK, fields, b"", self.request_timeout)
+        except PeerFailed as exc:
+            raise peer_failed(self.endpoint, exc) from None
+        except RpcError as exc:
+            if exc.status == Status.LINK_FAILED and exc.header.get("cancelled"):
+                raise TensorLinkFailed(FailureKind.COMPUTE, self.endpoint, f"worker {self.endpoint}'s tensor link "
+                                       f"was cancelled: {exc}") from None
+            if exc.status == Status.LINK_FAILED:
+                raise StageFailed(FailureKind.ENDPOINT, self.endpoint, f"worker {self.endpoint} could not link with "
+                                  f"its tensor-parallel peers: {exc}") from None
+            raise rpc_failed(self.endpoint, exc, FailureKind.ENDPOINT) from None
 
     async def tensor_cancel(self, link: int) -> None:
         """End this member's waits on link `link` now (a peer failed); errors are moot."""

@@ -26,6 +26,9 @@ from rpc_daemon.wire.tensor_frames import ACK, HELLO, TICKET_BYTES, LinkBroken, 
 
 log = structlog.get_logger("rpc")
 
+HELLO_TIMEOUT = 1.0  # seconds an accepted connection has to say HELLO (others are vetted meanwhile)
+MAX_VETTING = 64  # connections vetted at once; one more is closed unanswered
+
 
 class TensorLinks:
     """One session's tensor link: its listener while joining, then its sockets."""
@@ -76,23 +79,25 @@ async def handle_tensor_link(s, h, blob, direct):
         return {"port": listener.getsockname()[1], "ticket": links.ticket}
     if links.listener is None or links.link_id != req.link:
         raise ProtocolError(Status.INVALID_REQUEST, f"TENSOR_LINK join of link {req.link} needs its listen first")
-    join = links.joining = asyncio.get_running_loop().create_task(_join(links, req))
+    socks: dict[int, socket.socket] = {}  # rank -> linked socket, filled as the join goes
+    join = links.joining = asyncio.get_running_loop().create_task(_join(links, req, socks))
     try:
         await asyncio.wait({join}, timeout=req.timeout)
     finally:
         links.joining = None
-    why = None
+    why, fields = None, {}
     if not join.done():
+        missing = [r for r in range(req.n) if r != req.rank and r not in socks]
         join.cancel()
-        why = "the peers did not all link in time"
+        why = (f"not linked with rank(s) {missing} within {req.timeout:g} s (can the workers reach each "
+               "other's ports?)")
     elif join.cancelled():
-        why = "cancelled (TENSOR_CANCEL: a member failed)"
+        why, fields = "cancelled (TENSOR_CANCEL: a member failed)", {"cancelled": True}
     elif join.exception() is not None:
         why = str(join.exception()) or type(join.exception()).__name__
     if why is not None:
         links.close()
-        return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {why}"}
-    socks = join.result()
+        return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {why}", **fields}
     links.listener.close()
     links.listener = None
     links.socks = [sock for _, sock in sorted(socks.items())]
@@ -108,10 +113,9 @@ async def handle_tensor_link(s, h, blob, direct):
     return {}
 
 
-async def _join(links: TensorLinks, req) -> dict[int, socket.socket]:
-    """Connect to every lower rank, accept every higher one: rank -> connected socket."""
+async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket]:
+    """Connect to every lower rank, accept every higher one, into `socks`: rank -> connected socket."""
     loop = asyncio.get_running_loop()
-    socks: dict[int, socket.socket] = {}
 
     async def read(sock, n):
         data = await recv_up_to(loop, sock, n)
@@ -120,34 +124,76 @@ async def _join(links: TensorLinks, req) -> dict[int, socket.socket]:
         return data
 
     async def connect(peer):
-        infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+        where = f"rank {peer.rank} at {peer.host}:{peer.port}"
+        try:
+            infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise LinkBroken(f"cannot resolve {where}: {exc.strerror or exc}") from None
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, addr)
             await loop.sock_sendall(sock, pack_hello(req.link, req.rank, peer.ticket))
-            if await read(sock, 1) != ACK:
-                raise LinkBroken(f"rank {peer.rank} refused the tensor link")
+            if await recv_up_to(loop, sock, 1) != ACK:  # a HELLO it does not take is closed unanswered
+                raise LinkBroken(f"{where} refused the tensor link (closed it without an answer)")
+        except OSError as exc:
+            sock.close()
+            raise LinkBroken(f"cannot connect to {where}: {exc.strerror or exc}") from None
         except BaseException:
             sock.close()
             raise
         socks[peer.rank] = sock
 
-    async def accept_higher():
-        expected = set(range(req.rank + 1, req.n))
-        while expected:
-            sock, _ = await loop.sock_accept(links.listener)
-            sock.setblocking(False)
-            try:
-                rank = check_hello(await read(sock, HELLO.size), req.link, links.ticket, expected)
+    async def vet(sock, pending: set, linked: asyncio.Event, n_higher: int) -> None:
+        """One accepted connection: its HELLO within HELLO_TIMEOUT, for a rank still
+        pending, then ACK; anything else is closed unanswered."""
+        rank = None
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                rank = check_hello(await read(sock, HELLO.size), req.link, links.ticket, pending)
+                pending.discard(rank)  # before any wait: a second HELLO for this rank is refused
                 await loop.sock_sendall(sock, ACK)
-            except (LinkBroken, OSError) as exc:  # a stranger, or a stale member: not ours
-                log.warning("tensor-link connection refused", error=str(exc))
-                sock.close()
-                continue
-            expected.discard(rank)
-            socks[rank] = sock
+        except BaseException as exc:
+            if rank is not None:
+                pending.add(rank)
+            sock.close()
+            if isinstance(exc, (LinkBroken, OSError, TimeoutError)):  # a stranger, a stale member, a silent one
+                log.warning("tensor-link connection refused", error=str(exc) or "no hello in time")
+                return
+            raise
+        socks[rank] = sock
+        if sum(r > req.rank for r in socks) == n_higher:
+            linked.set()
+
+    async def accept_higher():
+        # each connection is vetted in a task of its own: one that connects and says
+        # nothing holds up nobody but itself (HELLO_TIMEOUT), not the real members
+        n_higher = req.n - req.rank - 1
+        if not n_higher:
+            return
+        pending, linked, vetting = set(range(req.rank + 1, req.n)), asyncio.Event(), set()
+
+        async def accept_all():
+            while True:
+                sock, _ = await loop.sock_accept(links.listener)
+                sock.setblocking(False)
+                if len(vetting) >= MAX_VETTING:  # a flood of connections: the excess is closed unanswered
+                    sock.close()
+                    continue
+                task = loop.create_task(vet(sock, pending, linked, n_higher))
+                vetting.add(task)
+                task.add_done_callback(vetting.discard)
+
+        acceptor, done = loop.create_task(accept_all()), loop.create_task(linked.wait())
+        try:
+            await asyncio.wait({acceptor, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():  # the listener failed
+                acceptor.result()
+        finally:
+            for task in (acceptor, done, *vetting):
+                task.cancel()
+            await asyncio.gather(acceptor, done, *vetting, return_exceptions=True)
 
     tasks = [connect(p) for p in req.peers] + [accept_higher()]
     try:
@@ -160,8 +206,12 @@ async def _join(links: TensorLinks, req) -> dict[int, socket.socket]:
 
 
 def handle_tensor_cancel(s, h, blob, direct):
-    """Answered as soon as it is read: the session's compute may be waiting on the link."""
-    link = h.get("link")
+    """Answered as soon as it is read: the session's compute may be waiting on the link. A bad
+    `link` is refused in the reply (the connection stays: its compute is answered as usual)."""
+    try:
+        link = V.check_tensor_cancel(h)
+    except ProtocolError as exc:
+        return {"status": exc.status, "error": exc.message}
     links = s.tensor_links
     if links is not None and (link is None or link == links.link_id):
         links.end()

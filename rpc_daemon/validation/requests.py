@@ -341,6 +341,11 @@ def check_tensor_link(h: dict) -> TensorLinkRequest:
     return TensorLinkRequest("join", link, rank, n, tuple(peers), _seconds(h, "timeout", MAX_LINK_TIMEOUT, 10.0))
 
 
+def check_tensor_cancel(h: dict) -> int | None:
+    """The link a TENSOR_CANCEL names (1 .. 2^63-1), or None: absent, it ends whatever link the session has."""
+    return None if h.get("link") is None else P.field_int(h, "link", 1)
+
+
 @dataclass(frozen=True)
 class TensorStep:
     """A compute's all-reduces: after computing each `exchange` tensor, it is summed with the

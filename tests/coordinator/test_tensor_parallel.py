@@ -206,6 +206,30 @@ def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path
         Coordinator([c.endpoint, d.endpoint], model=model, n_ctx=64, n_batch=64, split_mode="tensor")
 
 
+def test_workers_that_cannot_reach_each_other_are_named_at_start(tmp_path, start_daemon):
+    """Worker A listens on 127.0.0.2 (its link listener too) and the coordinator reaches it through a
+    proxy on 127.0.0.1: B's connection to A's link port is refused, as behind a firewall. The start
+    fails naming B and what it could not reach; A's join, cancelled for B's failure, is not reported."""
+    import pathlib
+    import sys
+
+    from coordinator.cluster.failures import EndpointUnavailable
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.delay_proxy import Link, ProxyThread
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    a, b = start_daemon("-t", "1", "-H", "127.0.0.2"), start_daemon("-t", "1")
+    with ProxyThread(f"127.0.0.2:{a.port}", Link(0.0)) as to_a:
+        with pytest.raises(EndpointUnavailable) as err:
+            Coordinator([to_a.endpoint, b.endpoint], model=model, n_ctx=64, split_mode="tensor")
+        assert err.value.endpoint == b.endpoint, err.value.message
+        assert "could not link with its tensor-parallel peers" in err.value.message, err.value.message
+        # refused at once (not the join's 10 s), saying where it could not connect
+        assert f"cannot connect to rank 0 at {to_a.endpoint.rsplit(':', 1)[0]}:" in err.value.message
+    assert a.alive() and b.alive()
+
+
 def generate_tokens(c: Coordinator, n: int, fault=None, resuming: bool = False) -> tuple[list[int], DecodeResult]:
     """n greedy tokens after PROMPT from an empty cache (decode_resuming with `resuming`); `fault(step)`
     runs before each step. The tokens, and the first code that was not OK (else OK)."""

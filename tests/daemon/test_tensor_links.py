@@ -91,9 +91,48 @@ def test_a_stranger_with_the_wrong_ticket_is_not_linked(pair):
     s.settimeout(5)
     # the listener drops it without an ACK; the join then times out, saying so
     h, _ = a.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 0, "n": 2, "timeout": 1.0})
-    assert h["status"] == Status.LINK_FAILED and "in time" in h["error"], h
+    assert h["status"] == Status.LINK_FAILED and "not linked with rank(s) [1] within 1 s" in h["error"], h
     assert s.recv(1) == b""
     s.close()
+
+
+def test_a_silent_stranger_does_not_hold_up_the_members(pair):
+    """Connections that say nothing (or half a HELLO) are vetted beside the real peer's,
+    each within its own hello deadline: the join links the member at once."""
+    import socket
+    da, db, a, b = pair
+    ha, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 4})
+    hb, _ = b.call(Command.TENSOR_LINK, {"op": "listen", "link": 4})
+    silent = socket.create_connection(("127.0.0.1", ha["port"]))
+    half = socket.create_connection(("127.0.0.1", ha["port"]))
+    half.sendall(pack_hello(4, 1, ha["ticket"])[:20])
+    try:
+        # before, the listener read the first connection's HELLO until the join's own deadline
+        ra, rb = both(lambda: a.call(Command.TENSOR_LINK, {"op": "join", "link": 4, "rank": 0, "n": 2,
+                                                           "timeout": 30})[0],
+                      lambda: b.call(Command.TENSOR_LINK, {"op": "join", "link": 4, "rank": 1, "n": 2, "peers": [
+                          {"rank": 0, "host": "127.0.0.1", "port": ha["port"], "ticket": ha["ticket"]}]})[0])
+        assert ra["status"] == 0 and rb["status"] == 0, (ra, rb)
+        (h0, o0), (h1, o1) = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=4),
+                                  lambda: compute(b, [1, 1, 1, 1], 0, link_id=4))
+        assert h0["status"] == h1["status"] == 0 and floats(o0) == floats(o1) == [8, 12, 16, 20], (h0, h1)
+        for s in (silent, half):  # each closed unanswered after its hello deadline
+            s.settimeout(10)
+            assert s.recv(1) == b""
+    finally:
+        silent.close()
+        half.close()
+
+
+def test_a_tensor_cancel_naming_no_link_is_refused_and_the_connection_kept(pair):
+    da, db, a, b = pair
+    for bad in ("7", 0, -1, 1.5, True):
+        h, _ = a.call(Command.TENSOR_CANCEL, {"link": bad})
+        assert h["status"] == Status.INVALID_REQUEST and "'link'" in h["error"], (bad, h)
+    h, _ = a.call(Command.TENSOR_CANCEL, {})  # no link: whatever the session has (here none)
+    assert h["status"] == 0
+    h, _ = a.call(Command.PING)
+    assert h["status"] == 0
 
 
 def test_compute_without_a_link_is_link_failed_not_a_crash(pair):
@@ -149,6 +188,33 @@ def test_a_peer_out_of_step_drops_the_link(pair):
     assert "expected" in ha["error"]
     h, _ = compute(a, [1, 2, 3, 4], 7)  # dropped: linked again before the next step
     assert h["status"] == Status.LINK_FAILED and "not set up" in h["error"], h
+
+
+GRAPH8 = [T(F32, [8], flags=INPUT),
+          T(F32, [8], op=lib.GGML_OP_SCALE, src=[0], params=f32s(2.0), flags=COMPUTE),
+          T(F32, [8], op=lib.GGML_OP_ADD, src=[1, 1], flags=OUTPUT | COMPUTE)]
+
+
+def test_a_peer_sending_another_size_drops_the_link(pair):
+    da, db, a, b = pair
+    link(a, b, db.port)
+    eight = lambda: b.call(Command.GRAPH_COMPUTE, {  # noqa: E731
+        "tensors": GRAPH8, "inputs": [[0, 0, 32]], "outputs": [2],
+        "tensor": {"link": 7, "step": 0, "exchange": [1], "timeout": 30}}, f32s(*range(8)))
+    (ha, _), (hb, _) = both(lambda: compute(a, [1, 2, 3, 4], 0), eight)
+    assert ha["status"] == hb["status"] == Status.LINK_FAILED, (ha, hb)
+    assert "16 bytes" in ha["error"] and "32 bytes" in ha["error"], ha
+
+
+def test_a_peer_that_never_sends_its_partial_ends_the_wait_at_the_steps_timeout(pair):
+    da, db, a, b = pair
+    link(a, b, db.port)  # b is alive and answering, but never computes
+    started = time.monotonic()
+    h, _ = compute(a, [1, 2, 3, 4], 0, timeout=0.5)
+    assert h["status"] == Status.LINK_FAILED and "no answer from rank(s) [1] in time" in h["error"], h
+    assert 0.5 <= time.monotonic() - started < 0.5 + 2 * SLACK
+    h, _ = b.call(Command.PING)
+    assert h["status"] == 0
 
 
 def test_tensor_cancel_ends_a_join_that_waits_for_its_peers(pair):
