@@ -42,6 +42,17 @@ FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be 
 TENSOR_PAYS = 1.0
 
 
+def tensor_trade(n_layer: int, layer_s: float, rtt_s: float, group_weights) -> tuple[float, float]:
+    """What the tensor split costs and saves a token, in seconds: (its exchanges, the layer compute
+    saved against the layer split). Either way a token passes all n_layer layers one after another;
+    split over a group, a layer takes the largest member's share of its time, and costs two
+    exchanges. With a pipeline of groups each group runs its own layers as one group would, so
+    neither figure depends on the number of groups (`group_weights`: one group's members' shares)."""
+    cost = 2 * n_layer * (rtt_s / 2 + EXCHANGE_OVERHEAD)
+    saved = n_layer * layer_s * (1 - max(group_weights) / sum(group_weights))
+    return cost, saved
+
+
 class ModelLoader:
     def __init__(self, gguf, arch, hp, n_ctx: int, n_batch: int, threads: int, executor_options: dict,
                  head: HeadPlacement, kv_types: tuple = ("f16", "f16")):
@@ -160,9 +171,7 @@ class ModelLoader:
         except Exception as exc:  # an estimate must not stop the start: the bytes at memory speed instead
             layer = self.gguf.layer_bytes / self.hp.n_layer / FALLBACK_BANDWIDTH
             log.warning("could not time a layer here; estimating it from its bytes", error=str(exc))
-        group = weights[:group_size]  # (a pipeline of groups: each group's share of its layers, alike)
-        saved = self.hp.n_layer * layer * (1 - max(group) / sum(group)) * group_size / len(places)
-        cost = 2 * self.hp.n_layer * (rtt / 2 + EXCHANGE_OVERHEAD)
+        cost, saved = tensor_trade(self.hp.n_layer, layer, rtt, weights[:group_size])
         chosen = cost < saved * TENSOR_PAYS
         figures = {"exchanges_ms_per_token": round(cost * 1e3, 2), "compute_saved_ms_per_token": round(saved * 1e3, 2),
                    "slowest_rtt_ms": round(rtt * 1e3, 3), "layer_ms": round(layer * 1e3, 3), "timed_threads": threads}

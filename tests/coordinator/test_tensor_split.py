@@ -359,3 +359,14 @@ def test_shards_cover_every_weight(shares):
         t, ne = meta[name]
         parts = [dequantized(cut_bytes(data[name], t, ne, c[name]), t, c[name].ne) for c in cuts]
         assert np.array_equal(np.concatenate(parts, axis=2), dequantized(data[name], t, ne))
+
+
+def test_the_trade_auto_weighs_does_not_depend_on_the_number_of_groups():
+    """A token passes every layer either way: two equal members save half of every layer's time and
+    pay two exchanges a layer, one group or a pipeline of them alike (auto once divided the saving
+    by the number of groups, so a pipeline of 2 groups of 2 leaned to the layer split)."""
+    from coordinator.model.loading import EXCHANGE_OVERHEAD, tensor_trade
+    cost, saved = tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0])
+    assert saved == pytest.approx(22 * 1e-3)
+    assert cost == pytest.approx(44 * (50e-6 + EXCHANGE_OVERHEAD))
+    assert tensor_trade(22, 2e-3, 100e-6, [3.0, 1.0])[1] == pytest.approx(22 * 2e-3 * 0.25)  # the larger share rules
