@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from conftest import SLACK, DaemonProcess, free_port
+from fault_checks import check_latched
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
@@ -166,36 +167,6 @@ def rig(module_rig):
     return module_rig
 
 
-def check_latched(rig: Rig, pos: int, kind: str) -> None:
-    """After a failure: B latched with `kind`; later decodes fail fast, with the
-    same code, without a byte on any connection; no logits readable."""
-    c = rig.c
-    failed = c.failed_endpoints()
-    assert [f.endpoint for f in failed] == [rig.eb], failed
-    f = failed[0]
-    assert f.kind == kind, f
-    assert rig.eb in f.cause and 0 < time.time() - f.since < 30
-    with pytest.raises(RuntimeError):
-        c.logits(-1)
-    sent = [cl.frames_sent - cl.pings_sent for cl in rig.clients()]  # a keepalive ping may go out meanwhile
-    times = []
-    for _ in range(20):
-        t = time.perf_counter()
-        code = c.decode(Batch.single([5], pos))
-        times.append(time.perf_counter() - t)
-        assert code is ENDPOINT_FAILED
-        assert c.last_failed_endpoint == rig.eb and c.last_cause == kind
-    # no wait on the network: a decode that sent to B, or waited for it, would take at least a liveness
-    # bound (a stopped B) or put frames on a connection (checked below); a quarter of it leaves room for
-    # a loaded machine's scheduling, where 20 returns of a latched code take microseconds each when idle
-    assert statistics.median(times) < LIVENESS / 4 * SLACK, times
-    assert [cl.frames_sent - cl.pings_sent for cl in rig.clients()] == sent, "a latched decode touched the network"
-    with pytest.raises(RuntimeError):
-        c.logits(-1)
-    h = c.health()
-    assert h["status"] == "failed" and [e["ok"] for e in h["endpoints"]] == [True, False]
-
-
 # ---------------------------------------------------------------- the matrix
 
 FAULTS = {  # name: (action, the kind of failure the coordinator must report, detection bound)
@@ -249,7 +220,7 @@ def test_fault_matrix(rig, fault, phase):
         assert detected <= limit and took <= limit + 0.5 * SLACK, (detected, took, limit)
         if bound:  # it was the liveness bound that caught it, not something else
             assert detected >= bound * 0.8, detected
-        check_latched(rig, pos, kind)
+        check_latched(rig.c, rig.eb, pos, kind, LIVENESS)
     rig.restart_b()
     rig.recover()
 
