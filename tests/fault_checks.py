@@ -24,7 +24,9 @@ def check_latched(c: Coordinator, endpoint: str, pos: int, kind: str, liveness: 
     assert endpoint in f.cause and 0 < time.time() - f.since < 30
     with pytest.raises(RuntimeError):
         c.logits(-1)
-    clients = [p.executor.client for p in c._places if p.executor is not None]
+    # every connection a step may use: each worker's own, and its step channel (tensor mode) if any
+    clients = [cl for p in c._places if p.executor is not None
+               for cl in (p.executor.client, getattr(p.executor, "channel", None)) if cl is not None]
     sent = [cl.frames_sent - cl.pings_sent for cl in clients]  # a keepalive ping may go out meanwhile
     times = []
     for _ in range(20):

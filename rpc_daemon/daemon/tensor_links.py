@@ -28,6 +28,7 @@ log = structlog.get_logger("rpc")
 
 HELLO_TIMEOUT = 1.0  # seconds an accepted connection has to say HELLO (others are vetted meanwhile)
 MAX_VETTING = 64  # connections vetted at once; one more is closed unanswered
+CONNECT_SHARE = 0.75  # of the join's timeout, a connection to a lower rank has to be answered
 
 
 class TensorLinks:
@@ -85,10 +86,13 @@ async def handle_tensor_link(s, h, blob, direct):
         await asyncio.wait({join}, timeout=req.timeout)
     finally:
         links.joining = None
+        if not join.done():  # timed out, or this handler cancelled: every wait on the listener ends first
+            missing = [r for r in range(req.n) if r != req.rank and r not in socks]
+            join.cancel()
+            await asyncio.wait({join})
+            join = None
     why, fields = None, {}
-    if not join.done():
-        missing = [r for r in range(req.n) if r != req.rank and r not in socks]
-        join.cancel()
+    if join is None:
         why = (f"not linked with rank(s) {missing} within {req.timeout:g} s (can the workers reach each "
                "other's ports?)")
     elif join.cancelled():
@@ -116,6 +120,7 @@ async def handle_tensor_link(s, h, blob, direct):
 async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket]:
     """Connect to every lower rank, accept every higher one, into `socks`: rank -> connected socket."""
     loop = asyncio.get_running_loop()
+    connect_timeout = req.timeout * CONNECT_SHARE
 
     async def read(sock, n):
         data = await recv_up_to(loop, sock, n)
@@ -133,10 +138,18 @@ async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await loop.sock_connect(sock, addr)
-            await loop.sock_sendall(sock, pack_hello(req.link, req.rank, peer.ticket))
-            if await recv_up_to(loop, sock, 1) != ACK:  # a HELLO it does not take is closed unanswered
+            # sooner than the join's own deadline: a connection that goes unanswered (a firewall
+            # dropping it) fails here first, naming this member and the peer, before the peer's
+            # join times out waiting for it
+            async with asyncio.timeout(connect_timeout):
+                await loop.sock_connect(sock, addr)
+                await loop.sock_sendall(sock, pack_hello(req.link, req.rank, peer.ticket))
+                ack = await recv_up_to(loop, sock, 1)
+            if ack != ACK:  # a HELLO it does not take is closed unanswered
                 raise LinkBroken(f"{where} refused the tensor link (closed it without an answer)")
+        except TimeoutError:
+            sock.close()
+            raise LinkBroken(f"cannot connect to {where}: no answer within {connect_timeout:g} s") from None
         except OSError as exc:
             sock.close()
             raise LinkBroken(f"cannot connect to {where}: {exc.strerror or exc}") from None
@@ -182,6 +195,7 @@ async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket
                     sock.close()
                     continue
                 task = loop.create_task(vet(sock, pending, linked, n_higher))
+                task.add_done_callback(lambda t, sock=sock: t.cancelled() and sock.close())  # even unstarted
                 vetting.add(task)
                 task.add_done_callback(vetting.discard)
 
@@ -193,11 +207,24 @@ async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket
         finally:
             for task in (acceptor, done, *vetting):
                 task.cancel()
-            await asyncio.gather(acceptor, done, *vetting, return_exceptions=True)
+            for outcome in await asyncio.gather(acceptor, done, *vetting, return_exceptions=True):
+                if isinstance(outcome, Exception) and not isinstance(outcome, asyncio.CancelledError):
+                    log.error("tensor-link vetting failed", error=f"{type(outcome).__name__}: {outcome}")
 
-    tasks = [connect(p) for p in req.peers] + [accept_higher()]
+    # the first failure ends the others: none is left waiting on the listener or a socket once this returns
+    tasks = [loop.create_task(connect(p)) for p in req.peers] + [loop.create_task(accept_higher())]
     try:
-        await asyncio.gather(*tasks)
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        failed = next((t.exception() for t in tasks if not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed
+        if any(t.cancelled() for t in tasks):
+            raise asyncio.CancelledError()
     except BaseException:
         for sock in socks.values():
             sock.close()
