@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # DaemonProcess, the strategies and hel
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings  # noqa: E402
 
 from conftest import DaemonProcess  # noqa: E402
-from fuzz_protocol import (ChannelFuzzer, FuzzClient, channel_messages, command_messages,  # noqa: E402
+from fuzz_protocol import (daemon_failures, ChannelFuzzer, FuzzClient, channel_messages, command_messages,  # noqa: E402
                            graph_messages, lying_prefixes, raw_messages, tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient  # noqa: E402
 from rpc_daemon.wire.protocol import Command  # noqa: E402
@@ -141,7 +141,10 @@ def main(argv=None) -> int:
             time.sleep(0.1)
             free = asyncio.run(free_memory(d.endpoint))
         grown = (rss(d.proc.pid) - base_rss) / (1 << 20) if alive else float("nan")
-        tracebacks = sum("Traceback" in line or "handler failed" in line for line in d.log_lines)
+        failures = daemon_failures(d.log_lines)
+        tracebacks = len(failures)
+        for i in failures:  # what failed, to reproduce it (--seed)
+            print("".join(d.log_lines[max(0, i - 2): i + 30]), file=sys.stderr)
         ok = ok and alive and served and free == base_free and grown < 64 and not tracebacks
         print(f"{client.cases} cases in {elapsed:.1f} s ({client.cases / max(elapsed, 1e-9):.0f}/s), "
               f"{client.reconnects} connections, {client.unencodable} unencodable draws skipped")

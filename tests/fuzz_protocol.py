@@ -43,6 +43,7 @@ bench/fuzz_daemon.py (as many as you like).
 from __future__ import annotations
 
 import copy
+import re
 import socket
 import struct
 import time
@@ -58,6 +59,17 @@ from rpc_daemon.validation.graph import SUPPORTED_OPS
 from rpc_daemon.wire.graph_codec import encode_graph
 from rpc_daemon.wire.protocol import Command, Status
 from rpc_helpers import RawConn, assigned_pids, encode_prefix, rss, small_graph
+
+# a real failure in a daemon's log: a Python traceback's first line, or the connection's "handler failed"
+# event (console format: "... [error    ] handler failed ..."); not the same words inside a refusal's
+# echoed `error=` (hypothesis draws strings from constants in the source: seed 43 drew 'Traceback')
+_FAILURE = re.compile(r"^Traceback \(most recent call last\)|\[\w+\s*\] handler failed")
+
+
+def daemon_failures(log_lines: list[str]) -> list[int]:
+    """Indexes of the lines of a daemon's log that show a failure of its own."""
+    return [i for i, line in enumerate(log_lines) if _FAILURE.search(line)]
+
 
 BASE = 1 << 47  # placeholder buffer id in seed graphs: replaced by the client's current base buffer
 BASE_SIZE = 64 << 10

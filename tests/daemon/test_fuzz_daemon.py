@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import SLACK, DaemonProcess
-from fuzz_protocol import (SEEDS, FuzzClient, command_messages, graph_messages, lying_prefixes, raw_messages,
+from fuzz_protocol import (SEEDS, FuzzClient, daemon_failures, command_messages, graph_messages, lying_prefixes, raw_messages,
                            tiny_buffer_bursts)
 from rpc_daemon.client import RpcClient
 from rpc_daemon.wire.protocol import Command
@@ -157,8 +157,8 @@ def test_daemon_after_fuzzing(fuzzed):
     assert free == baseline["free_memory"] == MEM_MIB << 20, (free, baseline)
     grown = rss(d.proc.pid) - baseline["rss"]
     assert grown < 64 << 20, f"daemon RSS grew by {grown >> 20} MiB over {cases} cases"
-    assert not any("Traceback" in line or "handler failed" in line for line in d.log_lines), \
-        "".join(line for line in d.log_lines if "Traceback" in line or "handler failed" in line)[:3000]
+    failures = daemon_failures(d.log_lines)
+    assert not failures, "".join("".join(d.log_lines[i: i + 30]) for i in failures)[:3000]
     print(f"\n{cases} fuzz cases, {reconnects} connections, {time.monotonic() - baseline['started']:.1f} s, "
           f"RSS {grown / (1 << 20):+.1f} MiB; replies: "
           + ", ".join(f"{k[0]}:{k[1]}={v}" for k, v in sorted(client.statuses.items())))
