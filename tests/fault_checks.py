@@ -2,9 +2,11 @@
 (docs/failure-semantics.md): the worker latched with its kind, later decodes
 failing fast with the same code without a byte on any connection, no logits
 readable, /health saying so. Shared by the layer split's fault matrix
-(coordinator/test_faults.py) and the tensor split's (coordinator/test_tensor_parallel.py)."""
+(coordinator/test_faults.py) and the tensor split's (coordinator/test_tensor_parallel.py), and
+when a --test-fault fired."""
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -45,3 +47,11 @@ def check_latched(c: Coordinator, endpoint: str, pos: int, kind: str, liveness: 
     h = c.health()
     assert h["status"] == "failed"
     assert [e["ok"] for e in h["endpoints"]] == [e["endpoint"] != endpoint for e in h["endpoints"]], h
+
+
+_FIRED_AT = re.compile(r"at=([0-9.]+)")
+
+
+def fault_fired_at(daemon) -> float:
+    """When the daemon's --test-fault fired (time.time(), from its "test fault fired" log line)."""
+    return float(_FIRED_AT.search(daemon.wait_log("test fault fired", timeout=5)).group(1))

@@ -400,13 +400,14 @@ class RemoteExecutor:
                            "max_lookups_in_flight": 0}
 
     async def _request(self, cmd, fields=None, blob=b"", kind_on_error: FailureKind = FailureKind.COMPUTE,
-                       reply_blob: int | None = None):
+                       reply_blob: int | None = None, refused=None):
+        """`refused(exc)`: the StageFailed of an error reply, if not rpc_failed's of `kind_on_error`."""
         try:
             return await self.client.request(cmd, fields, blob, self.request_timeout, reply_blob)
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:
-            raise rpc_failed(self.endpoint, exc, kind_on_error) from None
+            raise (refused(exc) if refused else rpc_failed(self.endpoint, exc, kind_on_error)) from None
 
     async def open(self) -> dict:
         try:
@@ -803,19 +804,17 @@ class RemoteExecutor:
         """TENSOR_LINK join: linked with every lower rank in `peers` and every higher rank's connection.
         A join cancelled because another member's failed is that member's failure, not this one's
         (reported only when nothing else failed, not latched)."""
-        fields = {"op": "join", "link": link, "rank": rank, "n": n, "peers": peers, "timeout": timeout}
-        try:
-            await self.client.request(Command.TENSOR_LINK, fields, b"", self.request_timeout)
-        except PeerFailed as exc:
-            raise peer_failed(self.endpoint, exc) from None
-        except RpcError as exc:
-            if exc.status == Status.LINK_FAILED and exc.header.get("cancelled"):
-                raise TensorLinkFailed(FailureKind.COMPUTE, self.endpoint, f"worker {self.endpoint}'s tensor link "
-                                       f"was cancelled: {exc}") from None
-            if exc.status == Status.LINK_FAILED:
-                raise StageFailed(FailureKind.ENDPOINT, self.endpoint, f"worker {self.endpoint} could not link with "
-                                  f"its tensor-parallel peers: {exc}") from None
-            raise rpc_failed(self.endpoint, exc, FailureKind.ENDPOINT) from None
+        await self._request(Command.TENSOR_LINK, {"op": "join", "link": link, "rank": rank, "n": n, "peers": peers,
+                                                  "timeout": timeout}, refused=self._join_failed)
+
+    def _join_failed(self, exc: RpcError) -> StageFailed:
+        if exc.status != Status.LINK_FAILED:
+            return rpc_failed(self.endpoint, exc, FailureKind.ENDPOINT)
+        if exc.header.get("cancelled"):
+            return TensorLinkFailed(FailureKind.COMPUTE, self.endpoint,
+                                    f"worker {self.endpoint}'s tensor link was cancelled: {exc}")
+        return StageFailed(FailureKind.ENDPOINT, self.endpoint,
+                           f"worker {self.endpoint} could not link with its tensor-parallel peers: {exc}")
 
     async def tensor_cancel(self, link: int) -> None:
         """End this member's waits on link `link` now (a peer failed); errors are moot."""

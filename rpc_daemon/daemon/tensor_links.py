@@ -147,14 +147,12 @@ async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket
                 ack = await recv_up_to(loop, sock, 1)
             if ack != ACK:  # a HELLO it does not take is closed unanswered
                 raise LinkBroken(f"{where} refused the tensor link (closed it without an answer)")
-        except TimeoutError:
+        except BaseException as exc:
             sock.close()
-            raise LinkBroken(f"cannot connect to {where}: no answer within {connect_timeout:g} s") from None
-        except OSError as exc:
-            sock.close()
-            raise LinkBroken(f"cannot connect to {where}: {exc.strerror or exc}") from None
-        except BaseException:
-            sock.close()
+            if isinstance(exc, TimeoutError):  # before OSError: a TimeoutError is one
+                raise LinkBroken(f"cannot connect to {where}: no answer within {connect_timeout:g} s") from None
+            if isinstance(exc, OSError):
+                raise LinkBroken(f"cannot connect to {where}: {exc.strerror or exc}") from None
             raise
         socks[peer.rank] = sock
 

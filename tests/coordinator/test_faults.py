@@ -22,7 +22,6 @@ A subprocess variant runs with SIGPIPE at its default action.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import socket
 import statistics
@@ -38,7 +37,7 @@ import numpy as np
 import pytest
 
 from conftest import SLACK, DaemonProcess, free_port
-from fault_checks import check_latched
+from fault_checks import check_latched, fault_fired_at
 from coordinator.api import Batch, Coordinator, DecodeError, DecodeResult, EndpointUnavailable
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire import protocol as P
@@ -60,7 +59,6 @@ N_CTX = 64
 REPS = 5
 GRAPH_CMDS = "GRAPH_COMPUTE|GRAPH_RECOMPUTE"
 UPLOAD_CMDS = "SET_TENSOR|SET_TENSOR_HASH"
-_AT = re.compile(r"at=([0-9.]+)")
 
 
 def run(coro, timeout: float = 60.0):
@@ -130,7 +128,7 @@ class Rig:
         self.b.wait_log("test fault armed", start=mark)
 
     def fault_time(self) -> float:
-        return float(_AT.search(self.b.wait_log("test fault fired", timeout=5)).group(1))
+        return fault_fired_at(self.b)
 
     def recover(self, expect_lost=(0,)) -> None:
         """reconnect() + re-feed the prompt: the undisturbed run's greedy text."""

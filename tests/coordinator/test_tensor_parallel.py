@@ -6,18 +6,25 @@ semantics of docs/failure-semantics.md, "Tensor parallelism": a killed or
 stopped member is reported as itself, never as its peer, and nothing hangs."""
 from __future__ import annotations
 
+import pathlib
 import signal
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import SLACK
-from coordinator.api import Batch, Coordinator, DecodeResult
-from coordinator.model.loading import TENSOR_PAYS
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from tiny_models import write_tiny_model
+from bench.delay_proxy import Link, ProxyThread  # noqa: E402
+from conftest import SLACK  # noqa: E402
+from coordinator.api import Batch, Coordinator, DecodeResult, EndpointUnavailable  # noqa: E402
+from coordinator.model.loading import TENSOR_PAYS  # noqa: E402
+from fault_checks import check_latched, fault_fired_at  # noqa: E402
+from tiny_models import write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.system
 
@@ -130,12 +137,6 @@ def wide_model(tmp_path) -> str:
 def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tmp_path, workers):
     """A model whose layers are worth splitting (75 MB of f16 layers): on loopback 2 x n_layer exchanges
     cost ~1 ms a token against ~7 ms saved; behind 20 ms one way (bench/delay_proxy.py) they cost 80 ms."""
-    import pathlib
-    import sys
-    root = str(pathlib.Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from bench.delay_proxy import Link, ProxyThread
     model = wide_model(tmp_path)
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
@@ -210,14 +211,6 @@ def test_workers_that_cannot_reach_each_other_are_named_at_start(tmp_path, start
     """Worker A listens on 127.0.0.2 (its link listener too) and the coordinator reaches it through a
     proxy on 127.0.0.1: B's connection to A's link port is refused, as behind a firewall. The start
     fails naming B and what it could not reach; A's join, cancelled for B's failure, is not reported."""
-    import pathlib
-    import sys
-
-    from coordinator.cluster.failures import EndpointUnavailable
-    root = str(pathlib.Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from bench.delay_proxy import Link, ProxyThread
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     a, b = start_daemon("-t", "1", "-H", "127.0.0.2"), start_daemon("-t", "1")
     with ProxyThread(f"127.0.0.2:{a.port}", Link(0.0)) as to_a:
@@ -468,19 +461,12 @@ def faulted(tmp_path, start_daemon):
             x.kill()
 
 
-def fault_fired_at(d) -> float:
-    """When B's --test-fault fired (time.time() of its daemon's log line)."""
-    import re
-    return float(re.search(r"at=([0-9.]+)", d.wait_log("test fault fired", timeout=5)).group(1))
-
-
 @pytest.mark.parametrize("phase", list(PHASES))
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fault_matrix_in_tensor_mode(fault, phase, faulted):
     """As tests/coordinator/test_faults.py's matrix: detected within the same bound from the fault
     (the liveness bound being what caught a stop), B alone latched with its kind, later decodes
     failing fast without touching the network; never A, whose link to B closed or was cancelled."""
-    from fault_checks import check_latched
     action, kind, bound = FAULTS[fault]
     c, a, b = faulted(f"{AT_THIRD_DECODE},{PHASES[phase]},action={action}")
     _, code = generate_tokens(c, 3)  # the prompt, two tokens: the third decode is the fault's
@@ -499,7 +485,6 @@ def test_a_fault_while_uploading_a_members_shard_names_it(fault, faulted):
     """The weight upload phase of the matrix: B faulted at its fourth upload request while the
     coordinator starts; the start raises naming B with its kind (A is fine), within the bound."""
     action, kind, bound = FAULTS[fault]
-    from coordinator.api import EndpointUnavailable
     with pytest.raises(EndpointUnavailable) as info:
         faulted(f"cmd=SET_TENSOR|SET_TENSOR_HASH,after=3,point=request,action={action}")
     _, b = faulted.last
