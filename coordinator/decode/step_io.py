@@ -88,7 +88,7 @@ def stage_inputs(p, common: dict, tokens, hidden, out_rows) -> dict:
     stage) or the hidden state from the stage before, and the output rows (last)."""
     inputs = dict(common)
     if p.stage.first:
-        inputs["tokens"] = np.asarray(tokens, dtype=np.int32)
+        inputs["tokens"] = p.stage.token_ids(tokens)
     else:
         inputs["hidden"] = hidden
     if p.stage.last:

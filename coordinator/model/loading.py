@@ -46,9 +46,10 @@ def tensor_trade(n_layer: int, layer_s: float, rtt_s: float, group_weights) -> t
     """What the tensor split costs and saves a token, in seconds: (its exchanges, the layer compute
     saved against the layer split). Either way a token passes all n_layer layers one after another;
     split over a group, a layer takes the largest member's share of its time, and costs two
-    exchanges. With a pipeline of groups each group runs its own layers as one group would, so
-    neither figure depends on the number of groups (`group_weights`: one group's members' shares)."""
-    cost = 2 * n_layer * (rtt_s / 2 + EXCHANGE_OVERHEAD)
+    exchanges (and the embedding's rows one). With a pipeline of groups each group runs its own
+    layers as one group would, so neither figure depends on the number of groups (`group_weights`:
+    one group's members' shares)."""
+    cost = (2 * n_layer + 1) * (rtt_s / 2 + EXCHANGE_OVERHEAD)
     saved = n_layer * layer_s * (1 - max(group_weights) / sum(group_weights))
     return cost, saved
 
@@ -151,7 +152,7 @@ class ModelLoader:
                             group_size: int, infos: list) -> bool:
         """Whether the places form tensor-parallel groups of `group_size`: "tensor" insists (a
         ValueError says why it cannot), "auto" takes it where the measured round trips say the
-        2 x n_layer exchanges of a token cost less than TENSOR_PAYS of the layer compute the
+        1 + 2 x n_layer exchanges of a token cost less than TENSOR_PAYS of the layer compute the
         split saves, as timed here (layer_timing.py)."""
         why = self._tensor_refusal(places, weights, group_size)
         if why is not None:
@@ -228,12 +229,16 @@ class ModelLoader:
         for g, (indices, layers) in enumerate(zip(members, group_layers)):
             w = [weights[i] for i in indices]
             shards = plan_shards(hp, types, w)
-            heads = plan_rows(hp.n_vocab, w) if layers.stop == hp.n_layer else [None] * len(indices)
-            for i, shard, rows in zip(indices, shards, heads):
+            # the vocabulary's rows in proportion: of the head (last group), of the embedding (first group);
+            # one group holds the same rows of both, so a tied head is a view of its embedding rows
+            rows_each = plan_rows(hp.n_vocab, w)
+            heads = rows_each if layers.stop == hp.n_layer else [None] * len(indices)
+            embds = rows_each if layers.start == 0 else [None] * len(indices)
+            for i, shard, rows, embd_rows in zip(indices, shards, heads, embds):
                 p = places[i]
                 p.layers = layers
                 p.stage = Stage.tensor_member(i, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types,
-                                              layers, g)
+                                              layers, g, embd_rows)
                 reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
                 need, free = in_pages(buffer_bytes(p.stage), infos[i]) + reserve, endpoint_free(infos[i])
                 if free is not None and need > free:
@@ -242,7 +247,8 @@ class ModelLoader:
                              "heads": [shard.heads.start, shard.heads.stop],
                              "kv_heads": [shard.kv_heads.start, shard.kv_heads.stop],
                              "kv_replicated": shard.replicated_kv, "ffn": [shard.ffn.start, shard.ffn.stop],
-                             "head_rows": None if rows is None else [rows.start, rows.stop]})
+                             "head_rows": None if rows is None else [rows.start, rows.stop],
+                             "embd_rows": None if embd_rows is None else [embd_rows.start, embd_rows.stop]})
         if short:
             raise DoesNotFit("the model does not fit the workers' free memory in tensor-parallel shards: "
                              + "; ".join(short))

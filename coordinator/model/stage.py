@@ -73,10 +73,13 @@ class StageKV:
 
 @dataclass(frozen=True)
 class RowRange:
-    """A weight that is a byte range of a GGUF tensor's rows (a stage's rows of the output head)."""
+    """A weight that is a byte range of a GGUF tensor's rows (a stage's rows of the output head,
+    a tensor-parallel member's rows of the embedding), then `zero_bytes` of zeros (the zero row
+    every token the member does not hold reads: Stage.token_ids)."""
     source: str
     start: int
     stop: int
+    zero_bytes: int = 0
 
 
 @dataclass
@@ -106,6 +109,10 @@ class Stage:
     # rows of the head; `hp` is then the shard's (its head counts and FFN rows)
     shard: object = None
     tensor_group: int = 0  # which group of a pipeline of tensor-parallel groups (Coordinator(tensor_group=))
+    # a tensor-parallel member of the first group holds these rows of token_embd and a zero row after
+    # them (None: the whole embedding, or none): the members' embeddings summed are the tokens' rows
+    embd_rows: range | None = None
+    held_rows: dict = field(default_factory=dict)  # a weight of some rows of a GGUF tensor -> its first row
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
@@ -133,10 +140,12 @@ class Stage:
 
     @classmethod
     def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range | None,
-                      kv_types: tuple = (F16, F16), layers: range | None = None, group: int = 0) -> "Stage":
+                      kv_types: tuple = (F16, F16), layers: range | None = None, group: int = 0,
+                      embd_rows: range | None = None) -> "Stage":
         """Member `shard.rank` of tensor-parallel group `group`: its `layers` (default: every
-        layer), each cut to its shard (model/tensor_split.py); with the first layer the embedding
-        whole, with the last the output norm whole and `head_rows` of the head."""
+        layer), each cut to its shard (model/tensor_split.py); with the first layer `embd_rows`
+        of the embedding (None: all of it), with the last the output norm whole and `head_rows`
+        of the head (a view of its embedding rows where the head is tied to them)."""
         from coordinator.model.tensor_split import local_hparams, shard_cuts
         layers = range(hp.n_layer) if layers is None else layers
         first, last = layers.start == 0, layers.stop == hp.n_layer
@@ -148,16 +157,33 @@ class Stage:
         cuts = {name: cut for name, cut in shard_cuts(hp, shard, gguf.tensors).items() if name in weights}
         stage = cls(index, arch, local, layers, first, last, weights, StageKV(local, layers, n_ctx, kv_types),
                     head_rows if last else None, shard=shard, tensor_group=group)
-        stage.own_ctx = Context(len(cuts) + 1)
+        stage.own_ctx = Context(len(cuts) + 2)
         for name, cut in cuts.items():
             src = gguf.tensor(name)
             stage.weights[name] = stage.own_ctx.new_tensor(src.type, list(cut.ne), name)
             stage.cuts[name] = cut
+        if first and embd_rows is not None:
+            stage._hold_embedding_rows(gguf, embd_rows)
         if last:
             src = head_source(gguf.tensors)
-            # a tied head multiplies by a view of the embedding's rows where the member holds it whole
-            stage.head_weight = src if src in weights else stage._cut_head(gguf, src)
+            if src == "token_embd.weight" and stage.embd_rows is not None:
+                held = stage.embd_rows
+            else:
+                held = range(gguf.tensor(src).ne[1] if src in stage.weights else 0)
+            # a tied head multiplies by a view of the embedding rows the member holds, if its rows are among them
+            within = held.start <= head_rows.start and head_rows.stop <= held.stop
+            stage.head_weight = src if within else stage._cut_head(gguf, src)
         return stage
+
+    def _hold_embedding_rows(self, gguf, rows: range) -> None:
+        """Hold only `rows` of token_embd, and a zero row after them: a token this member does not
+        hold reads zeros (Stage.token_ids), so the members' embeddings summed are each token's row
+        (x + 0 is x: the same bits as one member holding it whole)."""
+        name = "token_embd.weight"
+        src = gguf.tensor(name)
+        self.weights[name] = self.own_ctx.new_tensor(src.type, [src.ne[0], len(rows) + 1], name)
+        self.cuts[name] = RowRange(name, rows.start * src.nb[1], rows.stop * src.nb[1], zero_bytes=src.nb[1])
+        self.embd_rows, self.held_rows[name] = rows, rows.start
 
     @classmethod
     def head_share(cls, arch, hp, gguf, head_rows: range) -> "Stage":
@@ -176,6 +202,7 @@ class Stage:
         name = f"{src_name}[{rows.start}:{rows.stop}]"
         self.weights[name] = self.own_ctx.new_tensor(src.type, [src.ne[0], len(rows)], name)
         self.cuts[name] = RowRange(src_name, rows.start * src.nb[1], rows.stop * src.nb[1])
+        self.held_rows[name] = rows.start
         return name
 
     def bytes_of(self, name: str) -> tuple:
@@ -186,7 +213,7 @@ class Stage:
         if cut is None:
             return (name,)
         if isinstance(cut, RowRange):
-            return (cut.source, "bytes", cut.start, cut.stop)
+            return (cut.source, "bytes", cut.start, cut.stop) + ((cut.zero_bytes,) if cut.zero_bytes else ())
         return (name, "cut", cut.dim, cut.ranges)
 
     def weight_data(self, gguf, name: str) -> memoryview:
@@ -194,6 +221,8 @@ class Stage:
         cut = self.cuts.get(name)
         if cut is None:
             return gguf.tensor_data(name)
+        if isinstance(cut, RowRange) and cut.zero_bytes:
+            return memoryview(bytes(gguf.tensor_data(cut.source)[cut.start:cut.stop]) + bytes(cut.zero_bytes))
         if isinstance(cut, RowRange):
             return gguf.tensor_data(cut.source)[cut.start:cut.stop]
         from coordinator.model.tensor_split import cut_bytes  # a tensor-parallel shard's part of it
@@ -299,6 +328,7 @@ class Stage:
         b.dot_type_inputs, b.concat = dot_type_inputs, concat
         if self.shard is not None:
             b.exchanges = []
+            b.embd_sharded = self.embd_rows is not None
         if self.first:
             x = self.arch.embed(b, tokens)
         for il in self.layers:
@@ -345,11 +375,22 @@ class Stage:
         return [*argmax_first(c, logits), *(best_tokens(c, logits, k) if k else ())]
 
     def _head_rows_weight(self, c):
-        """This stage's rows of the head weight: its own cut, or a view of the whole tensor."""
+        """This stage's rows of the head weight: its own cut, or a view of the rows it holds."""
         w, rows = self.weights[self.head_weight], self.head_rows
-        if self.head_weight not in self.cuts:
-            w = lib.ggml_view_2d(c, w, w.ne[0], len(rows), w.nb[1], rows.start * w.nb[1])
+        first = self.held_rows.get(self.head_weight, 0)  # the GGUF row its row 0 is
+        if (first, w.ne[1]) != (rows.start, len(rows)):
+            w = lib.ggml_view_2d(c, w, w.ne[0], len(rows), w.nb[1], (rows.start - first) * w.nb[1])
         return w
+
+    def token_ids(self, tokens) -> np.ndarray:
+        """The first stage's "tokens" input: the ids, or on a member holding some rows of the
+        embedding (`embd_rows`) each id's row there, and its zero row for the ids it does not hold."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        rows = self.embd_rows
+        if rows is None:
+            return ids
+        held = (ids >= rows.start) & (ids < rows.stop)
+        return np.where(held, ids - rows.start, len(rows)).astype(np.int32)
 
     def _finish(self, ctx, gf, inputs: StepInputs, outputs: list, exchanges=()) -> BuiltGraph:
         for out in outputs:

@@ -207,6 +207,21 @@ def test_a_model_larger_than_one_workers_memory_runs_over_two_in_shards(tmp_path
         Coordinator([c.endpoint, d.endpoint], model=model, n_ctx=64, n_batch=64, split_mode="tensor")
 
 
+def test_members_hold_only_their_rows_of_the_embedding(start_daemon):
+    """gemma3-270m's embedding (tied to its head) is 170 of its 235 MiB: held whole on each member, a
+    member needed ~200 MiB. Each holds its half of the vocabulary's rows (the same rows of the head),
+    so two workers of 160 MiB (--mem) run it (test_bundled_gemma3_matches_in_process_and_generates
+    compares the logits with in-process's)."""
+    a, b = start_daemon("-t", "1", "--mem", "160"), start_daemon("-t", "1", "--mem", "160")
+    with Coordinator([a.endpoint, b.endpoint], n_ctx=128, split_mode="tensor") as c:
+        n_vocab = c.hp.n_vocab
+        shards = [e["shard"] for e in c.endpoints()]
+        assert [s["embd_rows"] for s in shards] == [[0, n_vocab // 2], [n_vocab // 2, n_vocab]], shards
+        assert [s["head_rows"] for s in shards] == [s["embd_rows"] for s in shards], shards
+        text = "".join(c.generate("The capital of France is Paris. The capital of Germany is", max_tokens=3))
+    assert "Berlin" in text, text
+
+
 def test_workers_that_cannot_reach_each_other_are_named_at_start(tmp_path, start_daemon):
     """Worker A listens on 127.0.0.2 (its link listener too) and the coordinator reaches it through a
     proxy on 127.0.0.1: B's connection to A's link port is refused, as behind a firewall. The start

@@ -368,5 +368,5 @@ def test_the_trade_auto_weighs_does_not_depend_on_the_number_of_groups():
     from coordinator.model.loading import EXCHANGE_OVERHEAD, tensor_trade
     cost, saved = tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0])
     assert saved == pytest.approx(22 * 1e-3)
-    assert cost == pytest.approx(44 * (50e-6 + EXCHANGE_OVERHEAD))
+    assert cost == pytest.approx(45 * (50e-6 + EXCHANGE_OVERHEAD))  # two a layer, and the embedding's
     assert tensor_trade(22, 2e-3, 100e-6, [3.0, 1.0])[1] == pytest.approx(22 * 2e-3 * 0.25)  # the larger share rules

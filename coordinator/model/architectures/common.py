@@ -114,6 +114,7 @@ class GraphBuilder:
         # tensor-parallel shard (coordinator/model/tensor_split.py): the partial sums all_reduce marks,
         # summed over the group's members between the graph's segments; None: the whole layers here
         self.exchanges: list | None = None
+        self.embd_sharded = False  # the shard holds some rows of token_embd: the embeddings are all-reduced too
         # where the graph runs, MUL_MAT takes src1 already in its weights' dot type (a worker that offers
         # "dot_type_inputs", or this process): shared_inputs may convert an input once for several products
         self.dot_type_inputs = False
@@ -234,6 +235,13 @@ class GraphBuilder:
         p = f"blk.{il}."
         return self.norm(q, self.w[p + "attn_q_norm.weight"]), self.norm(k, self.w[p + "attn_k_norm.weight"])
 
+    def embedding(self, tokens):
+        """The tokens' rows of token_embd. A tensor-parallel member holding some of its rows (and a
+        zero row the others read: Stage.token_ids) all-reduces them: one more exchange a step, for
+        an embedding that is no longer whole on every member (gemma3-270m's is 60 % of its bytes)."""
+        rows = lib.ggml_get_rows(self.c, self.w["token_embd.weight"], tokens)
+        return self.all_reduce(rows) if self.embd_sharded else rows
+
     def all_reduce(self, partial):
         """A shard's partial sum, summed over its group (after the output projections: the only
         places where a tensor-parallel layer's members need each other's work); else as it is."""
@@ -313,7 +321,7 @@ class GraphBuilder:
 
 def embed(b: GraphBuilder, tokens):
     """The token embedding rows (every architecture but gemma3's scaled ones)."""
-    return lib.ggml_get_rows(b.c, b.w["token_embd.weight"], tokens)
+    return b.embedding(tokens)
 
 
 def no_extra_weights(tensors) -> list[str]:

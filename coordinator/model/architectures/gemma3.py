@@ -50,8 +50,7 @@ def hparams(g) -> HParams:
 
 
 def embed(b: GraphBuilder, tokens):
-    x = lib.ggml_get_rows(b.c, b.w["token_embd.weight"], tokens)
-    return lib.ggml_scale(b.c, x, b.hp.embd_scale)
+    return lib.ggml_scale(b.c, b.embedding(tokens), b.hp.embd_scale)
 
 
 def layer(b: GraphBuilder, il: int, x, pos):
