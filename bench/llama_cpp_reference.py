@@ -198,10 +198,10 @@ def main(argv=None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 1
-    rows, notes = reference_rows(args.model or default_model_path(), args.threads, args.pp, args.tg, args.reps,
+    rows, notes = reference_rows(args.model or default_model_path(), args.threads, (args.pp,), args.tg, args.reps,
                                  args.rpc)
     for name, r in rows.items():
-        print(f"{name:<24} pp{args.pp} {r.get('pp', 0):8.1f} t/s   tg{args.tg} {r.get('tg', 0):8.1f} t/s")
+        print(f"{name:<24} pp{args.pp} {r.get(f'pp{args.pp}', 0):8.1f} t/s   tg{args.tg} {r.get('tg', 0):8.1f} t/s")
     for note in notes:
         print(note)
     return 0

@@ -65,24 +65,28 @@ def setups(endpoints: list[str], threads: int, split, head_split: str, step_link
     return rows
 
 
-def measure(c, n_pp: int, n_tg: int) -> tuple[float, float, float]:
-    """pp tokens/s; tg tokens/s reading full logits (llama-bench's measure);
-    tg tokens/s with greedy=True (what generate does at temperature 0)."""
+def measure(c, pps: tuple, n_tg: int) -> tuple:
+    """pp tokens/s for each prompt size of `pps`; then, after the first size's prompt, tg tokens/s
+    reading full logits (llama-bench's measure) and tg tokens/s with greedy=True (what generate
+    does at temperature 0)."""
     from coordinator import Batch, DecodeError
 
     rng = __import__("numpy").random.default_rng(0)
-    prompt = [int(x) for x in rng.integers(10, 1000, n_pp)]
+    prompts = [[int(x) for x in rng.integers(10, 1000, n)] for n in pps]
     rates = []
-    for greedy in (None, False, True):
+    for prompt in prompts:
         c.kv_clear()
         t = time.perf_counter()
         code = c.decode(Batch.single(prompt, 0))
-        if greedy is None:
-            rates.append(n_pp / (time.perf_counter() - t))
-            continue
+        rates.append(len(prompt) / (time.perf_counter() - t))
         if code != 0:
             raise DecodeError(code, None, "prompt decode failed")
-        tok, pos = c.token(-1), n_pp
+    for greedy in (False, True):
+        c.kv_clear()
+        code = c.decode(Batch.single(prompts[0], 0))
+        if code != 0:
+            raise DecodeError(code, None, "prompt decode failed")
+        tok, pos = c.token(-1), len(prompts[0])
         t = time.perf_counter()
         for _ in range(n_tg):
             code = c.decode(Batch.single([tok], pos), greedy=greedy)
@@ -117,8 +121,9 @@ def cmd_bench(args) -> int:
         try:
             for name, (eps, opts) in rows.items():
                 opts = {"threads": args.threads, "micro_batch": args.micro_batch, "cache_type_k": args.cache_type_k,
-                        "cache_type_v": args.cache_type_v, **opts}
-                coords[name] = Coordinator(eps, model=args.model, n_ctx=max(args.ctx_size, args.pp + args.tg + 1),
+                        "cache_type_v": args.cache_type_v, "n_batch": max(512, *args.pp), **opts}
+                coords[name] = Coordinator(eps, model=args.model,
+                                           n_ctx=max(args.ctx_size, max(args.pp) + args.tg + 1),
                                            **opts, **security_options(args))
         except BaseException:
             for c in coords.values():
@@ -162,15 +167,17 @@ TENSOR_TG_GOAL, TENSOR_TG_GOAL_BUNDLED = 1.5, 1.4
 
 
 def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], notes: list[str], rpc: str,
-           n_pp: int, n_tg: int, load: tuple[float, float], n_cores: int | None,
+           pps: tuple, n_tg: int, load: tuple[float, float], n_cores: int | None,
            tensor_tg_goal: float = TENSOR_TG_GOAL) -> list[str]:
-    """The lines bench prints: per row the medians of `results` (its repetitions' measure())
-    and of `ref_results` (llama.cpp's {"pp", "tg"}), the ratios, the targets, `notes`, and
+    """The lines bench prints: per row the medians of `results` (its repetitions' measure(): a
+    pp column per prompt size of `pps`, then tg and tg greedy) and of `ref_results` (llama.cpp's
+    {"pp64", ..., "tg"}), the ratios, the targets, `notes`, and
     what the columns mean. `rpc`: the name of the row over the workers; `load`: the 1 minute
     load average before and after; `tensor_tg_goal`: the tensor row's tg target against
     llama.cpp RPC for this model."""
     lines = []
-    reference = {name: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")}
+    pp_keys = [f"pp{n}" for n in pps]
+    reference = {name: {k: statistics.median(r[k] for r in rs) for k in (*pp_keys, "tg")}
                  for name, rs in ref_results.items()}
     notes = list(notes)
     if reference:
@@ -182,12 +189,13 @@ def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], 
                      "last layer's FFN for the output rows only, llamafile's tinyBLAS (ours: for quantized "
                      "weights only, as this model's are, and not for under 12 rows times a weight over 16 MiB, "
                      "which vec_dot computes faster with the same bits; docs/architecture.md, \"Kernels\")")
-    cols = [f"pp{n_pp} t/s", f"tg{n_tg} t/s", f"tg{n_tg} greedy"]
+    cols = [f"{k} t/s" for k in pp_keys] + [f"tg{n_tg} t/s", f"tg{n_tg} greedy"]
+    tg_col = len(pps)
     width = max(len(name) for name in results) + 20
     lines.append(f"{'setup':<{width}}" + "".join(f"{c:>14}" for c in cols))
     med = {}
     for name, rs in results.items():
-        med[name] = [statistics.median(r[k] for r in rs) for k in range(3)]
+        med[name] = [statistics.median(r[k] for r in rs) for k in range(len(cols))]
         lines.append(f"{name:<{width}}" + "".join(f"{v:>14.1f}" for v in med[name]))
     baselines = [name for name in med if name.startswith("local")]
     for base in baselines:
@@ -196,31 +204,32 @@ def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], 
                 label = f"ratio {name}" + (f" / {base}" if base != "local" else "")
                 lines.append(f"{label:<{width}}" + "".join(f"{r / b:>14.3f}" for r, b in zip(med[name], med[base])))
     for name, r in reference.items():
-        lines.append(f"{name:<{width}}{r['pp']:>14.1f}{r['tg']:>14.1f}{'-':>14}")
+        lines.append(f"{name:<{width}}" + "".join(f"{r[k]:>14.1f}" for k in (*pp_keys, "tg")) + f"{'-':>14}")
     for ours, theirs in (("local", "llama.cpp"), (rpc, f"llama.cpp {rpc}")):
         if ours in med and theirs in reference:
             label = f"ratio {ours} / {theirs}"
-            lines.append(f"{label:<{width}}{med[ours][0] / reference[theirs]['pp']:>14.3f}"
-                         f"{med[ours][1] / reference[theirs]['tg']:>14.3f}{'-':>14}")
+            lines.append(f"{label:<{width}}" + "".join(f"{m / reference[theirs][k]:>14.3f}" for m, k in
+                                                       zip(med[ours], (*pp_keys, "tg"))) + f"{'-':>14}")
     targets = []  # issue #14's speed targets, as ratios to llama.cpp measured in this same run
-    for ours, theirs, col, goal in (("local", "llama.cpp", 0, 0.95), (rpc, f"llama.cpp {rpc}", 0, 0.95),
-                                    (rpc, f"llama.cpp {rpc}", 1, 1.4)):
+    for ours, theirs, key, goal in (*(("local", "llama.cpp", k, 0.95) for k in pp_keys),
+                                    *((rpc, f"llama.cpp {rpc}", k, 0.95) for k in pp_keys),
+                                    (rpc, f"llama.cpp {rpc}", "tg", 1.4)):
         if ours in med and theirs in reference:
-            ratio = med[ours][col] / reference[theirs]["pp" if col == 0 else "tg"]
-            what = f"pp{n_pp}" if col == 0 else f"tg{n_tg}"
+            ratio = med[ours][tg_col if key == "tg" else pp_keys.index(key)] / reference[theirs][key]
+            what = f"tg{n_tg}" if key == "tg" else key
             targets.append(f"{ours} {what} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
     tensor = rpc + " tensor"
-    for ours, theirs, col, goal in ((tensor, f"llama.cpp {rpc}", 1, tensor_tg_goal),):  # issue #27's, to llama.cpp RPC
-        if ours in med and theirs in reference:
-            ratio = med[ours][col] / reference[theirs]["tg"]
-            targets.append(f"{ours} tg{n_tg} {ratio:.2f}x (>= {goal:g}: {'met' if ratio >= goal else 'MISSED'})")
+    if tensor in med and f"llama.cpp {rpc}" in reference:  # issue #27's, to llama.cpp RPC
+        ratio = med[tensor][tg_col] / reference[f"llama.cpp {rpc}"]["tg"]
+        targets.append(f"{tensor} tg{n_tg} {ratio:.2f}x (>= {tensor_tg_goal:g}: "
+                       f"{'met' if ratio >= tensor_tg_goal else 'MISSED'})")
     if targets:
         lines.append("targets vs llama.cpp: " + " | ".join(targets))
     local_all = next((name for name in med if name.startswith("local -t")), None)
     if tensor in med and local_all is not None:  # issue #27's, to this machine's cores in one process
         own = [f"{what} {med[tensor][k] / med[local_all][k]:.2f}x (>= 0.85: "
                f"{'met' if med[tensor][k] / med[local_all][k] >= 0.85 else 'MISSED'})"
-               for k, what in ((0, f"pp{n_pp}"), (1, f"tg{n_tg}"))]
+               for k, what in (*enumerate(pp_keys), (tg_col, f"tg{n_tg}"))]
         lines.append(f"targets {tensor} vs {local_all}: " + " | ".join(own))
     lines += notes
     lines.append(f"load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {n_cores} "

@@ -38,6 +38,21 @@ LIBRARY = {f.name: f.default for f in dataclasses.fields(CoordinatorConfig)}  # 
 GENERATION = _defaults(Coordinator.stream)  # max_tokens, temperature, top_k, top_p, seed
 
 
+MAX_PP = 8192  # bench --pp: the largest prompt size
+
+
+def _counts(minimum: int, maximum: int):
+    """An argparse type: comma-separated integers in minimum..maximum, as a tuple (llama-bench's -p)."""
+    one = _count(minimum, maximum)
+
+    def parse(text: str) -> tuple:
+        values = tuple(one(part.strip()) for part in text.split(","))
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"{text!r} names a size twice")
+        return values
+    return parse
+
+
 def _count(minimum: int, maximum: int | None = None):
     """An argparse type: an integer in minimum..maximum."""
     def parse(text: str) -> int:
@@ -290,7 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     b = sub.add_parser("bench", help="pp64/tg32 tokens/s: in-process against local workers, side by side")
     _common(b, with_head_flag=False)
     b.add_argument("--reps", type=_count(1), default=3)
-    b.add_argument("--pp", type=_count(1), default=64)
+    b.add_argument("--pp", type=_counts(1, MAX_PP), default=None, metavar="N[,N...]",
+                   help="prompt sizes, each a column (default: 64; with --model-1b 64,512: issue #27's two)")
     b.add_argument("--tg", type=_count(1), default=32)
     b.add_argument("--head-split", choices=("on", "off", "both"), default="both",
                    help="run the workers with the output head split over them, whole on the last, or both "
@@ -308,6 +324,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bench the 1B-class bench model instead of -m: TinyLlama 1.1B's shape with random weights, "
                         "Q4_K_M (built once into the cache by bench/bench_models.py build)")
     args = p.parse_args(argv)
+    if args.command == "bench" and args.pp is None:
+        args.pp = (64, 512) if args.model_1b else (64,)
     if args.command == "bench" and args.model_1b:
         from coordinator.serving.benchmark import bench_model
         if args.model is not None:

@@ -105,9 +105,11 @@ def rpc_servers(n: int, threads: int):
                 p.kill()
 
 
-def llama_bench(model: str, threads: int, pp: int, tg: int, reps: int, rpc: list[str] | None = None) -> dict:
-    """{'pp': t/s, 'tg': t/s} from llama-bench's JSON (the mean over reps)."""
-    cmd = [str(bin_dir() / "llama-bench"), "-m", model, "-t", str(threads), "-p", str(pp), "-n", str(tg),
+def llama_bench(model: str, threads: int, pps: tuple, tg: int, reps: int, rpc: list[str] | None = None) -> dict:
+    """{'pp64': t/s, ..., 'tg': t/s} from llama-bench's JSON (the mean over reps), a pp entry for
+    each prompt size of `pps`."""
+    cmd = [str(bin_dir() / "llama-bench"), "-m", model, "-t", str(threads), "-p", ",".join(map(str, pps)),
+           "-n", str(tg),
            "-r", str(reps), "--repack", "0", "-o", "json"]
     if rpc:
         cmd += ["-ngl", "99", "--rpc", ",".join(rpc)]
@@ -117,19 +119,19 @@ def llama_bench(model: str, threads: int, pp: int, tg: int, reps: int, rpc: list
                            f"{run.stderr[-2000:]}")
     out = {}
     for row in json.loads(run.stdout):
-        out["pp" if row["n_prompt"] else "tg"] = row["avg_ts"]
+        out[f"pp{row['n_prompt']}" if row["n_prompt"] else "tg"] = row["avg_ts"]
     return out
 
 
-def reference_rows(model: str, threads: int, pp: int, tg: int, reps: int,
+def reference_rows(model: str, threads: int, pps: tuple, tg: int, reps: int,
                    n_rpc: int) -> tuple[dict[str, dict], list[str]]:
-    """({row: {"pp", "tg"}}, notes): in process, and over n_rpc rpc-servers when built."""
-    rows, notes = {"llama.cpp": llama_bench(model, threads, pp, tg, reps)}, []
+    """({row: {"pp64", ..., "tg"}}, notes): in process, and over n_rpc rpc-servers when built."""
+    rows, notes = {"llama.cpp": llama_bench(model, threads, pps, tg, reps)}, []
     if n_rpc > 1:
         why = missing(RPC_SERVER)
         if why:
             notes.append(f"llama.cpp rpc row skipped: {why}")
         else:
             with rpc_servers(n_rpc, threads) as eps:
-                rows[f"llama.cpp rpc x{n_rpc}"] = llama_bench(model, threads, pp, tg, reps, eps)
+                rows[f"llama.cpp rpc x{n_rpc}"] = llama_bench(model, threads, pps, tg, reps, eps)
     return rows, notes

@@ -37,8 +37,8 @@ def test_rows_by_flags(endpoints, threads, head, links, names):
 def test_report_lines():
     results = {"local": [(100.0, 20.0, 22.0), (110.0, 21.0, 23.0), (90.0, 19.0, 21.0)],
                "rpc x2": [(150.0, 25.0, 30.0)], "rpc x2 relayed": [(120.0, 10.0, 11.0)]}
-    reference = {"llama.cpp": [{"pp": 125.0, "tg": 25.0}], "llama.cpp rpc x2": [{"pp": 100.0, "tg": 20.0}]}
-    lines = benchmark.report(results, reference, ["a note"], "rpc x2", 64, 32, (0.5, 1.25), 2)
+    reference = {"llama.cpp": [{"pp64": 125.0, "tg": 25.0}], "llama.cpp rpc x2": [{"pp64": 100.0, "tg": 20.0}]}
+    lines = benchmark.report(results, reference, ["a note"], "rpc x2", (64,), 32, (0.5, 1.25), 2)
     w = len("rpc x2 relayed") + 20
     assert lines[:11] == [
         f"{'setup':<{w}}" + "      pp64 t/s      tg32 t/s   tg32 greedy",
@@ -69,7 +69,7 @@ def test_report_lines():
 def test_report_without_the_reference():
     lines = benchmark.report({"local": [(1.0, 2.0, 3.0)], "local -t 2": [(2.0, 2.0, 6.0)],
                               "rpc x2 head whole": [(1.0, 1.0, 1.0)]}, {},
-                             ["llama.cpp reference skipped: not built"], "rpc x2", 8, 4, (0.0, 0.0), None)
+                             ["llama.cpp reference skipped: not built"], "rpc x2", (8,), 4, (0.0, 0.0), None)
     w = len("rpc x2 head whole") + 20
     assert lines[0] == f"{'setup':<{w}}" + "       pp8 t/s       tg4 t/s    tg4 greedy"
     assert [line[:w].rstrip() for line in lines[1:6]] == [
@@ -86,16 +86,33 @@ def test_the_tensor_rows_targets_are_the_models(goal):
     """Issue #27's tg target for the tensor split: 1.5x llama.cpp RPC for a 1B-class model, 1.4x for the
     bundled gemma3-270m (bench passes the one for its model); and 0.85x of one process with every core."""
     results = {"local": [(1.0, 10.0, 10.0)], "local -t 2": [(2.0, 20.0, 20.0)], "rpc x2 tensor": [(1.8, 29.0, 29.0)]}
-    reference = {"llama.cpp": [{"pp": 1.0, "tg": 10.0}], "llama.cpp rpc x2": [{"pp": 1.0, "tg": 20.0}]}
-    lines = benchmark.report(results, reference, [], "rpc x2", 64, 32, (0.0, 0.0), 2, goal)
+    reference = {"llama.cpp": [{"pp64": 1.0, "tg": 10.0}], "llama.cpp rpc x2": [{"pp64": 1.0, "tg": 20.0}]}
+    lines = benchmark.report(results, reference, [], "rpc x2", (64,), 32, (0.0, 0.0), 2, goal)
     verdict = "met" if goal == 1.4 else "MISSED"
     assert f"rpc x2 tensor tg32 1.45x (>= {goal:g}: {verdict})" in next(l for l in lines if l.startswith("targets vs"))
     assert "targets rpc x2 tensor vs local -t 2: pp64 0.90x (>= 0.85: met) | tg32 1.45x (>= 0.85: met)" in lines
 
 
+def test_two_prompt_sizes_are_two_columns_with_their_targets():
+    """--pp 64,512 (--model-1b's default): a column and a target each, in one run (issue #27: pp64 and
+    pp512 >= 0.85x of one process with every core), against llama-bench's rows of the same sizes."""
+    results = {"local": [(10.0, 8.0, 1.0, 1.0)], "local -t 2": [(20.0, 16.0, 2.0, 2.0)],
+               "rpc x2 tensor": [(18.0, 12.0, 1.9, 2.0)]}
+    reference = {"llama.cpp": [{"pp64": 10.0, "pp512": 10.0, "tg": 1.0}],
+                 "llama.cpp rpc x2": [{"pp64": 10.0, "pp512": 8.0, "tg": 1.0}]}
+    lines = benchmark.report(results, reference, [], "rpc x2", (64, 512), 32, (0.0, 0.0), 2)
+    w = len("rpc x2 tensor") + 20
+    assert lines[0] == f"{'setup':<{w}}" + "      pp64 t/s     pp512 t/s      tg32 t/s   tg32 greedy"
+    assert f"{'llama.cpp rpc x2':<{w}}          10.0           8.0           1.0             -" in lines
+    assert "targets vs llama.cpp: local pp64 1.00x (>= 0.95: met) | local pp512 0.80x (>= 0.95: MISSED) | " \
+           "rpc x2 tensor tg32 1.90x (>= 1.5: met)" in lines
+    assert ("targets rpc x2 tensor vs local -t 2: pp64 0.90x (>= 0.85: met) | pp512 0.75x (>= 0.85: MISSED) | "
+            "tg32 0.95x (>= 0.85: met)") in lines
+
+
 def test_reference_rows_are_skipped_saying_why(monkeypatch):
     monkeypatch.setattr(llama_cpp_reference, "bin_dir", lambda: __import__("pathlib").Path("/nonexistent/bin"))
-    args = SimpleNamespace(model="m.gguf", threads=1, pp=64, tg=32)
+    args = SimpleNamespace(model="m.gguf", threads=1, pp=(64,), tg=32)
     assert benchmark.reference_runner(args, 2) == (
         None, ("llama.cpp reference skipped: llama.cpp reference not built (llama-bench missing in "
                "/nonexistent/bin): python bench/llama_cpp_reference.py build"))
@@ -106,10 +123,10 @@ def test_reference_rows_run_llama_bench_when_built(monkeypatch, tmp_path):
     monkeypatch.setattr(llama_cpp_reference, "bin_dir", lambda: tmp_path)
     calls = []
     monkeypatch.setattr(llama_cpp_reference, "reference_rows", lambda *a: calls.append(a) or ({}, []))
-    run, why = benchmark.reference_runner(SimpleNamespace(model="m.gguf", threads=3, pp=64, tg=32), 2)
+    run, why = benchmark.reference_runner(SimpleNamespace(model="m.gguf", threads=3, pp=(64, 512), tg=32), 2)
     assert why is None and calls == []
     assert run() == ({}, [])
-    assert calls == [("m.gguf", 3, 64, 32, 1, 2)]
+    assert calls == [("m.gguf", 3, (64, 512), 32, 1, 2)]
 
 
 # ---------------------------------------------------------------- the 1B bench model, found by name
@@ -241,7 +258,7 @@ def test_a_reference_tool_killed_by_sigill_is_named_so(monkeypatch, tmp_path):
     monkeypatch.setattr(llama_cpp_reference, "bin_dir", lambda: tmp_path)
     _tool(tmp_path / "llama-bench", 'kill -ILL $$\n')
     with pytest.raises(RuntimeError, match=r"^llama-bench failed \(killed by SIGILL: an instruction this CPU"):
-        llama_cpp_reference.llama_bench("m.gguf", 1, 8, 4, 1)
+        llama_cpp_reference.llama_bench("m.gguf", 1, (8,), 4, 1)
     _tool(tmp_path / llama_cpp_reference.RPC_SERVER, 'kill -ILL $$\n')
     with pytest.raises(RuntimeError, match=r"rpc-server on 127\.0\.0\.1:\d+ exited at start \(killed by SIGILL"):
         with llama_cpp_reference.rpc_servers(1, 1):

@@ -161,3 +161,12 @@ def test_ctk_is_not_c_and_hf_is_not_help(capsys):
         assert "KV cache of type 'q5_1' is not supported: choose f16, q8_0, q4_0" in refused(
             capsys, *argv, "-ctk", "q5_1", command=command)
         assert "-hf: downloading a model is not supported" in refused(capsys, *argv, "-hf", "r", command=command)
+
+
+def test_bench_takes_prompt_sizes_as_llama_bench_does(capsys):
+    """--pp N[,N...] (llama-bench's -p): a column per size; 64 unless told (not read as one 64512)."""
+    assert parse_args(["bench", *MODEL]).pp == (64,)
+    assert parse_args(["bench", *MODEL, "--pp", "64,512"]).pp == (64, 512)
+    assert "names a size twice" in refused(capsys, "--pp", "64,64", command="bench")
+    assert "must be at least 1, not 0" in refused(capsys, "--pp", "64,0", command="bench")
+    assert "'x' is not an integer" in refused(capsys, "--pp", "64,x", command="bench")
