@@ -371,10 +371,13 @@ def model_qwen2(yarn: bool = False):
     return "qwen2", meta, vocab, tensors
 
 
-def model_qwen3():
+def model_qwen3(n_head: int = 4):
     """Qwen 3-style: per-head Q/K RMS norms, head_dim (64) apart from n_embd / n_head,
-    NEOX RoPE, BPE ("qwen2"), K-quants: n_embd 256 so rows are whole q4_K/q6_K blocks."""
-    d = Dims(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512, head_dim=64)
+    NEOX RoPE, BPE ("qwen2"), K-quants: n_embd 256 so rows are whole q4_K/q6_K blocks.
+    2 KV heads; n_head 4 (the default) makes a KV group's columns of attn_output 2 x 64 =
+    128, half a block: refused in tensor mode. n_head 8 ("qwen3-wide"): 4 x 64 = 256, one
+    block, as real Qwen3 models' head_dim 128 groups are whole blocks: it splits."""
+    d = Dims(n_embd=256, n_layer=2, n_head=n_head, n_head_kv=2, n_ff=512, head_dim=64)
     vocab = bpe_vocab("qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 384,
                       bos=None, eos="<|endoftext|>", eot="<|im_end|>")
     first, last = _ends(d, len(vocab.tokens), "q4_K", "q6_K")
@@ -438,15 +441,15 @@ def model_qwen3moe():
 
 
 MODELS = {"llama": model_llama, "llama3": model_llama3, "qwen2": model_qwen2,
-          "qwen2-yarn": lambda: model_qwen2(yarn=True), "qwen3": model_qwen3, "phi3": model_phi3,
-          "qwen3moe": model_qwen3moe}
+          "qwen2-yarn": lambda: model_qwen2(yarn=True), "qwen3": model_qwen3,
+          "qwen3-wide": lambda: model_qwen3(n_head=8), "phi3": model_phi3, "qwen3moe": model_qwen3moe}
 
 # tests/coordinator/test_model_reference.py's cases, recorded by bench/record_reference_logits.py into
 # tests/fixtures/reference/CASE.npz: case -> (model, n_ctx). Phi-3 twice: its LongRoPE
 # short factors (n_ctx up to rope.scaling.original_context_length, 256) and long ones.
 REFERENCE_CASES = {"llama": ("llama", 64), "llama3": ("llama3", 64), "qwen2": ("qwen2", 64),
-                   "qwen2-yarn": ("qwen2-yarn", 64), "qwen3": ("qwen3", 64), "phi3-short": ("phi3", 256),
-                   "phi3-long": ("phi3", 512), "qwen3moe": ("qwen3moe", 64)}
+                   "qwen2-yarn": ("qwen2-yarn", 64), "qwen3": ("qwen3", 64), "qwen3-wide": ("qwen3-wide", 64),
+                   "phi3-short": ("phi3", 256), "phi3-long": ("phi3", 512), "qwen3moe": ("qwen3moe", 64)}
 
 
 def write_tiny_model(path: str | os.PathLike, name: str, seed: int = 0, **opts) -> str:

@@ -29,13 +29,14 @@ from tiny_models import REFERENCE_CASES, W, model_llama3, model_phi3, spm_vocab,
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "reference"
 TOLERANCE = 0.02  # max abs logit difference; logits here are O(1..10) (std 2.4-3.5)
-# K-quant weights (qwen3: q4_K, q6_K): measured max 0.34 on logits of std 4.9, at a few
-# positions, argmax and continuation equal (docs/architecture.md, "Numerics truth": a lone
+# K-quant weights (qwen3: q4_K, q6_K): measured max 0.34 on logits of std 4.9 (qwen3-wide, the same
+# with 8 query heads: 0.14) with the libggml-python wheel, 0 with the libggml built from llama.cpp's
+# source, at a few positions, argmax and continuation equal (docs/architecture.md, "Numerics truth": a lone
 # K-quant matmul agrees between the two ggml builds; the cause is not pinned down)
 # qwen3moe: its prompt logits are bitwise llama.cpp's and 5 of 6 continuation steps too; one
 # step differs by 0.026 (also with the experts picked by argsort as llama.cpp does, and with
 # the step computed in one batch with the prompt: not the routing, not the batching)
-K_QUANT_TOLERANCE = {"qwen3": 0.5, "qwen3moe": 0.05}
+K_QUANT_TOLERANCE = {"qwen3": 0.5, "qwen3-wide": 0.5, "qwen3moe": 0.05}
 RERECORD = "re-record with: python bench/record_reference_logits.py"
 
 
