@@ -1,6 +1,6 @@
 """What one tensor-parallel exchange costs, worker to worker.
 
-    python bench/bench_exchange.py [--exchanges 44] [--reps 200]
+    python bench/bench_exchange.py [--exchanges 44] [--reps 200] [--tls]
 
 Two local workers (ggml-rpc-server on 127.0.0.1, 1 thread each) are linked
 (TENSOR_LINK) and both compute, at once, a graph of --exchanges tiny ops whose
@@ -10,15 +10,19 @@ same graph without the exchanges. (with - without) / exchanges is the cost of
 one exchange: the segment boundary, the bytes both ways, the wait, the sum.
 Sizes: 2, 8, 16 and 512 KiB (a token's hidden state of n_embd 512, 2048 and 4096
 in f32; a 64-token prompt's of n_embd 2048). The median of --reps steps each, side by side in one run. Issue #27's
-budget: <= 150 us per exchange of 2-16 KB on loopback.
+budget: <= 150 us per exchange of 2-16 KB on loopback. With --tls, then the same over
+two TLS workers (--tls-cert, --peer-tls-ca: throwaway certificates from tests/tls_certs.py),
+whose links are TLS sessions in the compute processes.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,8 +53,8 @@ def chain(n_floats: int, n_ops: int):
         ctx.close()
 
 
-async def bench(endpoints: list[str], n_exchanges: int, reps: int) -> list[tuple[int, float, float]]:
-    a, b = [await RpcClient.connect(e) for e in endpoints]
+async def bench(endpoints: list[str], n_exchanges: int, reps: int, ssl_context=None) -> list[tuple[int, float, float]]:
+    a, b = [await RpcClient.connect(e, ssl_context=ssl_context) for e in endpoints]
     try:
         la = await a.request(Command.TENSOR_LINK, {"op": "listen", "link": 1})
         await b.request(Command.TENSOR_LINK, {"op": "listen", "link": 1})
@@ -89,16 +93,31 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--exchanges", type=int, default=44, help="exchanges per step (a 22-layer model's)")
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--tls", action="store_true", help="then the same between TLS workers")
     args = p.parse_args(argv)
     with LocalWorkers(2, threads=1) as workers:
         rows = asyncio.run(bench(workers.endpoints, args.exchanges, args.reps))
-    print(f"{'bytes':>8} {'step with':>12} {'without':>12} {'per exchange':>14}   ({args.exchanges} exchanges a step, "
-          f"median of {args.reps}; load {os.getloadavg()[0]:.2f})")
+    report("plain TCP", rows, args)
+    if args.tls:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+        from tls_certs import make_tls_files
+        from rpc_daemon.wire.tls import client_context
+        with tempfile.TemporaryDirectory() as d:
+            files = make_tls_files(pathlib.Path(d))
+            tls_args = ("--tls-cert", files.cert, "--tls-key", files.key, "--peer-tls-ca", files.ca)
+            with LocalWorkers(2, threads=1, extra_args=tls_args) as workers:
+                rows = asyncio.run(bench(workers.endpoints, args.exchanges, args.reps, client_context(files.ca)))
+        report("TLS", rows, args)
+    return 0
+
+
+def report(mode: str, rows: list, args) -> None:
+    print(f"{'bytes':>8} {'step with':>12} {'without':>12} {'per exchange':>14}   ({mode}: {args.exchanges} exchanges "
+          f"a step, median of {args.reps}; load {os.getloadavg()[0]:.2f})")
     for size, with_x, without in rows:
         per = (with_x - without) / args.exchanges
         print(f"{size:>8} {with_x * 1e3:>10.3f}ms {without * 1e3:>10.3f}ms {per * 1e6:>12.1f}us  "
               + (f"({'within' if per <= 150e-6 else 'OVER'} the 150 us budget)" if size <= 16384 else ""))
-    return 0
 
 
 if __name__ == "__main__":

@@ -791,7 +791,8 @@ class RemoteExecutor:
 
     @property
     def tensor_links(self) -> bool:
-        """The worker links its compute process with tensor-parallel peers' (not over TLS)."""
+        """The worker links its compute process with tensor-parallel peers' (over TLS only if it can
+        verify them: a TLS worker without --peer-tls-ca does not offer it)."""
         return self._offers("tensor_links")
 
     async def tensor_listen(self, link: int) -> dict:
@@ -802,8 +803,10 @@ class RemoteExecutor:
 
     async def tensor_join(self, link: int, rank: int, n: int, peers: list[dict], timeout: float) -> None:
         """TENSOR_LINK join: linked with every lower rank in `peers` and every higher rank's connection.
-        A join cancelled because another member's failed is that member's failure, not this one's
-        (reported only when nothing else failed, not latched)."""
+        A join cancelled because another member's failed, or that failed for its peer's fault (the
+        reply's `peer_rank`: the peer's certificate did not verify, it closed the link in the TLS
+        handshake), is that member's failure, not this one's (reported only when nothing else failed,
+        not latched)."""
         await self._request(Command.TENSOR_LINK, {"op": "join", "link": link, "rank": rank, "n": n, "peers": peers,
                                                   "timeout": timeout}, refused=self._join_failed)
 
@@ -813,6 +816,10 @@ class RemoteExecutor:
         if exc.header.get("cancelled"):
             return TensorLinkFailed(FailureKind.COMPUTE, self.endpoint,
                                     f"worker {self.endpoint}'s tensor link was cancelled: {exc}")
+        if "peer_rank" in exc.header:
+            return TensorLinkFailed(FailureKind.COMPUTE, self.endpoint,
+                                    f"worker {self.endpoint} could not link with its tensor-parallel peer of rank "
+                                    f"{exc.header['peer_rank']}: {exc}")
         return StageFailed(FailureKind.ENDPOINT, self.endpoint,
                            f"worker {self.endpoint} could not link with its tensor-parallel peers: {exc}")
 

@@ -188,7 +188,7 @@ class ModelLoader:
                 return "`local` cannot be a member of a tensor-parallel group (its exchanges need a worker)"
             if not getattr(p.executor, "tensor_links", False):
                 return (f"worker {p.endpoint} does not offer tensor links (an older ggml-rpc-server, or one that "
-                        f"serves TLS: tensor links are not encrypted)")
+                        f"serves TLS without --peer-tls-ca: it could not verify its peers' certificates)")
         if len(places) // group_size > self.hp.n_layer:
             return f"{len(places) // group_size} groups but the model has only {self.hp.n_layer} layers"
         try:

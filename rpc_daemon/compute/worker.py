@@ -28,6 +28,7 @@ import structlog
 
 from ggml_ffi import NULL, CpuBackend, Gallocr, ffi, lib, route_logs_to_structlog
 from rpc_daemon.compute import link as compute_link
+from rpc_daemon.compute import link_tls
 from rpc_daemon.compute.channel import ChannelEnded, StepChannelServer
 from rpc_daemon.compute.exchange import SPIN_S, SegmentedGraph, TensorLink
 from rpc_daemon.service import hoptrace
@@ -131,12 +132,24 @@ class ComputeState:
         if entry:
             lib.ggml_backend_buffer_free(entry[0])  # the memory stays: it is the arena's
 
-    def set_tensor_link(self, header: dict, fds: list[int]) -> None:
-        """The sockets the daemon connected to the group's other members (one per peer, in header order)."""
+    def set_tensor_link(self, header: dict, fds: list[int]) -> dict:
+        """The sockets the daemon connected to the group's other members (one per peer, in header
+        order), TLS run over them first when the header has `tls` (link_tls.py); the reply."""
         if self.tensor_link is not None:
             self.tensor_link.close()
+            self.tensor_link = None
         socks = {r: socket.socket(fileno=fd) for r, fd in zip(header["peers"], fds)}
-        self.tensor_link = TensorLink(header["link"], header["rank"], socks, self.spin_s)
+        sessions = None
+        if header.get("tls") is not None:
+            try:
+                sessions = link_tls.secure(socks, header["link"], header["rank"], header["tls"])
+            except link_tls.LinkSetupFailed as exc:  # the sockets are closed
+                reply = {"status": int(Status.LINK_FAILED), "error": str(exc)}
+                if exc.peer_rank is not None:
+                    reply["peer_rank"] = exc.peer_rank
+                return reply
+        self.tensor_link = TensorLink(header["link"], header["rank"], socks, self.spin_s, sessions)
+        return {"status": 0}
 
     def set_step_channel(self, header: dict, fds: list[int]) -> None:
         self.close_step_channel()
@@ -352,8 +365,7 @@ def serve(sock: socket.socket, n_threads: int, spin_s: float = SPIN_S) -> None:
             for key in header.get("drop_graphs", ()):
                 state.drop_graph(key)
             if header.get("kind") == "tensor_link":
-                state.set_tensor_link(header, fds)
-                reply, out = {"status": 0}, b""
+                reply, out = state.set_tensor_link(header, fds), b""
             elif header.get("kind") == "step_channel":
                 state.set_step_channel(header, fds)
                 reply, out = {"status": 0}, b""

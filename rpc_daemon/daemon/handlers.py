@@ -70,11 +70,12 @@ class Session:
         return self.auth is not None and self.auth.pending
 
     def features(self) -> list[str]:
-        # tensor links carry activations in the clear: not offered by a daemon that serves TLS
+        # a TLS daemon links with peers only if it can verify them (--peer-tls-ca): step links and
+        # tensor links (those run TLS in the compute process); a step channel is never encrypted
         return [f for f in P.FEATURES if f not in self.config.test_older
                 and (f != "tensor_cache" or self.daemon.cache is not None)
-                and (f not in ("step_links", "step_reply_output") or self.daemon.peer_links.usable)
-                and (f not in ("tensor_links", "step_channel") or not self.config.tls_cert)
+                and (f not in ("step_links", "step_reply_output", "tensor_links") or self.daemon.peer_links.usable)
+                and (f != "step_channel" or not self.config.tls_cert)
                 # a request over a step channel never passes the daemon's --test-fault points
                 and (f != "step_channel" or not self.config.test_faults)]
 

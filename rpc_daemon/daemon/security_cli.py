@@ -36,8 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-cert", metavar="PEM", help="serve TLS on the port with this certificate (chain)")
     s.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     s.add_argument("--peer-tls-ca", metavar="PEM",
-                   help="CA that the workers this one forwards activations to (step links) are verified "
-                        "against; a worker serving TLS offers step links only with it")
+                   help="CA that the other workers this one links with (step links, tensor links) are "
+                        "verified against; a worker serving TLS offers step links and tensor links only with it")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a shared secret (anyone who can reach the port "
                         "can use the worker)")

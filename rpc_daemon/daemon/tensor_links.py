@@ -9,12 +9,19 @@ the connected sockets to the session's compute process, which exchanges the
 partial sums itself (compute/exchange.py). The daemon keeps its copies only to
 end the link: TENSOR_CANCEL, a new link, or the session's end shut them down,
 which ends a compute process's wait on them at once.
+
+On a daemon serving TLS (with --peer-tls-ca: else it offers no tensor links
+and refuses TENSOR_LINK) the HELLO carries the ticket's digest instead of
+the ticket, and the compute process runs TLS over the sockets before the
+join is answered
+(compute/link_tls.py): the join's reply is then the TLS phase's.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
+import time
 
 import structlog
 
@@ -40,9 +47,11 @@ class TensorLinks:
         self.ticket = b""
         self.socks: list[socket.socket] = []
         self.joining: asyncio.Task | None = None  # a join in progress (TENSOR_CANCEL ends it)
+        self.ended = False  # end() was called since the last listen (a TLS phase cut short was cancelled)
 
     def end(self) -> None:
         """Shut the link down: a compute process waiting on it, or a join, stops waiting now."""
+        self.ended = True
         if self.joining is not None:
             self.joining.cancel()
         for s in self.socks:
@@ -69,6 +78,10 @@ def links_of(s) -> TensorLinks:
 
 async def handle_tensor_link(s, h, blob, direct):
     req = V.check_tensor_link(h)
+    tls = bool(s.config.tls_cert)
+    if not s.daemon.peer_links.usable:  # TLS without --peer-tls-ca
+        raise ProtocolError(Status.INVALID_REQUEST, "this worker serves TLS without --peer-tls-ca: it cannot verify "
+                                                    "tensor-link peers (it offers no tensor links)")
     links = links_of(s)
     if req.op == "listen":
         links.close()
@@ -77,11 +90,13 @@ async def handle_tensor_link(s, h, blob, direct):
         except OSError as exc:
             return {"status": Status.FAILED, "error": f"cannot open a tensor-link listener: {exc}"}
         links.link_id, links.listener, links.ticket = req.link, listener, os.urandom(TICKET_BYTES)
+        links.ended = False
         return {"port": listener.getsockname()[1], "ticket": links.ticket}
     if links.listener is None or links.link_id != req.link:
         raise ProtocolError(Status.INVALID_REQUEST, f"TENSOR_LINK join of link {req.link} needs its listen first")
+    deadline = time.monotonic() + req.timeout  # the whole join's, the TLS phase's included
     socks: dict[int, socket.socket] = {}  # rank -> linked socket, filled as the join goes
-    join = links.joining = asyncio.get_running_loop().create_task(_join(links, req, socks))
+    join = links.joining = asyncio.get_running_loop().create_task(_join(links, req, socks, tls))
     try:
         await asyncio.wait({join}, timeout=req.timeout)
     finally:
@@ -106,19 +121,34 @@ async def handle_tensor_link(s, h, blob, direct):
     links.listener = None
     links.socks = [sock for _, sock in sorted(socks.items())]
     ranks = sorted(socks)
+    message = {"kind": "tensor_link", "link": req.link, "rank": req.rank, "peers": ranks}
+    if tls:
+        compute = s.daemon.compute
+        message["tls"] = {
+            "cert": s.config.tls_cert, "key": s.config.tls_key, "ca": s.config.peer_tls_ca, "ticket": links.ticket,
+            "peers": {p.rank: (p.host, p.ticket) for p in req.peers},
+            # done before the compute process's call can time out and kill it (--compute-timeout)
+            "deadline": min(deadline, time.monotonic() + 0.9 * compute.timeout)}
     try:
         reply, _ = await s.daemon.compute.for_client(s.client_id).call(
-            {"kind": "tensor_link", "link": req.link, "rank": req.rank, "peers": ranks},
-            fds=tuple(sock.fileno() for sock in links.socks))
+            message, fds=tuple(sock.fileno() for sock in links.socks))
     except ComputeFailed as exc:
         links.close()
         return {"status": Status.FAILED, "error": str(exc)}
-    log.info("tensor link up", link=req.link, rank=req.rank, peers=ranks)
+    if reply.get("status", 0) != 0:  # the TLS phase failed: nothing kept
+        fields = {}
+        if "peer_rank" in reply:  # the failure is the peer's; a TENSOR_CANCEL meanwhile made it end so
+            fields = {"cancelled": True} if links.ended else {"peer_rank": reply["peer_rank"]}
+        links.close()
+        log.warning("tensor link failed in TLS", link=req.link, rank=req.rank, error=reply.get("error"))
+        return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {reply.get('error')}", **fields}
+    log.info("tensor link up", link=req.link, rank=req.rank, peers=ranks, tls=tls)
     return {}
 
 
-async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket]:
-    """Connect to every lower rank, accept every higher one, into `socks`: rank -> connected socket."""
+async def _join(links: TensorLinks, req, socks: dict, tls: bool) -> dict[int, socket.socket]:
+    """Connect to every lower rank, accept every higher one, into `socks`: rank -> connected socket.
+    `tls`: the HELLOs carry the tickets' digests (the compute process runs TLS next)."""
     loop = asyncio.get_running_loop()
     connect_timeout = req.timeout * CONNECT_SHARE
 
@@ -143,7 +173,7 @@ async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket
             # join times out waiting for it
             async with asyncio.timeout(connect_timeout):
                 await loop.sock_connect(sock, addr)
-                await loop.sock_sendall(sock, pack_hello(req.link, req.rank, peer.ticket))
+                await loop.sock_sendall(sock, pack_hello(req.link, req.rank, peer.ticket, tls))
                 ack = await recv_up_to(loop, sock, 1)
             if ack != ACK:  # a HELLO it does not take is closed unanswered
                 raise LinkBroken(f"{where} refused the tensor link (closed it without an answer)")
@@ -162,7 +192,7 @@ async def _join(links: TensorLinks, req, socks: dict) -> dict[int, socket.socket
         rank = None
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
-                rank = check_hello(await read(sock, HELLO.size), req.link, links.ticket, pending)
+                rank = check_hello(await read(sock, HELLO.size), req.link, links.ticket, pending, tls)
                 pending.discard(rank)  # before any wait: a second HELLO for this rank is refused
                 await loop.sock_sendall(sock, ACK)
         except BaseException as exc:

@@ -240,26 +240,76 @@ def test_workers_that_cannot_reach_each_other_are_named_at_start(tmp_path, start
     assert a.alive() and b.alive()
 
 
-def test_tls_workers_offer_no_tensor_links_and_auto_keeps_the_layer_split(tmp_path, start_daemon, secret_file,
-                                                                           tls_files):
-    """A tensor link is not encrypted (docs/security.md): a TLS worker leaves `tensor_links` and
-    `step_channel` out of its features; auto says why it keeps the layer split, tensor refuses."""
+def test_tls_workers_run_the_tensor_split_over_tls(tmp_path, start_daemon, secret_file, tls_files):
+    """TLS workers with --peer-tls-ca link their compute processes over TLS (docs/security.md):
+    tensor mode's logits are in-process's within the plain tensor test's bound, and auto decides by
+    measurement (a tiny model: the layer split, the figures in split_choice). A step channel is
+    never encrypted: not offered."""
     secret = open(secret_file).read().strip()
     tls = ("-t", "1", "--secret-file", secret_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key,
            "--peer-tls-ca", tls_files.ca)
     a, b = start_daemon(*tls), start_daemon(*tls)
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
-    opts = dict(model=model, n_ctx=64, secret=secret, tls_ca=tls_files.ca)
-    with Coordinator([a.endpoint, b.endpoint], split_mode="auto", **opts) as c:
-        assert c.health()["split_mode"] == "layer"
-        choice = c.health()["split_choice"]
-        assert choice["chosen"] == "layer" and "tensor links" in choice["reason"], choice
+    opts = dict(model=model, n_ctx=128, secret=secret, tls_ca=tls_files.ca)
+    with Coordinator(["local"], model=model, n_ctx=128) as c:
+        ref = all_logits(c)
+    with Coordinator([a.endpoint, b.endpoint], split_mode="tensor", **opts) as c:
+        assert c.health()["split_mode"] == "tensor"
         features = c._places[0].executor.client.server_hello["features"]
-        assert "tensor_links" not in features and "step_channel" not in features, features
+        assert "tensor_links" in features and "step_channel" not in features, features
+        ours = all_logits(c)
+        assert c._places[0].executor.exchange_us > 0  # the exchanges ran, worker to worker
+        assert_best_tokens_rank_the_logits(c, ours)
         _, code = generate_tokens(c, 3)
         assert code == DecodeResult.OK, c.last_error
-    with pytest.raises(ValueError, match="does not offer tensor links"):
+    assert all(any("tensor link up" in line and "tls=True" in line for line in d.log_lines) for d in (a, b))
+    deviation = float(np.abs(ours - ref).max())
+    assert deviation <= 1e-3 * float(np.abs(ref).max()), deviation
+    agree_where_clear(ours, ref, deviation)
+    with Coordinator([a.endpoint, b.endpoint], split_mode="auto", **opts) as c:
+        choice = c.health()["split_choice"]
+        assert choice["asked"] == "auto" and "reason" not in choice, choice  # measured, not refused
+        assert choice["chosen"] == c.health()["split_mode"] == "layer", choice
+        assert choice["exchanges_ms_per_token"] >= choice["compute_saved_ms_per_token"] * TENSOR_PAYS, choice
+
+
+def test_a_tls_worker_without_peer_ca_offers_no_tensor_links(tmp_path, start_daemon, secret_file, tls_files):
+    """Without --peer-tls-ca a TLS worker cannot verify its peers: it offers no tensor links, tensor
+    mode is refused saying so, auto keeps the layer split with that reason."""
+    secret = open(secret_file).read().strip()
+    tls = ("-t", "1", "--secret-file", secret_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key)
+    a, b = start_daemon(*tls, "--peer-tls-ca", tls_files.ca), start_daemon(*tls)
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    opts = dict(model=model, n_ctx=64, secret=secret, tls_ca=tls_files.ca)
+    with pytest.raises(ValueError, match=f"worker {b.endpoint} does not offer tensor links .*without --peer-tls-ca"):
         Coordinator([a.endpoint, b.endpoint], split_mode="tensor", **opts)
+    with Coordinator([a.endpoint, b.endpoint], split_mode="auto", **opts) as c:
+        choice = c.health()["split_choice"]
+        assert choice["chosen"] == "layer" and "--peer-tls-ca" in choice["reason"], choice
+        _, code = generate_tokens(c, 3)
+        assert code == DecodeResult.OK, c.last_error
+
+
+def test_a_member_whose_certificate_its_peer_cannot_verify_is_named_at_start(tmp_path, start_daemon, secret_file,
+                                                                             tls_files):
+    """A's certificate is signed by no CA in B's --peer-tls-ca (the coordinator trusts it: its CA file
+    holds both). B, A's TLS client on their link, fails verifying it; A hears the refusal: the start
+    fails naming A, whose certificate is the problem, not B, which found it."""
+    secret = open(secret_file).read().strip()
+    common = ("-t", "1", "--secret-file", secret_file, "--peer-tls-ca", tls_files.ca)
+    a = start_daemon(*common, "--tls-cert", tls_files.self_signed_cert, "--tls-key", tls_files.self_signed_key)
+    b = start_daemon(*common, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key)
+    both_cas = tmp_path / "cas.pem"
+    both_cas.write_text(open(tls_files.ca).read() + open(tls_files.self_signed_cert).read())
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    with pytest.raises(EndpointUnavailable) as err:
+        Coordinator([a.endpoint, b.endpoint], model=model, n_ctx=64, split_mode="tensor", secret=secret,
+                    tls_ca=str(both_cas))
+    assert err.value.endpoint == a.endpoint, err.value.message
+    assert "could not link with its tensor-parallel peers" in err.value.message, err.value.message
+    assert "refused this worker's TLS handshake: tlsv1 alert unknown ca" in err.value.message, err.value.message
+    assert any("certificate verify failed: self-signed certificate" in line for line in b.log_lines)
+    assert a.alive() and b.alive()
 
 
 def generate_tokens(c: Coordinator, n: int, fault=None, resuming: bool = False) -> tuple[list[int], DecodeResult]:

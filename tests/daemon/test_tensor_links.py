@@ -69,6 +69,12 @@ def pair(start_daemon):
     b.close()
 
 
+@pytest.fixture(params=["plain", "tls"])
+def any_pair(request):
+    """pair, then tls_pair (workers with --tls-cert and --peer-tls-ca: the links run TLS)."""
+    return request.getfixturevalue("pair" if request.param == "plain" else "tls_pair")
+
+
 def test_all_reduce_sums_the_partials_on_both_members(pair):
     da, db, a, b = pair
     assert "tensor_links" in a.hello_reply["features"]
@@ -153,8 +159,8 @@ def test_bad_exchange_tensors_are_refused(pair):
     assert h["status"] == Status.INVALID_REQUEST, h
 
 
-def test_a_killed_peer_ends_the_wait_at_once(pair):
-    da, db, a, b = pair
+def test_a_killed_peer_ends_the_wait_at_once(any_pair):
+    da, db, a, b = any_pair
     link(a, b, db.port)
     started = time.monotonic()
     threading.Timer(0.5, db.kill).start()  # b never computes: a waits on the exchange until b dies
@@ -163,8 +169,8 @@ def test_a_killed_peer_ends_the_wait_at_once(pair):
     assert time.monotonic() - started < 0.5 + 2 * SLACK
 
 
-def test_tensor_cancel_ends_the_wait_of_a_stopped_peer(pair):
-    da, db, a, b = pair
+def test_tensor_cancel_ends_the_wait_of_a_stopped_peer(any_pair):
+    da, db, a, b = any_pair
     link(a, b, db.port)
     db.signal(signal.SIGSTOP)
     try:
@@ -182,8 +188,8 @@ def test_tensor_cancel_ends_the_wait_of_a_stopped_peer(pair):
         db.signal(signal.SIGCONT)
 
 
-def test_a_peer_out_of_step_drops_the_link(pair):
-    da, db, a, b = pair
+def test_a_peer_out_of_step_drops_the_link(any_pair):
+    da, db, a, b = any_pair
     link(a, b, db.port)
     (ha, _), (hb, _) = both(lambda: compute(a, [1, 2, 3, 4], 5), lambda: compute(b, [1, 2, 3, 4], 6))
     assert ha["status"] == hb["status"] == Status.LINK_FAILED, (ha, hb)
@@ -197,8 +203,8 @@ GRAPH8 = [T(F32, [8], flags=INPUT),
           T(F32, [8], op=lib.GGML_OP_ADD, src=[1, 1], flags=OUTPUT | COMPUTE)]
 
 
-def test_a_peer_sending_another_size_drops_the_link(pair):
-    da, db, a, b = pair
+def test_a_peer_sending_another_size_drops_the_link(any_pair):
+    da, db, a, b = any_pair
     link(a, b, db.port)
     eight = lambda: b.call(Command.GRAPH_COMPUTE, {  # noqa: E731
         "tensors": GRAPH8, "inputs": [[0, 0, 32]], "outputs": [2],
@@ -208,8 +214,8 @@ def test_a_peer_sending_another_size_drops_the_link(pair):
     assert "16 bytes" in ha["error"] and "32 bytes" in ha["error"], ha
 
 
-def test_a_peer_that_never_sends_its_partial_ends_the_wait_at_the_steps_timeout(pair):
-    da, db, a, b = pair
+def test_a_peer_that_never_sends_its_partial_ends_the_wait_at_the_steps_timeout(any_pair):
+    da, db, a, b = any_pair
     link(a, b, db.port)  # b is alive and answering, but never computes
     started = time.monotonic()
     h, _ = compute(a, [1, 2, 3, 4], 0, timeout=0.5)
@@ -283,3 +289,301 @@ def test_spin_ms_is_a_bounded_number_of_milliseconds():
     for bad in ("-1", "1001", "nan"):
         with pytest.raises(SystemExit):
             parse_args(["--spin-ms", bad])
+
+
+# ---------------------------------------------------------------- over TLS (workers with --peer-tls-ca)
+
+def tls_args(tls_files, cert=None, key=None, ca=None) -> tuple:
+    return ("--tls-cert", cert or tls_files.cert, "--tls-key", key or tls_files.key,
+            *(() if ca is False else ("--peer-tls-ca", ca or tls_files.ca)))
+
+
+def tls_conn(port: int, ca: str) -> RawConn:
+    """A RawConn over TLS to a daemon on 127.0.0.1, its certificate verified against `ca`."""
+    import socket
+    from rpc_daemon.wire.tls import client_context
+    sock = client_context(ca).wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                          server_hostname="127.0.0.1")
+    conn = RawConn.over(sock)
+    conn.hello_reply = conn.hello()
+    return conn
+
+
+@pytest.fixture
+def tls_pair(start_daemon, tls_files):
+    da, db = start_daemon(*tls_args(tls_files)), start_daemon(*tls_args(tls_files))
+    a, b = tls_conn(da.port, tls_files.ca), tls_conn(db.port, tls_files.ca)
+    yield da, db, a, b
+    a.close()
+    b.close()
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 to `port` for one connection, keeping every byte it passes (what
+    an attacker on the path between two workers sees)."""
+
+    def __init__(self, port: int):
+        import socket
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import socket
+        self.listener.settimeout(30)
+        inner, _ = self.listener.accept()
+        outer = socket.create_connection(("127.0.0.1", self.target), timeout=30)
+
+        def pump(src, dst):
+            try:
+                while True:
+                    data = src.recv(1 << 16)
+                    if not data:
+                        break
+                    with self.lock:
+                        self.seen += data
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        other = threading.Thread(target=pump, args=(outer, inner), daemon=True)
+        other.start()
+        pump(inner, outer)
+        other.join(30)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def link_via(a: RawConn, b: RawConn, relay_to_a, link_id: int = 7):
+    """link(), b reaching a's listener through a Relay."""
+    ha, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": link_id})
+    hb, _ = b.call(Command.TENSOR_LINK, {"op": "listen", "link": link_id})
+    assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+    relay = relay_to_a(ha["port"])
+    ra, rb = both(lambda: a.call(Command.TENSOR_LINK, {"op": "join", "link": link_id, "rank": 0, "n": 2})[0],
+                  lambda: b.call(Command.TENSOR_LINK, {"op": "join", "link": link_id, "rank": 1, "n": 2, "peers": [
+                      {"rank": 0, "host": "127.0.0.1", "port": relay.port, "ticket": ha["ticket"]}]})[0])
+    assert ra["status"] == 0 and rb["status"] == 0, (ra, rb)
+    return relay
+
+
+# partials no other bytes of the link could be: 2 x these floats (the exchanged tensor is SCALE 2)
+MARKED = [1234.5678, -8765.4321, 3.14159265, 271828.18]
+
+
+def exchanged_in_clear(pair) -> bool:
+    """Link the pair through a Relay, run two steps; whether either member's partial crossed it as is."""
+    da, db, a, b = pair
+    relays = []
+    link_via(a, b, lambda port: relays.append(Relay(port)) or relays[-1])
+    try:
+        for step in range(2):
+            (ha, oa), (hb, ob) = both(lambda: compute(a, MARKED, step), lambda: compute(b, MARKED[::-1], step))
+            assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+            assert floats(oa) == floats(ob)
+        with relays[0].lock:
+            seen = bytes(relays[0].seen)
+        partials = [struct.pack("<4f", *[2 * x for x in xs]) for xs in (MARKED, MARKED[::-1])]
+        return any(p in seen for p in partials)
+    finally:
+        relays[0].close()
+
+
+def test_tls_workers_link_over_tls_and_sum_the_partials(tls_pair):
+    da, db, a, b = tls_pair
+    hello = a.hello_reply
+    assert "tensor_links" in hello["features"] and "step_channel" not in hello["features"], hello
+    _, ra, rb = link(a, b, db.port)
+    assert ra["status"] == 0 and rb["status"] == 0, (ra, rb)
+    for step in range(3):
+        (ha, oa), (hb, ob) = both(lambda: compute(a, [1, 2, 3, 4], step), lambda: compute(b, [10, 20, 30, 40], step))
+        assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+        want = [2 * (2 * (p + q)) for p, q in zip([1, 2, 3, 4], [10, 20, 30, 40])]
+        assert floats(oa) == floats(ob) == want
+    assert any("tensor link up" in line and "tls=True" in line for line in da.log_lines), da.log_lines[-5:]
+
+
+def test_over_tls_the_partials_do_not_cross_the_network_in_clear(pair, tls_pair):
+    """What a relay between the workers passes: without TLS the members' partials as they are (the
+    check sees them), with TLS none of them."""
+    assert exchanged_in_clear(pair)
+    assert not exchanged_in_clear(tls_pair)
+
+
+def test_a_tls_worker_without_peer_ca_offers_no_tensor_links(start_daemon, tls_files):
+    d = start_daemon(*tls_args(tls_files, ca=False))
+    conn = tls_conn(d.port, tls_files.ca)
+    try:
+        hello = conn.hello_reply
+        assert "tensor_links" not in hello["features"] and "step_channel" not in hello["features"], hello
+        h, _ = conn.call(Command.TENSOR_LINK, {"op": "listen", "link": 1})
+        assert h["status"] == Status.INVALID_REQUEST and "--peer-tls-ca" in h["error"], h
+    finally:
+        conn.close()
+
+
+def test_a_member_whose_certificate_its_peer_cannot_verify_fails_the_join_as_itself(start_daemon, tls_files, tmp_path):
+    """Rank 0 serves a certificate no CA of rank 1's --peer-tls-ca signed. Rank 1 (its TLS client)
+    fails verifying it and says its peer's was the failure (`peer_rank`); rank 0 hears the refusal
+    (an alert) and fails as itself: the coordinator names rank 0."""
+    da = start_daemon(*tls_args(tls_files, cert=tls_files.self_signed_cert, key=tls_files.self_signed_key))
+    db = start_daemon(*tls_args(tls_files))
+    a, b = tls_conn(da.port, tls_files.self_signed_cert), tls_conn(db.port, tls_files.ca)
+    try:
+        started = time.monotonic()
+        _, ra, rb = link(a, b, db.port)
+        assert time.monotonic() - started < 2 * SLACK  # at once, not at the join's timeout
+        assert rb["status"] == Status.LINK_FAILED and "certificate verify failed" in rb["error"], rb
+        assert "rank 0" in rb["error"] and rb.get("peer_rank") == 0 and "cancelled" not in rb, rb
+        assert ra["status"] == Status.LINK_FAILED and "refused this worker's TLS handshake" in ra["error"], ra
+        assert "unknown ca" in ra["error"] and "peer_rank" not in ra and "cancelled" not in ra, ra
+        h, _ = compute(a, [1, 2, 3, 4], 0)  # nothing kept
+        assert h["status"] == Status.LINK_FAILED and "not set up" in h["error"], h
+    finally:
+        a.close()
+        b.close()
+
+
+def stranger_after_hello(port: int, ticket: bytes, link_id: int, rank: int = 1):
+    """A connection that passes a TLS listener's plaintext vetting (its HELLO has the digest, as one
+    seen on the wire would) and is answered ACK."""
+    import socket
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(pack_hello(link_id, rank, ticket, tls=True))
+    assert s.recv(1) == b"\x01"
+    return s
+
+
+def test_a_connection_taken_over_after_the_hello_cannot_complete_tls(tls_pair, tls_files):
+    """A stranger holding the HELLO's digest but not the ticket passes the plaintext vetting, then
+    completes TLS (rank 0 asks no client certificate) but cannot show the ticket inside it: rank 0's
+    join fails saying so, naming rank 1 as the failure, and the stranger gets no ACK."""
+    from rpc_daemon.wire.tensor_frames import pack_tls_hello
+    from rpc_daemon.wire.tls import client_context
+    da, db, a, b = tls_pair
+    h, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 5})
+    a.request(Command.TENSOR_LINK, {"op": "join", "link": 5, "rank": 0, "n": 2, "timeout": 10})
+    raw = stranger_after_hello(h["port"], h["ticket"], 5)
+    s = client_context(tls_files.ca).wrap_socket(raw, server_hostname="127.0.0.1")
+    s.sendall(pack_tls_hello(5, 1, bytes(32)))
+    assert s.recv(1) == b""  # no ACK: closed
+    s.close()
+    join = a.recv_frame()[0]
+    assert join["status"] == Status.LINK_FAILED and "wrong tensor-link ticket inside TLS" in join["error"], join
+    assert join.get("peer_rank") == 1, join
+
+
+def test_a_plaintext_hello_is_refused_by_a_tls_listener(tls_pair):
+    """A HELLO of a worker without TLS (the ticket itself, not its digest) is closed unanswered, the
+    join keeps waiting for the right one (here: times out)."""
+    import socket
+    da, db, a, b = tls_pair
+    h, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 6})
+    a.request(Command.TENSOR_LINK, {"op": "join", "link": 6, "rank": 0, "n": 2, "timeout": 1})
+    s = socket.create_connection(("127.0.0.1", h["port"]), timeout=10)
+    s.sendall(pack_hello(6, 1, h["ticket"]))
+    assert s.recv(1) == b""
+    s.close()
+    join = a.recv_frame()[0]
+    assert join["status"] == Status.LINK_FAILED and "not linked with rank(s) [1]" in join["error"], join
+
+
+def test_the_tls_phase_has_the_joins_deadline_and_tensor_cancel_ends_it(tls_pair):
+    """A member that passed the plaintext HELLO and then says nothing: rank 0's compute process waits
+    in the TLS handshake until the join's timeout; a TENSOR_CANCEL ends that wait at once."""
+    da, db, a, b = tls_pair
+    h, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 8})
+    started = time.monotonic()
+    a.request(Command.TENSOR_LINK, {"op": "join", "link": 8, "rank": 0, "n": 2, "timeout": 1.5})
+    silent = stranger_after_hello(h["port"], h["ticket"], 8)
+    try:
+        join = a.recv_frame()[0]
+        assert join["status"] == Status.LINK_FAILED and "did not complete the TLS handshake" in join["error"], join
+        assert "peer_rank" not in join and "cancelled" not in join, join  # its own: the deadline passed
+        assert 1.5 - 0.1 <= time.monotonic() - started < 1.5 + 2 * SLACK
+    finally:
+        silent.close()
+    h, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 9})
+    a.request(Command.TENSOR_LINK, {"op": "join", "link": 9, "rank": 0, "n": 2, "timeout": 60})
+    silent = stranger_after_hello(h["port"], h["ticket"], 9)
+    try:
+        time.sleep(0.5)  # in the TLS phase by now
+        started = time.monotonic()
+        a.request(Command.TENSOR_CANCEL, {"link": 9})
+        frames = [a.recv_frame()[0] for _ in range(2)]
+        join = next(f for f in frames if f["status"] != 0)
+        assert join["status"] == Status.LINK_FAILED and join.get("cancelled") is True, frames
+        assert time.monotonic() - started < 2 * SLACK
+    finally:
+        silent.close()
+
+
+def test_over_tls_a_partial_larger_than_the_socket_buffers_is_summed(tls_pair):
+    """1 MiB partials: many TLS records each way, writes that must wait for the socket (OpenSSL's
+    retried write) while the reads interleave; every member ends with the same exact sum."""
+    import numpy as np
+    da, db, a, b = tls_pair
+    n = 1 << 18
+    graph = [T(F32, [n], flags=INPUT),
+             T(F32, [n], op=lib.GGML_OP_SCALE, src=[0], params=f32s(2.0), flags=COMPUTE),
+             T(F32, [n], op=lib.GGML_OP_ADD, src=[1, 1], flags=OUTPUT | COMPUTE)]
+    _, ra, rb = link(a, b, db.port)
+    assert ra["status"] == 0 and rb["status"] == 0, (ra, rb)
+    xa = np.arange(n, dtype=np.float32)
+    xb = np.float32(0.5) * np.arange(n, dtype=np.float32)[::-1].copy()
+
+    def run(conn, x, step):
+        return conn.call(Command.GRAPH_COMPUTE, {"tensors": graph, "inputs": [[0, 0, 4 * n]], "outputs": [2],
+                                                 "tensor": {"link": 7, "step": step, "exchange": [1],
+                                                            "timeout": 30}}, x.tobytes())
+    for step in range(2):
+        (ha, oa), (hb, ob) = both(lambda: run(a, xa, step), lambda: run(b, xb, step))
+        assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+        want = 2 * (2 * xa + 2 * xb)
+        assert oa == ob and np.array_equal(np.frombuffer(oa, np.float32), want)
+
+
+def test_three_tls_members_link_and_sum_in_rank_order(start_daemon, tls_files):
+    """Each member runs TLS with its peers in increasing rank order (rank 1 the client of 0 and the
+    server of 2): no member waits on another that waits on it."""
+    daemons = [start_daemon(*tls_args(tls_files)) for _ in range(3)]
+    conns = [tls_conn(d.port, tls_files.ca) for d in daemons]
+    try:
+        listens = [c.call(Command.TENSOR_LINK, {"op": "listen", "link": 3})[0] for c in conns]
+        peers = [{"rank": r, "host": "127.0.0.1", "port": h["port"], "ticket": h["ticket"]}
+                 for r, h in enumerate(listens)]
+        joins = [None] * 3
+
+        def join(r):
+            joins[r] = conns[r].call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": r, "n": 3,
+                                                           "peers": peers[:r]})[0]
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(j is not None and j["status"] == 0 for j in joins), joins
+        outs = [None] * 3
+
+        def run(r):
+            outs[r] = compute(conns[r], [r + 1] * 4, 0, link_id=3)
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(h["status"] == 0 and floats(o) == [2 * 2 * (1 + 2 + 3)] * 4 for h, o in outs), outs
+    finally:
+        for c in conns:
+            c.close()
