@@ -820,8 +820,11 @@ class RemoteExecutor:
             return TensorLinkFailed(FailureKind.COMPUTE, self.endpoint,
                                     f"worker {self.endpoint} could not link with its tensor-parallel peer of rank "
                                     f"{exc.header['peer_rank']}: {exc}")
-        return StageFailed(FailureKind.ENDPOINT, self.endpoint,
-                           f"worker {self.endpoint} could not link with its tensor-parallel peers: {exc}")
+        failure = StageFailed(FailureKind.ENDPOINT, self.endpoint,
+                              f"worker {self.endpoint} could not link with its tensor-parallel peers: {exc}")
+        unlinked = exc.header.get("unlinked")  # the ranks it could not link with (TensorGroup weighs them)
+        failure.unlinked = [r for r in unlinked if type(r) is int] if isinstance(unlinked, list) else []
+        return failure
 
     async def tensor_cancel(self, link: int) -> None:
         """End this member's waits on link `link` now (a peer failed); errors are moot."""

@@ -21,6 +21,7 @@ import asyncio
 import numpy as np
 
 from coordinator.cluster.executors import TensorLinkFailed
+from coordinator.cluster.failures import FailureKind, StageFailed
 from coordinator.decode.step_io import PreparedStep, checked_logits, no_rows, read_output, stage_inputs, step_failed
 from coordinator.model.architectures.common import StepShape
 from rpc_daemon.client import parse_endpoint
@@ -58,16 +59,18 @@ class TensorGroup:
         peers = [{"rank": j, "host": parse_endpoint(places[j].endpoint)[0], "port": listens[j]["port"],
                   "ticket": listens[j]["ticket"]} for j in range(n)]
         await self._on_all([p.executor.tensor_join(link, rank, n, peers[:rank], LINK_TIMEOUT)
-                            for rank, p in enumerate(places)])
+                            for rank, p in enumerate(places)], weigh=_consequences_of_failed_ranks)
         self.linked_with = members
         stats = self.pipeline.stats
         stats["tensor_links"] = stats.get("tensor_links", 0) + 1
 
-    async def _on_all(self, coros) -> list:
+    async def _on_all(self, coros, weigh=None) -> list:
         """One request per member, all at once; each one's result in member order. The moment one
         fails the others' waits on the link (a join, or an exchange) are cancelled (TENSOR_CANCEL),
         then every request is awaited (each within its own bounds) and the failures raised as one
-        StepFailed: a member that failed itself before one that only saw its link close."""
+        StepFailed: a member that failed itself before one that only saw its link close. `weigh`:
+        the results (in rank order) with the failures that are consequences of others' made
+        TensorLinkFailed."""
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(c) for c in coros]
         _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -77,6 +80,8 @@ class TensorGroup:
                 self._cancels.add(cancel)
                 cancel.add_done_callback(self._cancels.discard)
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        if weigh is not None:
+            results = weigh(results)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             self.linked_with = None  # the link is down on some member: linked again before the next step
@@ -128,6 +133,22 @@ class TensorGroup:
         """A group before the last: its output hidden state (every member's is the same: the first's)."""
         results = await self.run(common, tokens, out_rows, shape, hidden)
         return read_output(self.places[0], results[0], shape).hidden
+
+
+def _consequences_of_failed_ranks(results: list) -> list:
+    """The joins' results (rank order), a member's failure that concerns only members whose own joins
+    failed too made a consequence of theirs (TensorLinkFailed: reported only if nothing else is, not
+    latched): in a group of 3 or more, a member whose connection to a failed member's listener was
+    refused or cut as that member's join ended. Two failures that name each other both stand."""
+    own = {rank for rank, r in enumerate(results) if isinstance(r, StageFailed) and not isinstance(r, TensorLinkFailed)}
+    weighed = list(results)
+    for rank in own:
+        failure, unlinked = results[rank], getattr(results[rank], "unlinked", None)
+        if unlinked and all(r != rank and r in own and rank not in getattr(results[r], "unlinked", ())
+                            for r in unlinked):
+            weighed[rank] = TensorLinkFailed(FailureKind.COMPUTE, failure.endpoint,
+                                             f"{failure.message} (after rank(s) {unlinked} failed their own join)")
+    return weighed
 
 
 async def chain(groups: list, step: PreparedStep) -> np.ndarray:

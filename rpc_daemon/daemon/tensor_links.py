@@ -38,6 +38,14 @@ MAX_VETTING = 64  # connections vetted at once; one more is closed unanswered
 CONNECT_SHARE = 0.75  # of the join's timeout, a connection to a lower rank has to be answered
 
 
+class PeerUnreached(LinkBroken):
+    """This member could not link with lower rank `rank` (the join's reply names it: `unlinked`)."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
 class TensorLinks:
     """One session's tensor link: its listener while joining, then its sockets."""
 
@@ -110,10 +118,13 @@ async def handle_tensor_link(s, h, blob, direct):
     if join is None:
         why = (f"not linked with rank(s) {missing} within {req.timeout:g} s (can the workers reach each "
                "other's ports?)")
+        fields = {"unlinked": missing}
     elif join.cancelled():
         why, fields = "cancelled (TENSOR_CANCEL: a member failed)", {"cancelled": True}
     elif join.exception() is not None:
         why = str(join.exception()) or type(join.exception()).__name__
+        if isinstance(join.exception(), PeerUnreached):  # the coordinator weighs it against that rank's own join
+            fields = {"unlinked": [join.exception().rank]}
     if why is not None:
         links.close()
         return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {why}", **fields}
@@ -163,7 +174,7 @@ async def _join(links: TensorLinks, req, socks: dict, tls: bool) -> dict[int, so
         try:
             infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise LinkBroken(f"cannot resolve {where}: {exc.strerror or exc}") from None
+            raise PeerUnreached(f"cannot resolve {where}: {exc.strerror or exc}", peer.rank) from None
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -180,9 +191,12 @@ async def _join(links: TensorLinks, req, socks: dict, tls: bool) -> dict[int, so
         except BaseException as exc:
             sock.close()
             if isinstance(exc, TimeoutError):  # before OSError: a TimeoutError is one
-                raise LinkBroken(f"cannot connect to {where}: no answer within {connect_timeout:g} s") from None
+                raise PeerUnreached(f"cannot connect to {where}: no answer within {connect_timeout:g} s",
+                                    peer.rank) from None
             if isinstance(exc, OSError):
-                raise LinkBroken(f"cannot connect to {where}: {exc.strerror or exc}") from None
+                raise PeerUnreached(f"cannot connect to {where}: {exc.strerror or exc}", peer.rank) from None
+            if isinstance(exc, LinkBroken):
+                raise PeerUnreached(str(exc), peer.rank) from None
             raise
         socks[peer.rank] = sock
 

@@ -547,6 +547,26 @@ def test_fault_matrix_in_tensor_mode(fault, phase, faulted):
     check_latched(c, b.endpoint, len(c.tokenize(PROMPT)) + 2, kind, LIVENESS)
 
 
+def test_in_a_group_of_three_only_the_member_whose_join_failed_is_latched(tmp_path, start_daemon):
+    """B (rank 1 of 3) closes its connection at its second join (its daemon's --test-fault), after a
+    failed step (B's third graph request answered FAILED: not latched) made the group link again.
+    Its listener closes with its session, so C's (rank 2) connection to it is refused or cut: C's join
+    fails too, naming rank 1, a consequence of B's; B alone is latched, A and C stay healthy."""
+    model = write_tiny_model(tmp_path / "phi3.gguf", "phi3")  # 3 KV heads: one a member
+    a, c3 = start_daemon("-t", "1"), start_daemon("-t", "1")
+    b = start_daemon("-t", "1", "--test-fault", "cmd=GRAPH_COMPUTE|GRAPH_RECOMPUTE,after=2,point=reply,action=fail",
+                     "--test-fault", "cmd=TENSOR_LINK,after=3,point=request,action=close")
+    with Coordinator([a.endpoint, b.endpoint, c3.endpoint], model=model, n_ctx=64, split_mode="tensor",
+                     liveness_timeout=LIVENESS) as c:
+        _, code = generate_tokens(c, 3)  # the third decode is answered FAILED by B: the link is dropped
+        assert code == DecodeResult.COMPUTE_FAILED and c.last_failed_endpoint == b.endpoint, c.last_error
+        assert not c.failed_endpoints()
+        _, code = generate_tokens(c, 1)  # linked again: B's join closes its connection
+        assert code == DecodeResult.ENDPOINT_FAILED and c.last_failed_endpoint == b.endpoint, c.last_error
+        assert [f.endpoint for f in c.failed_endpoints()] == [b.endpoint], c.failed_endpoints()
+        assert "could not link" not in c.last_error, c.last_error  # C's consequence is not what is reported
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_fault_while_uploading_a_members_shard_names_it(fault, faulted):
     """The weight upload phase of the matrix: B faulted at its fourth upload request while the

@@ -98,9 +98,27 @@ def test_a_stranger_with_the_wrong_ticket_is_not_linked(pair):
     # the listener drops it without an ACK; the join then times out, saying so
     h, _ = a.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 0, "n": 2, "timeout": 1.0})
     assert h["status"] == Status.LINK_FAILED and "not linked with rank(s) [1] within 1 s" in h["error"], h
-    assert "cancelled" not in h  # timed out: this member's own failure
+    assert "cancelled" not in h and h["unlinked"] == [1]  # timed out: this member's own failure, with rank 1
     assert s.recv(1) == b""
     s.close()
+
+
+def test_a_join_that_cannot_reach_a_lower_rank_names_it(pair):
+    """Rank 1's connection to rank 0's listener is refused (the port is closed): LINK_FAILED, its own
+    failure, with the rank it could not link with (`unlinked`: the coordinator weighs it against that
+    rank's own join)."""
+    import socket
+    da, db, a, b = pair
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    b.call(Command.TENSOR_LINK, {"op": "listen", "link": 4})
+    h, _ = b.call(Command.TENSOR_LINK, {"op": "join", "link": 4, "rank": 1, "n": 2, "timeout": 2.0,
+                                        "peers": [{"rank": 0, "host": "127.0.0.1", "port": port,
+                                                   "ticket": b"\1" * 32}]})
+    assert h["status"] == Status.LINK_FAILED and f"cannot connect to rank 0 at 127.0.0.1:{port}" in h["error"], h
+    assert h["unlinked"] == [0] and "cancelled" not in h and "peer_rank" not in h, h
 
 
 def test_a_silent_stranger_does_not_hold_up_the_members(pair):
