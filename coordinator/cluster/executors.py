@@ -795,6 +795,26 @@ class RemoteExecutor:
         verify them: a TLS worker without --peer-tls-ca does not offer it)."""
         return self._offers("tensor_links")
 
+    async def peer_round_trips(self, peer: str, count: int) -> list[float] | None:
+        """TENSOR_LINK rtt: `count` round trips (s) from this worker to worker `peer`, PINGs over
+        its own link to it; None where the worker does not offer it (`tensor_rtt`) or cannot reach
+        `peer` (auto then falls back on this process's PINGs)."""
+        if not self._offers("tensor_rtt"):
+            return None
+        try:
+            reply, _ = await self._request(Command.TENSOR_LINK, {"op": "rtt", "peer": peer, "count": count},
+                                           kind_on_error=FailureKind.ENDPOINT)
+        except StageFailed as exc:
+            if exc.lost_connection:
+                raise
+            log.warning("a worker could not time its round trip to a peer", endpoint=self.endpoint, peer=peer,
+                        error=exc.message)
+            return None
+        rtts = reply.get("rtts")
+        if not isinstance(rtts, list) or not all(isinstance(r, (int, float)) and r >= 0 for r in rtts):
+            return None
+        return [float(r) for r in rtts]
+
     async def tensor_listen(self, link: int) -> dict:
         """TENSOR_LINK listen: this member's listener ({"port", "ticket"}) for link `link`."""
         reply, _ = await self._request(Command.TENSOR_LINK, {"op": "listen", "link": link},

@@ -33,6 +33,9 @@ log = structlog.get_logger("coordinator")
 # 12-17 us. 60 us, as before, made gemma3-270m a coin flip (3 tensor, 2 layer in 5 quiet starts) though
 # tensor was faster there in the same hour (tg32 1.10x, greedy 1.15x, pp64 1.73x).
 EXCHANGE_OVERHEAD = 30e-6
+# auto: PINGs one member sends another back to back (TENSOR_LINK rtt), the fastest taken: the path's
+# own delay between awake processes, as the exchanges see it (the first may wake a sleeping daemon)
+RTT_PINGS = 5
 FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be timed (a 1.1B Q4_K_M token: ~5e9)
 # auto takes the tensor split where a token's exchanges cost less than this share of the layer compute
 # it saves. The estimate stays pessimistic on the exchanges' side, which pays for what it leaves out
@@ -164,7 +167,7 @@ class ModelLoader:
         if mode == "tensor":
             self.split_choice = {"asked": mode, "chosen": "tensor"}
             return True
-        rtt = await self._slowest_rtt(places)
+        rtt, measured_by = await self._exchange_rtt(places, group_size)
         threads = min(max(1, int(info.get("threads") or 1)) for info in infos)
         per_worker = sum(len(self.gguf.tensor_data(n)) for n in self.gguf.tensors) // len(places)
         try:
@@ -175,7 +178,8 @@ class ModelLoader:
         cost, saved = tensor_trade(self.hp.n_layer, layer, rtt, weights[:group_size])
         chosen = cost < saved * TENSOR_PAYS
         figures = {"exchanges_ms_per_token": round(cost * 1e3, 2), "compute_saved_ms_per_token": round(saved * 1e3, 2),
-                   "slowest_rtt_ms": round(rtt * 1e3, 3), "layer_ms": round(layer * 1e3, 3), "timed_threads": threads}
+                   "slowest_rtt_ms": round(rtt * 1e3, 3), "rtt_measured_by": measured_by,
+                   "layer_ms": round(layer * 1e3, 3), "timed_threads": threads}
         self.split_choice = {"asked": mode, "chosen": "tensor" if chosen else "layer", **figures}
         log.info("split mode chosen by measurement", split_mode=self.split_choice["chosen"], **figures)
         return chosen
@@ -197,6 +201,21 @@ class ModelLoader:
         except TensorSplitError as exc:
             return str(exc)
         return None
+
+    async def _exchange_rtt(self, places: list, group_size: int) -> tuple[float, str]:
+        """The slowest round trip between two members of a group, where the exchanges run: every
+        member PINGs every other of its group over its own link to it (TENSOR_LINK rtt), at the
+        address the coordinator names it by, the fastest of RTT_PINGS each way ("workers"); both
+        ways, as an exchange goes both ways. Where a worker does not offer that, or cannot reach
+        its peer, this process's PINGs to the workers stand in (_slowest_rtt; "coordinator"):
+        right where the coordinator sits beside the workers, not where it is far from two that
+        are near each other."""
+        pairs = [(places[g + i], places[g + j]) for g in range(0, len(places), group_size)
+                 for i in range(group_size) for j in range(group_size) if i != j]
+        measured = await asyncio.gather(*(p.executor.peer_round_trips(q.endpoint, RTT_PINGS) for p, q in pairs))
+        if all(rtts for rtts in measured):
+            return max(min(rtts) for rtts in measured), "workers"
+        return await self._slowest_rtt(places), "coordinator"
 
     async def _slowest_rtt(self, places: list) -> float:
         """The slowest worker's round trip, each worker's the fastest of 3 bursts of 3 PINGs, 5 ms

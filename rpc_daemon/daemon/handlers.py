@@ -74,7 +74,8 @@ class Session:
         # tensor links (those run TLS in the compute process); a step channel is never encrypted
         return [f for f in P.FEATURES if f not in self.config.test_older
                 and (f != "tensor_cache" or self.daemon.cache is not None)
-                and (f not in ("step_links", "step_reply_output", "tensor_links") or self.daemon.peer_links.usable)
+                and (f not in ("step_links", "step_reply_output", "tensor_links", "tensor_rtt")
+                     or self.daemon.peer_links.usable)
                 and (f != "step_channel" or not self.config.tls_cert)
                 # a request over a step channel never passes the daemon's --test-fault points
                 and (f != "step_channel" or not self.config.test_faults)]

@@ -189,6 +189,12 @@ class PeerLinks:
         ref = self.tokens.get(token)
         return ref() if ref is not None else None
 
+    async def round_trips(self, to: str, count: int) -> list[float]:
+        """`count` PINGs to worker `to`, one after another, over this daemon's link to it (opened
+        as for a push: secret, TLS): each one's round trip in seconds. PeerFailed, RpcError."""
+        client = await self._link(to)
+        return [await client.ping() for _ in range(count)]
+
     async def _link(self, to: str) -> RpcClient:
         async with self._locks[to]:
             client = self._links.get(to)

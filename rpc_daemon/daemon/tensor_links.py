@@ -25,6 +25,7 @@ import time
 
 import structlog
 
+from rpc_daemon.client import PeerFailed, RpcError
 from rpc_daemon.compute.pool import ComputeFailed
 from rpc_daemon.daemon.listeners import open_listener, recv_up_to
 from rpc_daemon.validation import requests as V
@@ -90,6 +91,8 @@ async def handle_tensor_link(s, h, blob, direct):
     if not s.daemon.peer_links.usable:  # TLS without --peer-tls-ca
         raise ProtocolError(Status.INVALID_REQUEST, "this worker serves TLS without --peer-tls-ca: it cannot verify "
                                                     "tensor-link peers (it offers no tensor links)")
+    if req.op == "rtt":
+        return await _round_trips(s, req)
     links = links_of(s)
     if req.op == "listen":
         links.close()
@@ -155,6 +158,17 @@ async def handle_tensor_link(s, h, blob, direct):
         return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: {reply.get('error')}", **fields}
     log.info("tensor link up", link=req.link, rank=req.rank, peers=ranks, tls=tls)
     return {}
+
+
+async def _round_trips(s, req) -> dict:
+    """TENSOR_LINK rtt: this worker's round trips to worker `peer` (PINGs over its authenticated
+    link to that worker's daemon port, with TLS where it serves TLS): what a coordinator's auto
+    weighs the tensor split's exchanges by, measured where they would run, not from itself."""
+    try:
+        rtts = await s.daemon.peer_links.round_trips(req.peer, req.count)
+    except (PeerFailed, RpcError) as exc:
+        return {"status": Status.LINK_FAILED, "error": f"cannot reach worker {req.peer} from here: {exc}"}
+    return {"rtts": rtts}
 
 
 async def _join(links: TensorLinks, req, socks: dict, tls: bool) -> dict[int, socket.socket]:

@@ -44,8 +44,10 @@ def _uses_concat(header: dict) -> str | None:
 
 
 # feature -> what a daemon from before it said of a GRAPH_COMPUTE using it (a refusal, or None); a
-# daemon from before "step_channel" did not know STEP_CHANNEL (UNKNOWN_COMMAND, below)
-OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None, "concat": _uses_concat}
+# daemon from before "step_channel" did not know STEP_CHANNEL (UNKNOWN_COMMAND, below), one from before
+# "tensor_rtt" not TENSOR_LINK's op "rtt" (INVALID_REQUEST, below)
+OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None, "concat": _uses_concat,
+         "tensor_rtt": lambda header: None}
 log = structlog.get_logger("rpc")
 
 
@@ -62,6 +64,8 @@ class FaultyConnection(Connection):
     async def _call(self, cmd, row, header, blob, direct):
         if cmd == Command.STEP_CHANNEL and "step_channel" in self.daemon.config.test_older:
             return {"status": int(Status.UNKNOWN_COMMAND), "error": f"unknown command {cmd}"}, self._send
+        if cmd == Command.TENSOR_LINK and header.get("op") == "rtt" and "tensor_rtt" in self.daemon.config.test_older:
+            return {"status": int(Status.INVALID_REQUEST), "error": "field 'op' must be 'listen' or 'join'"}, self._send
         if cmd == Command.GRAPH_COMPUTE:
             for feature in self.daemon.config.test_older:
                 refusal = OLDER[feature](header)

@@ -300,12 +300,14 @@ class TensorPeer:
 
 @dataclass(frozen=True)
 class TensorLinkRequest:
-    op: str  # "listen": open a listener, reply its port and ticket; "join": link with `peers`
+    op: str  # "listen": open a listener, reply its port and ticket; "join": link with `peers`; "rtt": time `peer`
     link: int
     rank: int = 0
     n: int = 0
     peers: tuple = ()  # TensorPeer, one per lower rank (connected to); higher ranks connect here
     timeout: float = 10.0
+    peer: str = ""  # rtt: the worker ("host:port") whose round trip from here to time
+    count: int = 0  # rtt: how many PINGs
 
 
 def _seconds(h: dict, key: str, hi: float, default: float) -> float:
@@ -315,13 +317,19 @@ def _seconds(h: dict, key: str, hi: float, default: float) -> float:
     return float(v)
 
 
+MAX_RTT_PINGS = 16  # TENSOR_LINK rtt: PINGs to a peer worker in one request
+
+
 def check_tensor_link(h: dict) -> TensorLinkRequest:
     op = h.get("op")
+    if op == "rtt":  # no link: the round trip to a peer worker, as a tensor link's exchanges would see it
+        return TensorLinkRequest("rtt", 0, peer=_endpoint(h.get("peer")),
+                                 count=P.field_int(h, "count", 1, MAX_RTT_PINGS))
     link = P.field_int(h, "link", 1)
     if op == "listen":
         return TensorLinkRequest("listen", link)
     if op != "join":
-        raise ProtocolError(Status.INVALID_REQUEST, "field 'op' must be 'listen' or 'join'")
+        raise ProtocolError(Status.INVALID_REQUEST, "field 'op' must be 'listen', 'join' or 'rtt'")
     n = P.field_int(h, "n", 2, MAX_GROUP)
     rank = P.field_int(h, "rank", 0, n - 1)
     peers = []

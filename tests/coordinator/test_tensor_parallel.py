@@ -144,13 +144,25 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
         assert c.health()["split_mode"] == "tensor"
         choice = c.health()["split_choice"]
-        assert choice["chosen"] == "tensor"
+        assert choice["chosen"] == "tensor" and choice["rtt_measured_by"] == "workers", choice
         assert choice["exchanges_ms_per_token"] < choice["compute_saved_ms_per_token"] * TENSOR_PAYS, choice
     with ProxyThread(ws.endpoint(0), Link(0.02)) as p0, ProxyThread(ws.endpoint(1), Link(0.02)) as p1:
         with Coordinator([p0.endpoint, p1.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
             assert c.health()["split_mode"] == "layer"
             choice = c.health()["split_choice"]
-            assert choice["chosen"] == "layer" and choice["slowest_rtt_ms"] >= 40, choice  # 20 ms each way
+            # member 1 PINGs member 0 at the address the coordinator names it by: through p0, 20 ms each way
+            assert choice["chosen"] == "layer" and choice["slowest_rtt_ms"] >= 40, choice
+            assert choice["rtt_measured_by"] == "workers", choice
+
+
+def test_auto_falls_back_on_its_own_pings_where_a_worker_cannot_time_its_peers(tmp_path, start_daemon):
+    """A worker from before TENSOR_LINK rtt (--test-older tensor_rtt) cannot PING its peer for auto:
+    the coordinator's own PINGs to the workers stand in, and auto still decides (loopback: tensor)."""
+    model = wide_model(tmp_path)
+    a, b = start_daemon("-t", "1"), start_daemon("-t", "1", "--test-older", "tensor_rtt")
+    with Coordinator([a.endpoint, b.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
+        choice = c.health()["split_choice"]
+        assert choice["rtt_measured_by"] == "coordinator" and choice["chosen"] == "tensor", choice
 
 
 TIME_A_LAYER = """

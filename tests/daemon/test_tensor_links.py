@@ -605,3 +605,26 @@ def test_three_tls_members_link_and_sum_in_rank_order(start_daemon, tls_files):
     finally:
         for c in conns:
             c.close()
+
+
+def test_a_worker_times_its_round_trips_to_a_peer(any_pair):
+    """TENSOR_LINK rtt: `count` PINGs to another worker over this worker's own link to it (with TLS
+    between TLS workers), each one's round trip; an unreachable peer is LINK_FAILED saying so (the
+    connection stays); a bad peer or count is refused before anything is sent."""
+    import socket
+    da, db, a, b = any_pair
+    assert "tensor_rtt" in a.hello_reply["features"], a.hello_reply
+    h, _ = b.call(Command.TENSOR_LINK, {"op": "rtt", "peer": f"127.0.0.1:{da.port}", "count": 3})
+    assert h["status"] == 0 and len(h["rtts"]) == 3 and all(0 < r < SLACK for r in h["rtts"]), h
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    h, _ = b.call(Command.TENSOR_LINK, {"op": "rtt", "peer": f"127.0.0.1:{port}", "count": 1})
+    assert h["status"] == Status.LINK_FAILED and f"cannot reach worker 127.0.0.1:{port}" in h["error"], h
+    for bad in ({"peer": "nowhere", "count": 1}, {"peer": f"127.0.0.1:{da.port}", "count": 17},
+                {"peer": f"127.0.0.1:{da.port}", "count": 0}, {"peer": 5, "count": 1}):
+        h, _ = b.call(Command.TENSOR_LINK, {"op": "rtt", **bad})
+        assert h["status"] == Status.INVALID_REQUEST, (bad, h)
+    h, _ = b.call(Command.TENSOR_LINK, {"op": "rtt", "peer": f"127.0.0.1:{da.port}", "count": 1})
+    assert h["status"] == 0, h  # the connection served on
