@@ -109,8 +109,9 @@ def _left(deadline: float, peer: int) -> float:
 
 def _as_client(ctx, sock, peer: int, host: str, link_id: int, rank: int, ticket: bytes,
                deadline: float) -> TlsSession:
-    tls = TlsSession(ctx, host)
+    tls = None
     try:
+        tls = TlsSession(ctx, host)
         _drive(tls, sock, tls.obj.do_handshake, deadline, peer)
         tls.obj.write(pack_tls_hello(link_id, rank, ticket))
         _flush(tls, sock, deadline, peer)
@@ -124,8 +125,9 @@ def _as_client(ctx, sock, peer: int, host: str, link_id: int, rank: int, ticket:
 
 
 def _as_server(ctx, sock, peer: int, link_id: int, ticket: bytes, deadline: float) -> TlsSession:
-    tls = TlsSession(ctx, None)
+    tls = None
     try:
+        tls = TlsSession(ctx, None)
         _drive(tls, sock, tls.obj.do_handshake, deadline, peer)
         check_tls_hello(_read_exactly(tls, sock, TLS_HELLO.size, deadline, peer), link_id, peer, ticket)
         tls.obj.write(ACK)
@@ -161,10 +163,10 @@ def _flush(tls: TlsSession, sock, deadline: float, peer: int) -> None:
         sock.sendall(data)
 
 
-def _flush_alert(tls: TlsSession, sock) -> None:
+def _flush_alert(tls: TlsSession | None, sock) -> None:
     """Best effort, never waiting: the alert OpenSSL wrote when it failed (a certificate that did
     not verify) goes to the peer, which then knows its certificate was refused."""
-    data = tls.outgoing.read()
+    data = tls.outgoing.read() if tls is not None else b""
     if data:
         try:
             sock.setblocking(False)
@@ -183,6 +185,7 @@ def _read_exactly(tls: TlsSession, sock, n: int, deadline: float, peer: int) -> 
     return data
 
 
+_PEER_ALERTS = ("SSLV3_ALERT_", "TLSV1_ALERT_", "TLSV13_ALERT_")  # an alert the peer sent: its refusal
 _SSL_MESSAGE = re.compile(r"^\[SSL: [A-Z0-9_]+\] (.*?)(?: \(_ssl\.c:\d+\))?$")
 
 
@@ -209,7 +212,7 @@ def _classified(exc: Exception, peer: int, host: str | None) -> Exception:
     if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)):
         return LinkSetupFailed(f"rank {peer} closed the tensor link during the TLS handshake (it failed, or the "
                                f"link was cancelled)", peer)
-    if isinstance(exc, ssl.SSLError) and "ALERT" in (exc.reason or ""):
+    if isinstance(exc, ssl.SSLError) and (exc.reason or "").startswith(_PEER_ALERTS):
         if host is None:  # we are its server: what it refused is our certificate ("unknown ca", "bad certificate")
             return LinkSetupFailed(f"rank {peer} refused this worker's TLS handshake: {_reason(exc)} (is this "
                                    f"worker's certificate signed by the CA in its peers' --peer-tls-ca, for the "
@@ -219,4 +222,6 @@ def _classified(exc: Exception, peer: int, host: str | None) -> Exception:
         return LinkSetupFailed(f"TLS handshake with rank {peer} failed: {_reason(exc)}", peer)
     if isinstance(exc, OSError):
         return LinkSetupFailed(f"TLS with rank {peer}: {exc.strerror or exc}", peer)
+    if isinstance(exc, (ValueError, TypeError)):  # (UnicodeError is one) a host TLS cannot name
+        return LinkSetupFailed(f"TLS with rank {peer} at {host!r}: {exc}", None)
     return exc  # a bug of ours: raised as itself

@@ -408,6 +408,13 @@ class ComputeProcess:
         client's arena for every buffer the graph uses; `client_arena` is the
         arena's (size, fd); `spec` is sent only if the child lacks the graph;
         `fds` go to the child after those of the arenas (tensor links' sockets)."""
+        if header.get("kind") == "tensor_link" and header.get("tls") is not None:
+            # a TLS link's setup waits on the peers (handshakes, up to the join's deadline), not on
+            # the CPU: under the daemon-wide lock another client's compute would wait on it, and two
+            # coordinators sharing these workers, their joins granted in opposite orders, would each
+            # hold a lock the other's handshake needs until the deadlines. A TLS daemon grants no step
+            # channel, and the session's requests come one at a time: no other call is in flight here.
+            return await self._call_locked(header, blob, buffers, spec, out_size, client_arena, fds)
         while True:  # no compute of another client beside a channel's: taken back first
             holder = self.pool.channel_holder
             if holder is not None and holder is not self:
@@ -422,7 +429,7 @@ class ComputeProcess:
                 return await self._call_locked(header, blob, buffers, spec, out_size, client_arena, fds)
 
     async def _call_locked(self, header: dict, blob, buffers, spec, out_size: int, client_arena, fds):
-        """call(), the daemon-wide lock held."""
+        """call(), the daemon-wide lock held (but for a TLS link's setup: call())."""
         if self._closed:
             raise ComputeFailed("the daemon is shutting down")
         if header.get("kind") == "compute" and self.unreported is not None:

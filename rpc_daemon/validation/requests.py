@@ -317,6 +317,20 @@ def _seconds(h: dict, key: str, hi: float, default: float) -> float:
     return float(v)
 
 
+def _link_host(host) -> str:
+    """A join peer's `host`: a name or address a socket can connect to and TLS can verify (no
+    control characters, IDNA-encodable: the TLS phase names the peer by it)."""
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        raise ProtocolError(Status.INVALID_REQUEST, "a peer's 'host' must be a string of 1..255 characters")
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise ProtocolError(Status.INVALID_REQUEST, f"a peer's 'host' {host!r} is not a host name or address") from None
+    if any(ord(ch) < 0x21 or ord(ch) == 0x7F for ch in host):
+        raise ProtocolError(Status.INVALID_REQUEST, f"a peer's 'host' {host!r} holds a control character or space")
+    return host
+
+
 MAX_RTT_PINGS = 16  # TENSOR_LINK rtt: PINGs to a peer worker in one request
 
 
@@ -336,9 +350,7 @@ def check_tensor_link(h: dict) -> TensorLinkRequest:
     for p in P.field_list(h, "peers", MAX_GROUP, default=[]):
         if not isinstance(p, dict):
             raise ProtocolError(Status.INVALID_REQUEST, "each 'peers' entry must be a map")
-        host = p.get("host")
-        if not isinstance(host, str) or not 0 < len(host) <= 255:
-            raise ProtocolError(Status.INVALID_REQUEST, "a peer's 'host' must be a string of 1..255 characters")
+        host = _link_host(p.get("host"))
         ticket = p.get("ticket")
         if type(ticket) is not bytes or len(ticket) != 32:
             raise ProtocolError(Status.INVALID_REQUEST, "a peer's 'ticket' must be 32 bytes")

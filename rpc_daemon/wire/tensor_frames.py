@@ -38,15 +38,19 @@ class LinkBroken(Exception):
     """The link cannot be trusted any more: closed, refused, or out of step."""
 
 
-def hello_proof(ticket: bytes, tls: bool) -> bytes:
-    """What a HELLO carries for `ticket`: on a TLS link SHA-256(HELLO_DOMAIN || ticket), which lets
-    nobody into TLS (that takes the ticket); on a plaintext link the ticket itself. So a TLS member
-    and a plaintext one refuse each other at the HELLO instead of failing later in the middle."""
-    return hashlib.sha256(HELLO_DOMAIN + ticket).digest() if tls else ticket
+def hello_proof(ticket: bytes, link_id: int, rank: int, tls: bool) -> bytes:
+    """What a HELLO for link `link_id` from `rank` carries for `ticket`: on a TLS link
+    HMAC-SHA256(key = ticket, HELLO_DOMAIN || link id u64 || rank u32), which lets nobody into TLS
+    (that takes the ticket) and, seen on the wire, passes the vetting of that link for that rank
+    only; on a plaintext link the ticket itself. So a TLS member and a plaintext one refuse each
+    other at the HELLO instead of failing later in the middle."""
+    if not tls:
+        return ticket
+    return hmac.new(ticket, HELLO_DOMAIN + struct.pack("<QI", link_id, rank), hashlib.sha256).digest()
 
 
 def pack_hello(link_id: int, rank: int, ticket: bytes, tls: bool = False) -> bytes:
-    return HELLO.pack(MAGIC, link_id, rank, hello_proof(ticket, tls))
+    return HELLO.pack(MAGIC, link_id, rank, hello_proof(ticket, link_id, rank, tls))
 
 
 def check_hello(data: bytes, link_id: int, ticket: bytes, expected_ranks, tls: bool = False) -> int:
@@ -57,7 +61,7 @@ def check_hello(data: bytes, link_id: int, ticket: bytes, expected_ranks, tls: b
     magic, link, rank, given = HELLO.unpack(data)
     if magic != MAGIC:
         raise LinkBroken("not a tensor-link hello")
-    if not hmac.compare_digest(given, hello_proof(ticket, tls)):
+    if not hmac.compare_digest(given, hello_proof(ticket, link, rank, tls)):
         raise LinkBroken(f"wrong tensor-link ticket{' digest' if tls else ''} (another ticket, or a member "
                          f"{'without' if tls else 'with'} TLS)")
     if link != link_id:

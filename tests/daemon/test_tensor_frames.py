@@ -4,7 +4,9 @@ as daemons from before TLS links send it; each refuses the other's."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import struct
 
 import pytest
 
@@ -17,8 +19,13 @@ def test_a_tls_hello_carries_a_digest_of_the_ticket_not_the_ticket():
     hello = pack_hello(7, 1, ticket, tls=True)
     assert len(hello) == HELLO.size == 52
     assert ticket not in hello and ticket[:16] not in hello and ticket[16:] not in hello
-    assert hello[20:] == hashlib.sha256(b"ggml tensor link hello tls\x00" + ticket).digest()  # as the docs say
+    # as the docs say: HMAC-SHA256 keyed by the ticket over the domain, the link id and the rank
+    assert hello[20:] == hmac.new(ticket, b"ggml tensor link hello tls\x00" + struct.pack("<QI", 7, 1),
+                                  hashlib.sha256).digest()
     assert check_hello(hello, 7, ticket, {1}, tls=True) == 1
+    # seen on the wire, it passes for its own link and rank only: rewritten to claim rank 2, it is refused
+    with pytest.raises(LinkBroken, match="wrong tensor-link ticket digest"):
+        check_hello(hello[:16] + struct.pack("<I", 2) + hello[20:], 7, ticket, {1, 2}, tls=True)
     with pytest.raises(LinkBroken, match="wrong tensor-link ticket digest"):  # the ticket itself is refused
         check_hello(pack_hello(7, 1, ticket, tls=False), 7, ticket, {1}, tls=True)
     with pytest.raises(LinkBroken, match="wrong tensor-link ticket digest"):

@@ -628,3 +628,68 @@ def test_a_worker_times_its_round_trips_to_a_peer(any_pair):
         assert h["status"] == Status.INVALID_REQUEST, (bad, h)
     h, _ = b.call(Command.TENSOR_LINK, {"op": "rtt", "peer": f"127.0.0.1:{da.port}", "count": 1})
     assert h["status"] == 0, h  # the connection served on
+
+
+def test_a_peer_whose_certificate_is_not_for_its_address_is_not_linked(start_daemon, tls_files):
+    """Rank 0 listens on 127.0.0.2 with a certificate the CA signed for 127.0.0.1 and localhost only:
+    rank 1, its TLS client, checks the address it was told (as step links do) and refuses it, naming
+    the mismatch (peer_rank: the failure is rank 0's); rank 0 hears the refusal as its own failure."""
+    import socket
+    from rpc_daemon.wire.tls import client_context
+    da, db = start_daemon(*tls_args(tls_files), "-H", "127.0.0.2"), start_daemon(*tls_args(tls_files))
+    ctx = client_context(tls_files.ca)
+    ctx.check_hostname = False  # this test's own connection to rank 0 only: the links check theirs
+    a = RawConn.over(ctx.wrap_socket(socket.create_connection(("127.0.0.2", da.port), timeout=10),
+                                     server_hostname="127.0.0.2"))
+    a.hello()
+    b = tls_conn(db.port, tls_files.ca)
+    try:
+        ha, _ = a.call(Command.TENSOR_LINK, {"op": "listen", "link": 3})
+        b.call(Command.TENSOR_LINK, {"op": "listen", "link": 3})
+        ra, rb = both(lambda: a.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 0, "n": 2})[0],
+                      lambda: b.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 1, "n": 2, "peers": [
+                          {"rank": 0, "host": "127.0.0.2", "port": ha["port"], "ticket": ha["ticket"]}]})[0])
+        assert rb["status"] == Status.LINK_FAILED and rb.get("peer_rank") == 0, rb
+        assert "cannot verify the certificate of rank 0 at 127.0.0.2" in rb["error"], rb
+        assert "IP address mismatch" in rb["error"], rb
+        assert ra["status"] == Status.LINK_FAILED and "peer_rank" not in ra and "bad certificate" in ra["error"], ra
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_tls_phase_waiting_on_a_silent_peer_holds_up_no_other_client(start_daemon, tls_files):
+    """The TLS phase waits on the peers, not the CPU: it runs outside the daemon-wide compute lock, so
+    another client's compute on the same worker is answered at once while a join's TLS phase waits
+    (up to its 10 s) for a peer that passed the plaintext vetting and went silent; when that peer
+    closes, the join ends at once, naming it."""
+    d = start_daemon(*tls_args(tls_files))
+    joining, other = tls_conn(d.port, tls_files.ca), tls_conn(d.port, tls_files.ca)
+    try:
+        h, _ = joining.call(Command.TENSOR_LINK, {"op": "listen", "link": 8})
+        joining.request(Command.TENSOR_LINK, {"op": "join", "link": 8, "rank": 0, "n": 2, "timeout": 10})
+        silent = stranger_after_hello(h["port"], h["ticket"], 8)
+        time.sleep(0.3)  # the join is in its TLS phase, waiting for the silent peer's handshake
+        t = time.monotonic()
+        reply, out = other.call(Command.GRAPH_COMPUTE, {"tensors": GRAPH, "inputs": [[0, 0, 16]], "outputs": [2]},
+                                f32s(1, 2, 3, 4))
+        took = time.monotonic() - t
+        silent.close()
+        assert reply["status"] == 0 and took < 1.0 * SLACK, (reply, took)  # under the lock: the join's 10 s
+        join = joining.recv_frame()[0]
+        assert join["status"] == Status.LINK_FAILED and join.get("peer_rank") == 1, join
+        assert "closed the tensor link during the TLS handshake" in join["error"], join
+    finally:
+        joining.close()
+        other.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1\x00", "a b", "x" * 70 + ".lan", "\u0085host"])
+def test_a_join_naming_a_host_no_socket_or_tls_can_take_is_refused(pair, host):
+    """A peer `host` with a control character or space, or not IDNA-encodable, is refused before
+    anything connects (a NUL in it once reached the TLS phase and killed the compute process)."""
+    da, db, a, b = pair
+    b.call(Command.TENSOR_LINK, {"op": "listen", "link": 3})
+    h, _ = b.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 1, "n": 2, "timeout": 1,
+                                        "peers": [{"rank": 0, "host": host, "port": 1, "ticket": b"\1" * 32}]})
+    assert h["status"] == Status.INVALID_REQUEST and "'host'" in h["error"], h
