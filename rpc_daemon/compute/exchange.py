@@ -147,13 +147,30 @@ class _Peer:
         self.got = self.need = 0
 
     def start(self, header: bytes, mine: memoryview, nbytes: int) -> None:
+        self._expect(nbytes)
+        self.out = [header, mine]
+        self.send()
+
+    def _expect(self, nbytes: int) -> None:
+        """Ready to receive a frame of `nbytes` of partial (the body kept between exchanges)."""
         if len(self.body) != nbytes:
             if len(self.inbox) < nbytes:
                 self.inbox = bytearray(nbytes)
             self.body = memoryview(self.inbox)[:nbytes]
         self.got, self.need = 0, EXCHANGE.size + nbytes
-        self.out = [header, mine]
-        self.send()
+
+    def _took(self, pos: int, k: int, header: bytes) -> None:
+        """`k` more bytes of the frame came after `pos`; its header, once whole, must be `header`."""
+        self.got = pos + k
+        if pos < EXCHANGE.size <= self.got and self.head != header:
+            step, index, nbytes = EXCHANGE.unpack(header)
+            check_exchange_header(bytes(self.head), step, index, nbytes)
+
+    def _broken(self, why) -> LinkBroken:
+        return LinkBroken(f"tensor link to rank {self.rank}: {why}")
+
+    def _closed(self) -> LinkBroken:
+        return LinkBroken(f"tensor link to rank {self.rank} closed (the peer failed, or the step was cancelled)")
 
     def partial(self) -> np.ndarray:
         return np.frombuffer(self.body, np.float32)
@@ -164,7 +181,7 @@ class _Peer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            raise LinkBroken(f"tensor link to rank {self.rank}: {exc.strerror or exc}") from None
+            raise self._broken(exc.strerror or exc) from None
         parts = self.out
         while k and parts:
             if k >= len(parts[0]):
@@ -187,14 +204,10 @@ class _Peer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                raise LinkBroken(f"tensor link to rank {self.rank}: {exc.strerror or exc}") from None
+                raise self._broken(exc.strerror or exc) from None
             if k == 0:
-                raise LinkBroken(f"tensor link to rank {self.rank} closed (the peer failed, or the step was "
-                                 "cancelled)")
-            self.got = pos + k
-            if pos < hsize <= self.got and self.head != header:
-                step, index, nbytes = EXCHANGE.unpack(header)
-                check_exchange_header(bytes(self.head), step, index, nbytes)
+                raise self._closed()
+            self._took(pos, k, header)
 
 
 class _TlsPeer(_Peer):
@@ -216,16 +229,12 @@ class _TlsPeer(_Peer):
         self.tls, self.scratch = tls, scratch
 
     def start(self, header: bytes, mine: memoryview, nbytes: int) -> None:
-        if len(self.body) != nbytes:
-            if len(self.inbox) < nbytes:
-                self.inbox = bytearray(nbytes)
-            self.body = memoryview(self.inbox)[:nbytes]
-        self.got, self.need = 0, EXCHANGE.size + nbytes
+        self._expect(nbytes)
         try:
             self.tls.obj.write(header)
             self.tls.obj.write(mine)
         except ssl.SSLError as exc:
-            raise LinkBroken(f"tensor link to rank {self.rank}: {exc}") from None
+            raise self._broken(exc) from None
         self.out = [self.tls.outgoing.read()]
         self.send()
 
@@ -243,21 +252,16 @@ class _TlsPeer(_Peer):
                 except (BlockingIOError, InterruptedError):
                     return
                 except OSError as exc:
-                    raise LinkBroken(f"tensor link to rank {self.rank}: {exc.strerror or exc}") from None
+                    raise self._broken(exc.strerror or exc) from None
                 if n == 0:
-                    raise LinkBroken(f"tensor link to rank {self.rank} closed (the peer failed, or the step was "
-                                     "cancelled)")
+                    raise self._closed()
                 self.tls.incoming.write(self.scratch[:n])
                 continue
             except ssl.SSLError as exc:  # a record that does not decrypt, an alert
-                raise LinkBroken(f"tensor link to rank {self.rank}: {exc}") from None
+                raise self._broken(exc) from None
             if k == 0:  # the peer ended its TLS session
-                raise LinkBroken(f"tensor link to rank {self.rank} closed (the peer failed, or the step was "
-                                 "cancelled)")
-            self.got = pos + k
-            if pos < hsize <= self.got and self.head != header:
-                step, index, nbytes = EXCHANGE.unpack(header)
-                check_exchange_header(bytes(self.head), step, index, nbytes)
+                raise self._closed()
+            self._took(pos, k, header)
 
 
 class SegmentedGraph:

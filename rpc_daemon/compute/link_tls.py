@@ -90,9 +90,11 @@ def secure(socks: dict[int, socket.socket], link_id: int, rank: int, tls: dict) 
             sock = socks[peer]
             if peer < rank:
                 host, ticket = tls["peers"][peer]
-                sessions[peer] = _as_client(client_ctx, sock, peer, host, link_id, rank, ticket, deadline)
+                sessions[peer] = _session(client_ctx, sock, peer, host, deadline, lambda session: _show_ticket(
+                    session, sock, peer, link_id, rank, ticket, deadline))
             else:
-                sessions[peer] = _as_server(server_ctx, sock, peer, link_id, tls["ticket"], deadline)
+                sessions[peer] = _session(server_ctx, sock, peer, None, deadline, lambda session: _check_ticket(
+                    session, sock, peer, link_id, tls["ticket"], deadline))
     except BaseException:
         for s in socks.values():
             s.close()
@@ -107,35 +109,36 @@ def _left(deadline: float, peer: int) -> float:
     return left
 
 
-def _as_client(ctx, sock, peer: int, host: str, link_id: int, rank: int, ticket: bytes,
-               deadline: float) -> TlsSession:
-    tls = None
+def _session(ctx, sock, peer: int, host: str | None, deadline: float, prove) -> TlsSession:
+    """A TLS session over `sock` with rank `peer`: its client, verifying it as `host`, or (host
+    None) its server; the handshake done, then `prove(session)` (the ticket shown or checked).
+    Any failure is a LinkSetupFailed saying whose it is, after the alert OpenSSL wrote went out."""
+    session = None
     try:
-        tls = TlsSession(ctx, host)
-        _drive(tls, sock, tls.obj.do_handshake, deadline, peer)
-        tls.obj.write(pack_tls_hello(link_id, rank, ticket))
-        _flush(tls, sock, deadline, peer)
-        ack = _read_exactly(tls, sock, len(ACK), deadline, peer)
-        if ack != ACK:
-            raise LinkBroken(f"it answered the TLS hello with {ack!r}, not ACK")
+        session = TlsSession(ctx, host)
+        _drive(session, sock, session.obj.do_handshake, deadline, peer)
+        prove(session)
     except Exception as exc:
-        _flush_alert(tls, sock)
+        _flush_alert(session, sock)
         raise _classified(exc, peer, host) from None
-    return tls
+    return session
 
 
-def _as_server(ctx, sock, peer: int, link_id: int, ticket: bytes, deadline: float) -> TlsSession:
-    tls = None
-    try:
-        tls = TlsSession(ctx, None)
-        _drive(tls, sock, tls.obj.do_handshake, deadline, peer)
-        check_tls_hello(_read_exactly(tls, sock, TLS_HELLO.size, deadline, peer), link_id, peer, ticket)
-        tls.obj.write(ACK)
-        _flush(tls, sock, deadline, peer)
-    except Exception as exc:
-        _flush_alert(tls, sock)
-        raise _classified(exc, peer, None) from None
-    return tls
+def _show_ticket(session: TlsSession, sock, peer: int, link_id: int, rank: int, ticket: bytes,
+                 deadline: float) -> None:
+    """As the client: TLS_HELLO with the lower rank's ticket, then its ACK."""
+    session.obj.write(pack_tls_hello(link_id, rank, ticket))
+    _flush(session, sock, deadline, peer)
+    ack = _read_exactly(session, sock, len(ACK), deadline, peer)
+    if ack != ACK:
+        raise LinkBroken(f"it answered the TLS hello with {ack!r}, not ACK")
+
+
+def _check_ticket(session: TlsSession, sock, peer: int, link_id: int, ticket: bytes, deadline: float) -> None:
+    """As the server: the higher rank's TLS_HELLO with this listener's ticket, then ACK."""
+    check_tls_hello(_read_exactly(session, sock, TLS_HELLO.size, deadline, peer), link_id, peer, ticket)
+    session.obj.write(ACK)
+    _flush(session, sock, deadline, peer)
 
 
 def _drive(tls: TlsSession, sock, step, deadline: float, peer: int):
