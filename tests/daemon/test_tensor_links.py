@@ -693,3 +693,307 @@ def test_a_join_naming_a_host_no_socket_or_tls_can_take_is_refused(pair, host):
     h, _ = b.call(Command.TENSOR_LINK, {"op": "join", "link": 3, "rank": 1, "n": 2, "timeout": 1,
                                         "peers": [{"rank": 0, "host": host, "port": 1, "ticket": b"\1" * 32}]})
     assert h["status"] == Status.INVALID_REQUEST and "'host'" in h["error"], h
+
+
+# ------------------------------------------- exchanges over TLS, against a member played by the test
+
+class FakeRank1:
+    """Rank 1 of a TLS link played from the test process against a real rank 0: it holds the
+    listener's ticket (a member, not a stranger), vets and runs TLS 1.3 as a member's compute process
+    would (an SSLObject over memory BIOs, so the test chooses every record and every byte that goes on
+    the wire), and then sends whatever the test needs in place of a member's EXCHANGE frames."""
+
+    def __init__(self, conn: RawConn, ca: str, link_id: int):
+        """Listen and join on `conn` as rank 0 of a group of 2, then be its rank 1: the join replies OK."""
+        import socket
+        import ssl
+        from rpc_daemon.wire.tensor_frames import pack_tls_hello
+        from rpc_daemon.wire.tls import client_context
+        h, _ = conn.call(Command.TENSOR_LINK, {"op": "listen", "link": link_id})
+        assert h["status"] == 0, h
+        conn.request(Command.TENSOR_LINK, {"op": "join", "link": link_id, "rank": 0, "n": 2, "timeout": 10})
+        self.sock = stranger_after_hello(h["port"], h["ticket"], link_id)  # a HELLO with the ticket's digest
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each send its own segment
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = client_context(ca).wrap_bio(self.incoming, self.outgoing, server_hostname="127.0.0.1")
+        self._drive(self.tls.do_handshake)
+        self.send(pack_tls_hello(link_id, 1, h["ticket"]))
+        assert self.read(1) == b"\x01"
+        join = conn.recv_frame()[0]
+        assert join["status"] == 0, join
+
+    def _drive(self, step):
+        """`step()` (a call of the SSLObject) done: what it writes sent, the socket's bytes fed to it."""
+        import ssl
+        while True:
+            try:
+                result = step()
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self.outgoing.read())
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise EOFError("rank 0 closed the link") from None
+                self.incoming.write(data)
+                continue
+            self.sock.sendall(self.outgoing.read())
+            return result
+
+    def read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            more = self._drive(lambda: self.tls.read(n - len(data)))
+            if not more:
+                raise EOFError("rank 0 ended its TLS session")
+            data += more
+        return data
+
+    def records(self, data: bytes) -> bytes:
+        """`data` encrypted: the TLS records a write of it makes (OpenSSL's boundaries), not sent."""
+        self.tls.write(data)
+        return self.outgoing.read()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(self.records(data))
+
+    def receive_frame(self) -> tuple[int, int, list]:
+        """Rank 0's next EXCHANGE frame: step, index and its partial (4 floats)."""
+        from rpc_daemon.wire.tensor_frames import EXCHANGE
+        step, index, size = EXCHANGE.unpack(self.read(EXCHANGE.size))
+        return step, index, floats(self.read(size)) if size == 16 else size
+
+    def close_notify(self) -> None:
+        """This side's TLS session ended (a close_notify alert sent); the TCP connection stays open."""
+        import ssl
+        try:
+            self.tls.unwrap()
+        except ssl.SSLWantReadError:  # it sent its close_notify and would wait for rank 0's
+            pass
+        self.sock.sendall(self.outgoing.read())
+
+    def assert_closed(self) -> None:
+        """Rank 0's end of the connection is closed or shut down, with no TLS record first (no
+        close_notify): EOF, or a reset (our bytes left unread)."""
+        self.sock.settimeout(10)
+        try:
+            assert self.sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def frame(step: int, partial, index: int = 0) -> bytes:
+    """An EXCHANGE frame: header and the f32 partial."""
+    from rpc_daemon.wire.tensor_frames import EXCHANGE
+    body = f32s(*partial)
+    return EXCHANGE.pack(step, index, len(body)) + body
+
+
+def summed(x, partial) -> list:
+    """What GRAPH outputs on rank 0 for input `x` when rank 1's partial is `partial`: 2 (2x + p)."""
+    return [2 * (2 * p + q) for p, q in zip(x, partial)]
+
+
+def assert_dropped(conn: RawConn, peer: FakeRank1, link_id: int) -> None:
+    """After a failed exchange: rank 0's compute process holds the link no more (its next compute
+    says so), and the TENSOR_CANCEL a coordinator then sends every member shuts the daemon's copy of
+    the connection down: rank 1 sees it close, with no close_notify first."""
+    h, _ = compute(conn, [1, 2, 3, 4], 1, link_id=link_id)
+    assert h["status"] == Status.LINK_FAILED and h.get("link_missing") is True, h
+    h, _ = conn.call(Command.TENSOR_CANCEL, {"link": link_id})
+    assert h["status"] == 0, h
+    peer.assert_closed()
+
+
+@pytest.fixture
+def tls_worker(start_daemon, tls_files):
+    """One TLS worker (--peer-tls-ca) and a connection to it: rank 0 against a FakeRank1."""
+    d = start_daemon(*tls_args(tls_files))
+    conn = tls_conn(d.port, tls_files.ca)
+    yield d, conn
+    conn.close()
+
+
+def test_over_tls_a_frame_already_received_is_taken_without_waiting(tls_worker, tls_files):
+    """Rank 1 sends two steps' frames in one write, before rank 0 computes either: rank 0's first
+    receive takes both into its TLS session, step 0 decrypts its frame and leaves step 1's there.
+    Step 1 must read what its session holds before it waits on the socket, which gets nothing more
+    (rank 1 sends nothing else): a wait there would end only at step 1's timeout, LINK_FAILED."""
+    d, a = tls_worker
+    peer = FakeRank1(a, tls_files.ca, 10)
+    try:
+        peer.send(frame(0, [1, 1, 1, 1]) + frame(1, [5, 6, 7, 8]))
+        h, out = compute(a, [1, 2, 3, 4], 0, link_id=10, timeout=8)
+        assert h["status"] == 0 and floats(out) == summed([1, 2, 3, 4], [1, 1, 1, 1]), h
+        assert peer.receive_frame() == (0, 0, [2, 4, 6, 8])
+        started = time.monotonic()
+        h, out = compute(a, [1, 2, 3, 4], 1, link_id=10, timeout=8)
+        took = time.monotonic() - started
+        assert h["status"] == 0 and floats(out) == summed([1, 2, 3, 4], [5, 6, 7, 8]), h
+        assert took < 1.0 * SLACK, took  # no wait: the timeout is 8 s
+        assert peer.receive_frame() == (1, 0, [2, 4, 6, 8])
+    finally:
+        peer.close()
+
+
+def test_over_tls_a_frame_in_one_byte_records_is_summed(tls_worker, tls_files):
+    """Rank 1 writes its frame through TLS one byte at a time, each byte its own record (5 bytes of
+    record header, 1 of data, 1 of content type, 16 of tag) in its own TCP segment, while rank 0
+    waits in the exchange: the receiver accepts any split of the stream into records, down to one
+    byte a record, and sums exactly."""
+    d, a = tls_worker
+    peer = FakeRank1(a, tls_files.ca, 11)
+    mine = [0.5, -1.25, 1e6, 3.0]
+
+    def rank1():
+        got = peer.receive_frame()  # rank 0 is in the exchange: its own frame has come
+        for byte in frame(0, mine):
+            record = peer.records(bytes([byte]))
+            assert len(record) == 5 + 1 + 1 + 16 and record[0] == 0x17, record  # one record, one byte
+            peer.sock.sendall(record)
+            time.sleep(0.001)
+        return got
+
+    try:
+        (h, out), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=11, timeout=8), rank1)
+        assert h["status"] == 0 and floats(out) == summed([1, 2, 3, 4], mine), h
+        assert got == (0, 0, [2, 4, 6, 8])
+    finally:
+        peer.close()
+
+
+def test_over_tls_a_close_notify_in_a_frame_fails_the_exchange_at_once(tls_worker, tls_files):
+    """Rank 1 sends its frame's header, then ends its TLS session (close_notify) and keeps the TCP
+    connection open: rank 0 answers LINK_FAILED naming rank 1 as soon as the alert comes, not at the
+    compute's timeout (60 s), and drops the link."""
+    d, a = tls_worker
+    peer = FakeRank1(a, tls_files.ca, 12)
+
+    def rank1():
+        got = peer.receive_frame()
+        peer.send(frame(0, [1, 1, 1, 1])[:16])
+        peer.close_notify()
+        return got
+
+    try:
+        started = time.monotonic()
+        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=12, timeout=60), rank1)
+        took = time.monotonic() - started
+        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1 closed" in h["error"], h
+        assert took < 2 * SLACK, took
+        assert got == (0, 0, [2, 4, 6, 8])
+        assert_dropped(a, peer, 12)
+    finally:
+        peer.close()
+
+
+def test_over_tls_a_corrupted_record_fails_the_exchange_at_once(tls_worker, tls_files):
+    """Rank 1's frame with one bit of its first record's ciphertext flipped (what a path that alters
+    bytes would do): the record does not authenticate, and rank 0 answers LINK_FAILED with OpenSSL's
+    reason at once (the compute's timeout is 60 s), and drops the link: no sum is made of them."""
+    d, a = tls_worker
+    peer = FakeRank1(a, tls_files.ca, 13)
+
+    def rank1():
+        got = peer.receive_frame()
+        wire = bytearray(peer.records(frame(0, [1, 1, 1, 1])))
+        wire[5] ^= 0x01  # the first byte after the first record's 5-byte header
+        peer.sock.sendall(wire)
+        return got
+
+    try:
+        started = time.monotonic()
+        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=13, timeout=60), rank1)
+        took = time.monotonic() - started
+        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1: " in h["error"], h
+        assert "bad record mac" in h["error"].lower(), h
+        assert took < 2 * SLACK, took
+        assert got == (0, 0, [2, 4, 6, 8])
+        assert_dropped(a, peer, 13)
+    finally:
+        peer.close()
+
+
+def test_over_tls_a_record_over_the_maximum_size_fails_the_exchange_at_once(tls_worker, tls_files):
+    """A record header announcing 65535 bytes (TLS 1.3 allows 2^14 + 256 of ciphertext), followed
+    by a few bytes, the connection left open: rank 0 refuses it on its header, LINK_FAILED at once,
+    rather than waiting (until the compute's 60 s timeout) for the rest of a record it could never
+    take."""
+    d, a = tls_worker
+    peer = FakeRank1(a, tls_files.ca, 14)
+
+    def rank1():
+        got = peer.receive_frame()
+        peer.sock.sendall(b"\x17\x03\x03" + struct.pack(">H", 0xFFFF) + bytes(64))
+        return got
+
+    try:
+        started = time.monotonic()
+        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=14, timeout=60), rank1)
+        took = time.monotonic() - started
+        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1: " in h["error"], h
+        assert "length too long" in h["error"].lower(), h
+        assert took < 2 * SLACK, took
+        assert got == (0, 0, [2, 4, 6, 8])
+        assert_dropped(a, peer, 14)
+    finally:
+        peer.close()
+
+
+def test_over_tls_a_flood_for_another_step_fails_on_its_header_and_the_worker_links_again(tls_worker, tls_files):
+    """Rank 1 answers with a frame of another step announcing 64 MiB and streams those 64 MiB as valid
+    records: rank 0 checks the header as soon as its 16 bytes are decrypted and fails then (LINK_FAILED
+    at once, the compute's timeout being 60 s) without reading on for the frame's body (the flood
+    stalls on full socket buffers, far short of its end, until the next listen closes the
+    connection). The daemon answers on, and the same compute process (not one started after a
+    crash) links again and sums a correct exchange."""
+    from rpc_daemon.wire.tensor_frames import EXCHANGE
+    from rpc_helpers import assigned_pids
+    d, a = tls_worker
+    flood = 64 << 20
+    peer = FakeRank1(a, tls_files.ca, 15)
+    pid = assigned_pids(d)[-1]  # this session's compute process (the join started it)
+    got, sent, ended = [], [0], threading.Event()
+
+    def rank1():
+        try:
+            got.append(peer.receive_frame())
+            chunk = bytes(1 << 20)
+            peer.send(EXCHANGE.pack(1, 0, flood))  # step 1 where rank 0 is in step 0
+            for _ in range(flood // len(chunk)):
+                peer.send(chunk)
+                sent[0] += len(chunk)
+        except OSError:  # rank 0's end is closed: the rest of the flood cannot go
+            pass
+        finally:
+            ended.set()
+
+    flooding = threading.Thread(target=rank1, daemon=True)
+    again = None
+    try:
+        flooding.start()
+        started = time.monotonic()
+        h, _ = compute(a, [1, 2, 3, 4], 0, link_id=15, timeout=60)
+        took = time.monotonic() - started
+        assert h["status"] == Status.LINK_FAILED, h
+        assert f"(step 1, index 0, {flood} bytes), expected (step 0, index 0, 16 bytes)" in h["error"], h
+        assert took < 2 * SLACK, took
+        assert got == [(0, 0, [2, 4, 6, 8])]
+        h, _ = a.call(Command.TENSOR_CANCEL, {"link": 15})  # as a coordinator would
+        assert h["status"] == 0, h
+        assert d.alive() and os.path.exists(f"/proc/{pid}")
+        h, _ = a.call(Command.PING)
+        assert h["status"] == 0, h
+        again = FakeRank1(a, tls_files.ca, 16)  # its listen closes the daemon's copy of the flooded link
+        assert ended.wait(2 * SLACK) and sent[0] < flood // 2, sent  # cut off, not read to its end
+        (h, out), theirs = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=16, timeout=8),
+                                lambda: (again.receive_frame(), again.send(frame(0, [3, 3, 3, 3])))[0])
+        assert h["status"] == 0 and floats(out) == summed([1, 2, 3, 4], [3, 3, 3, 3]), h
+        assert theirs == (0, 0, [2, 4, 6, 8])
+        assert assigned_pids(d)[-1] == pid  # the same process: not one started after a crash
+    finally:
+        peer.close()
+        if again is not None:
+            again.close()
+        flooding.join(30)
