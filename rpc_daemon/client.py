@@ -13,6 +13,14 @@ No receive waits forever:
   a long compute is not mistaken for a dead peer;
 * a request may carry an overall `deadline` as well.
 
+Silence is the worker's only while this process could ask and listen: a
+watchdog tick that fires late, because this process's event loop was busy (a
+large step's logits checked and put side by side on it), finds the pings due
+meanwhile unsent and what the worker sent still unread in the socket. Such a
+tick does not declare the worker dead: the time it was late is not counted as
+the worker's silence, and it looks again after the loop has read its sockets
+(STALL_RECHECK).
+
 No reply makes it allocate more than its request implies: each request
 carries the most blob bytes its reply may hold (`reply_blob`: a GET_TENSOR's
 size, a compute's outputs; framing.reply_blob_bound otherwise), and a reply
@@ -83,6 +91,9 @@ def _oserror_text(exc: BaseException) -> str:
 # errnos of a connection the worker's side ended (RST), as good as its EOF
 _PEER_GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
+# A watchdog tick this late found this process's loop busy (STALL_GRACE); it looks again this soon
+# (STALL_RECHECK), after the loop's next read of its sockets, before it declares a worker silent
+STALL_GRACE, STALL_RECHECK = 0.05, 0.01
 KEEPALIVE_MAX = 5.0  # seconds between pings on an idle connection, at most
 
 
@@ -115,6 +126,7 @@ class RpcClient(asyncio.BufferedProtocol):
         self._pings: set[int] = set()
         self._failure: PeerFailed | None = None
         self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0  # when the armed timer is due (monotonic): a tick later than that found the loop busy
         self._watch_idle = False  # the armed timer is the idle keepalive's, not a request's
         self.keepalive_interval: float | None = None  # set from HELLO: ping an idle connection this often
         self._keepalive_at: float | None = None  # an idle keepalive ping went out then, unanswered yet
@@ -357,7 +369,7 @@ class RpcClient(asyncio.BufferedProtocol):
             at = min(at, min(d for d, _ in self._deadlines.values()))
         if at != float("inf"):
             self._watch = self._loop.call_later(max(0.0, at - now), self._tick)
-            self._watch_idle = False
+            self._watch_at, self._watch_idle = max(at, now), False
 
     def _arm_idle(self) -> None:
         """Nothing pending: wake for the next keepalive ping or, with one
@@ -370,8 +382,22 @@ class RpcClient(asyncio.BufferedProtocol):
             at = self._keepalive_at + self.liveness_timeout
         else:
             return  # the pong re-arms
-        self._watch = self._loop.call_later(max(0.0, at - time.monotonic()), self._tick)
-        self._watch_idle = True
+        now = time.monotonic()
+        self._watch = self._loop.call_later(max(0.0, at - now), self._tick)
+        self._watch_at, self._watch_idle = max(at, now), True
+
+    def _stalled(self, now: float) -> bool:
+        """This tick came more than STALL_GRACE late: this process's loop was busy, so what the
+        worker sent meanwhile may still be unread, and the pings due meanwhile did not go out. If
+        so, the worker's silence is counted without that time (only while this process could ask
+        and listen), and the tick looks again once the loop has read its sockets."""
+        late = now - self._watch_at
+        if late <= STALL_GRACE:
+            return False
+        self.last_rx = min(now, self.last_rx + late)
+        self._watch = self._loop.call_later(STALL_RECHECK, self._tick)
+        self._watch_at = now + STALL_RECHECK
+        return True
 
     def _keepalive_answered(self) -> None:
         self._keepalive_at = self._keepalive_id = None
@@ -393,12 +419,16 @@ class RpcClient(asyncio.BufferedProtocol):
             self.last_rx = now
         self._wbuf = wbuf
         overdue = [seconds for deadline, seconds in self._deadlines.values() if now >= deadline]
+        if overdue and self._stalled(now):  # the answer may have come in time, still unread
+            return
         if overdue:
             self._fail(PeerFailed(FailureKind.TIMEOUT, f"worker {self.endpoint} timed out: no answer within "
                                              f"{min(overdue):g} s"))
             return
         if self.liveness_timeout is not None:
             silent = now - self.last_rx
+            if silent >= self.liveness_timeout and self._stalled(now):
+                return
             if silent >= self.liveness_timeout:
                 doing = "took nothing of our request" if wbuf else "sent nothing"
                 self._fail(PeerFailed(FailureKind.TIMEOUT, f"worker {self.endpoint} timed out: it {doing} for {silent:.1f} s "
@@ -415,6 +445,8 @@ class RpcClient(asyncio.BufferedProtocol):
         now = time.monotonic()
         if self._keepalive_at is not None:
             if self.liveness_timeout is not None and now - self._keepalive_at >= self.liveness_timeout:
+                if self._stalled(now):
+                    return
                 self._fail(PeerFailed(FailureKind.TIMEOUT, f"worker {self.endpoint} timed out: it did not answer a keepalive "
                                                  f"ping within {self.liveness_timeout:g} s while idle; stopped, "
                                                  f"hung or cut off"))

@@ -584,6 +584,30 @@ def test_head_round_failures_latch_every_endpoint(model, start_daemon):
             c.logits(-1)
 
 
+def test_a_busy_loop_here_is_not_a_silent_worker(start_daemon):
+    """This process's event loop blocked for 1 s (as a large step's logits checked on it) during a
+    real compute of about a second, against a liveness bound of 0.3 s: the pongs the daemon sent in
+    time sit unread meanwhile, and the watchdog's late tick looks again after reading them instead
+    of declaring the worker silent (it did: 'sent nothing for 1.0 s'). A worker that is silent is
+    still caught: test_stopped_daemon_blocks_large_send and the fault matrix."""
+    d = start_daemon("-t", "1")
+
+    async def scenario():
+        c = await RpcClient.connect(d.endpoint, liveness_timeout=0.3)
+        try:
+            _, tensors, iz, x0 = await load_chain(c, steps=40)
+            fut = asyncio.ensure_future(c.request(Command.GRAPH_COMPUTE, {"tensors": tensors, "outputs": [iz]}))
+            await asyncio.sleep(0.1)  # the request is out, the watchdog armed
+            time.sleep(1.0)  # the loop blocked: no read, no tick, for 3 liveness bounds
+            h, out = await fut
+            assert np.array_equal(np.frombuffer(out, np.float32).reshape(N, N), x0)
+            return c.pings_sent
+        finally:
+            await c.aclose()
+
+    assert run(scenario()) >= 1
+
+
 def test_real_long_compute_with_a_short_bound(start_daemon):
     """A real compute of about a second against a liveness bound of 0.3 s: the
     daemon's event loop answers the pings while its compute process works."""
