@@ -484,8 +484,14 @@ class RpcClient(asyncio.BufferedProtocol):
         req_id = next(self._ids)
         fut = self._loop.create_future()
         if not self._pending:
-            # the connection may have been quiet for long: silence counts from now
-            self.last_rx = max(self.last_rx, time.monotonic() if silent_since is None else silent_since)
+            # the connection may have been quiet for long: silence counts from now, or from
+            # `silent_since`, but never from more than a ping interval before this request went out
+            # (this process's loop may have been busy past the time it meant to send it)
+            now = time.monotonic()
+            since = now if silent_since is None else silent_since
+            if self.ping_interval is not None:
+                since = max(since, now - self.ping_interval)
+            self.last_rx = max(self.last_rx, since)
         self._pending[req_id] = fut
         if reply_blob > 0:
             self._bounds[req_id] = (reply_blob, int(cmd))

@@ -608,6 +608,45 @@ def test_a_busy_loop_here_is_not_a_silent_worker(start_daemon):
     assert run(scenario()) >= 1
 
 
+async def answer_after_50_ms(reader, writer):
+    """A worker that answers every request 50 ms after reading it (SUCCESS, no fields)."""
+    try:
+        while True:
+            header_len, blob_len = F.PREFIX.unpack(await reader.readexactly(F.PREFIX.size))
+            header = msgpack.unpackb(await reader.readexactly(header_len))
+            await reader.readexactly(blob_len)
+            await asyncio.sleep(0.05)
+            writer.write(F.encode_frame(P.reply_header(header["id"], Status.SUCCESS, "")))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+
+
+def test_a_busy_loop_between_pings_is_not_a_silent_worker():
+    """A step over a step channel: the coordinator PINGs the daemon connection with silence counted
+    from the step's start (executors.keep_pinging), nothing else pending there. This loop blocked for
+    0.6 s (2 liveness bounds) between two PINGs; the second, answered in 50 ms, must not find the
+    worker silent (it failed 0.2 ms after it went out: 'sent nothing for 0.6 s'): silence counts from
+    at most a ping interval before a request goes out."""
+    from rpc_daemon.service.loop import run as run_on_uvloop  # the coordinator's loop kind
+
+    async def scenario():
+        server = await asyncio.start_server(answer_after_50_ms, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, c = await asyncio.get_running_loop().create_connection(
+            lambda: RpcClient(f"127.0.0.1:{port}", 0.3, None, P.Limits()), "127.0.0.1", port)
+        c.keepalive_interval = 5.0  # as connect() sets it from a HELLO's idle_timeout
+        try:
+            started = time.monotonic()
+            await c.request(Command.PING, silent_since=started)
+            time.sleep(0.6)
+            await c.request(Command.PING, silent_since=started)
+        finally:
+            await c.aclose()
+            server.close()
+
+    run_on_uvloop(scenario())
+
+
 def test_real_long_compute_with_a_short_bound(start_daemon):
     """A real compute of about a second against a liveness bound of 0.3 s: the
     daemon's event loop answers the pings while its compute process works."""
