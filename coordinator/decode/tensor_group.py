@@ -136,16 +136,26 @@ class TensorGroup:
 
 
 def _consequences_of_failed_ranks(results: list) -> list:
-    """The joins' results (rank order), a member's failure that concerns only members whose own joins
-    failed too made a consequence of theirs (TensorLinkFailed: reported only if nothing else is, not
-    latched): in a group of 3 or more, a member whose connection to a failed member's listener was
-    refused or cut as that member's join ended. Two failures that name each other both stand."""
-    own = {rank for rank, r in enumerate(results) if isinstance(r, StageFailed) and not isinstance(r, TensorLinkFailed)}
+    """The joins' results (rank order), a member's failure made a consequence of others' (TensorLinkFailed:
+    reported only if nothing else is, not latched) when it concerns only members that failed too (their
+    listeners closed as their joins ended: its connection refused or cut) and does not stand alone: one
+    of them failed by itself, or another member failed without blaming a peer (its connection lost).
+    In a group of 3 or more, rank 1's connection lost in its join can fail rank 2's connection to rank 1,
+    or to rank 0 whose join the coordinator cancelled meanwhile; rank 2 is not latched. A member that
+    could not connect to a peer that only saw the join cancelled (a firewall between two members), or
+    two failures that name each other, stand."""
+    failed = {rank for rank, r in enumerate(results) if isinstance(r, BaseException)}
+    own = {rank for rank in failed if isinstance(results[rank], StageFailed)
+           and not isinstance(results[rank], TensorLinkFailed)}
+    blamed = {rank: getattr(results[rank], "unlinked", None) or [] for rank in own}
+    root_elsewhere = {rank for rank in own if not blamed[rank]}  # a lost connection, a failure of its own
     weighed = list(results)
     for rank in own:
-        failure, unlinked = results[rank], getattr(results[rank], "unlinked", None)
-        if unlinked and all(r != rank and r in own and rank not in getattr(results[r], "unlinked", ())
-                            for r in unlinked):
+        unlinked = blamed[rank]
+        if not unlinked or not all(r != rank and r in failed and rank not in blamed.get(r, ()) for r in unlinked):
+            continue
+        if any(r in own for r in unlinked) or root_elsewhere - {rank}:
+            failure = results[rank]
             weighed[rank] = TensorLinkFailed(FailureKind.COMPUTE, failure.endpoint,
                                              f"{failure.message} (after rank(s) {unlinked} failed their own join)")
     return weighed
