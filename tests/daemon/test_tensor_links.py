@@ -863,6 +863,27 @@ def test_over_tls_a_frame_in_one_byte_records_is_summed(tls_worker, tls_files):
         peer.close()
 
 
+def fails_at_once(a, peer, link_id: int, answer, words: str) -> None:
+    """Rank 1 (`peer`) takes rank 0's frame, then `answer()`s it wrongly: rank 0's compute answers
+    LINK_FAILED with `words` in its error at once (its timeout is 60 s), and the link is dropped."""
+    def rank1():
+        got = peer.receive_frame()
+        answer()
+        return got
+
+    try:
+        started = time.monotonic()
+        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=link_id, timeout=60), rank1)
+        took = time.monotonic() - started
+        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1" in h["error"], h
+        assert words in h["error"].lower(), h
+        assert took < 2 * SLACK, took
+        assert got == (0, 0, [2, 4, 6, 8])
+        assert_dropped(a, peer, link_id)
+    finally:
+        peer.close()
+
+
 def test_over_tls_a_close_notify_in_a_frame_fails_the_exchange_at_once(tls_worker, tls_files):
     """Rank 1 sends its frame's header, then ends its TLS session (close_notify) and keeps the TCP
     connection open: rank 0 answers LINK_FAILED naming rank 1 as soon as the alert comes, not at the
@@ -870,22 +891,11 @@ def test_over_tls_a_close_notify_in_a_frame_fails_the_exchange_at_once(tls_worke
     d, a = tls_worker
     peer = FakeRank1(a, tls_files.ca, 12)
 
-    def rank1():
-        got = peer.receive_frame()
+    def answer():
         peer.send(frame(0, [1, 1, 1, 1])[:16])
         peer.close_notify()
-        return got
 
-    try:
-        started = time.monotonic()
-        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=12, timeout=60), rank1)
-        took = time.monotonic() - started
-        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1 closed" in h["error"], h
-        assert took < 2 * SLACK, took
-        assert got == (0, 0, [2, 4, 6, 8])
-        assert_dropped(a, peer, 12)
-    finally:
-        peer.close()
+    fails_at_once(a, peer, 12, answer, "tensor link to rank 1 closed")
 
 
 def test_over_tls_a_corrupted_record_fails_the_exchange_at_once(tls_worker, tls_files):
@@ -895,24 +905,12 @@ def test_over_tls_a_corrupted_record_fails_the_exchange_at_once(tls_worker, tls_
     d, a = tls_worker
     peer = FakeRank1(a, tls_files.ca, 13)
 
-    def rank1():
-        got = peer.receive_frame()
+    def answer():
         wire = bytearray(peer.records(frame(0, [1, 1, 1, 1])))
         wire[5] ^= 0x01  # the first byte after the first record's 5-byte header
         peer.sock.sendall(wire)
-        return got
 
-    try:
-        started = time.monotonic()
-        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=13, timeout=60), rank1)
-        took = time.monotonic() - started
-        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1: " in h["error"], h
-        assert "bad record mac" in h["error"].lower(), h
-        assert took < 2 * SLACK, took
-        assert got == (0, 0, [2, 4, 6, 8])
-        assert_dropped(a, peer, 13)
-    finally:
-        peer.close()
+    fails_at_once(a, peer, 13, answer, "bad record mac")
 
 
 def test_over_tls_a_record_over_the_maximum_size_fails_the_exchange_at_once(tls_worker, tls_files):
@@ -922,23 +920,8 @@ def test_over_tls_a_record_over_the_maximum_size_fails_the_exchange_at_once(tls_
     take."""
     d, a = tls_worker
     peer = FakeRank1(a, tls_files.ca, 14)
-
-    def rank1():
-        got = peer.receive_frame()
-        peer.sock.sendall(b"\x17\x03\x03" + struct.pack(">H", 0xFFFF) + bytes(64))
-        return got
-
-    try:
-        started = time.monotonic()
-        (h, _), got = both(lambda: compute(a, [1, 2, 3, 4], 0, link_id=14, timeout=60), rank1)
-        took = time.monotonic() - started
-        assert h["status"] == Status.LINK_FAILED and "tensor link to rank 1: " in h["error"], h
-        assert "length too long" in h["error"].lower(), h
-        assert took < 2 * SLACK, took
-        assert got == (0, 0, [2, 4, 6, 8])
-        assert_dropped(a, peer, 14)
-    finally:
-        peer.close()
+    fails_at_once(a, peer, 14, lambda: peer.sock.sendall(b"\x17\x03\x03" + struct.pack(">H", 0xFFFF) + bytes(64)),
+                  "length too long")
 
 
 def test_over_tls_a_flood_for_another_step_fails_on_its_header_and_the_worker_links_again(tls_worker, tls_files):
