@@ -2,7 +2,7 @@
 
     python bench/perplexity.py [--model PATH] [--file /usr/share/common-licenses/GPL-3]
                                [--ctx 512] [--chunks N] [--threads 1]
-                               [--endpoints HOST:PORT,... [--split-mode layer|tensor|auto]]
+                               [--endpoints HOST:PORT,... [--split-mode layer|tensor|auto [--exact-sums]]]
                                [-ctk f16|q8_0|q4_0] [-ctv f16|q8_0|q4_0]
 
 llama-perplexity's method (tools/perplexity/perplexity.cpp, perplexity()): the
@@ -58,12 +58,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--endpoints", default="local", help="comma-separated host:port workers (default: in process)")
     p.add_argument("--split-mode", default="layer", choices=("layer", "tensor", "auto"))
+    p.add_argument("--exact-sums", action="store_true", help="with --split-mode tensor: exact sums")
     p.add_argument("-ctk", "--cache-type-k", default="f16", choices=("f16", "q8_0", "q4_0"))
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=("f16", "q8_0", "q4_0"))
     args = p.parse_args(argv)
     text = open(args.file, encoding="utf-8").read()
     with Coordinator(args.endpoints.split(","), model=args.model, n_ctx=args.ctx, n_batch=args.ctx,
-                     threads=args.threads, split_mode=args.split_mode, cache_type_k=args.cache_type_k,
+                     threads=args.threads, split_mode=args.split_mode, exact_sums=args.exact_sums,
+                     cache_type_k=args.cache_type_k,
                      cache_type_v=args.cache_type_v) as c:
         tokens = c.tokenize(text, add_special=True)
         bos = tokens[0] if c.tokenize("", add_special=True) else None

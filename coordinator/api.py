@@ -94,7 +94,8 @@ class Coordinator:
             self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.get)
             self.kv = KVCells(self.n_ctx, self.hp.n_swa)
             self._loader = ModelLoader(self.gguf, self.arch, self.hp, self.n_ctx, self.n_batch, self.threads,
-                                       executor_options, self._head, (config.cache_type_k, config.cache_type_v))
+                                       executor_options, self._head, (config.cache_type_k, config.cache_type_v),
+                                       config.exact_sums)
             self._endpoints = EndpointSet(config.endpoints, self._io, gate, self._loader.connect, self._lose_kv,
                                           auto_reconnect, backoff, self.stats, self._resume)
             self._pipeline = Pipeline(self._places, self.hp, self.kv, self.head_shards, self._resume.journal,

@@ -119,6 +119,12 @@ class CoordinatorConfig:
     default): every endpoint in one group. At least 2, and it must divide the
     number of endpoints.
 
+    `exact_sums` (with a tensor split): no member sums part of a product's
+    reduction; each computes its rows of the output projections over their
+    whole inputs, gathered from the members: logits bit-equal to one
+    process's, for two more exchanges a layer (4 instead of 2). Not for
+    mixture-of-experts models. False (the default): partial sums, all-reduced.
+
     `cache_type_k`, `cache_type_v` (llama.cpp's -ctk/-ctv): the KV cache's K
     and V types on the workers: "f16" (the default), "q8_0" (about half the
     memory per token) or "q4_0" (about a quarter); rows are quantized as they
@@ -178,6 +184,7 @@ class CoordinatorConfig:
     step_channels: bool = True
     split_mode: str = "layer"
     tensor_group: int | None = None
+    exact_sums: bool = False
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     warmup: bool = False
@@ -213,4 +220,8 @@ class CoordinatorConfig:
                 raise ValueError(f"tensor_group={size}: {len(endpoints)} endpoints do not form groups of {size}")
             if self.split_mode == "layer":
                 raise ValueError("tensor_group needs split_mode='tensor' or 'auto' (the layer split has no groups)")
+        if not isinstance(self.exact_sums, bool):
+            raise ValueError(f"exact_sums must be True or False, not {self.exact_sums!r}")
+        if self.exact_sums and self.split_mode == "layer":
+            raise ValueError("exact_sums needs split_mode='tensor' or 'auto' (the layer split sums nothing apart)")
         return replace(self, endpoints=endpoints, split=split, spares=spares, n_ctx=n_ctx)

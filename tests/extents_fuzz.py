@@ -464,6 +464,16 @@ def op_concat(g: Gen):
     return g.node(OP.CONCAT, F32, out, [a, b], i32s(dim))
 
 
+def op_pad(g: Gen):
+    """f32 source of any strides, zeros around it: (left, right) of every dim, mostly small, and
+    the circular flag 0 (exact sums' gathers pad dim 0 only; the rule takes any dim)."""
+    r = g.r
+    ne = g.shape()
+    a = g.src(F32, ne, strided_ok=True)
+    pads = [r.choice([0, 0, 1, 2, 5]) if d == 0 or r.random() < 0.3 else 0 for d in range(4) for _ in (0, 1)]
+    out = [n + pads[2 * d] + pads[2 * d + 1] for d, n in enumerate(ne)]
+    return g.node(OP.PAD, F32, out, [a], i32s(*pads, 0))
+
 def view_of(g: Gen, a: int, via) -> int:
     r = g.r
     x = g.tensors[a]
@@ -637,7 +647,7 @@ BUILDERS = {
     OP.PERMUTE: lambda g: op_cont(g, OP.PERMUTE), OP.TRANSPOSE: lambda g: op_cont(g, OP.TRANSPOSE),
     OP.ROPE: op_rope, OP.SOFT_MAX: op_soft_max, OP.FLASH_ATTN_EXT: op_flash, OP.UNARY: op_unary,
     OP.GLU: op_glu, OP.ARGMAX: op_argmax, OP.SUM_ROWS: op_sum_rows, OP.ARANGE: op_arange,
-    OP.TOP_K: op_top_k, OP.MUL_MAT_ID: op_mul_mat_id, OP.CONCAT: op_concat,
+    OP.TOP_K: op_top_k, OP.MUL_MAT_ID: op_mul_mat_id, OP.CONCAT: op_concat, OP.PAD: op_pad,
 }
 OPS = sorted(op for op in G.OP_RULES if op != OP.NONE)
 assert set(OPS) == set(BUILDERS), "every op the validator accepts needs a builder here"

@@ -53,7 +53,8 @@ def _shard(p: Place) -> dict | None:
         return None
     return {"rank": shard.rank, "of": shard.n, "group": p.stage.tensor_group, "heads": _bounds(shard.heads),
             "kv_heads": _bounds(shard.kv_heads), "kv_replicated": shard.replicated_kv, "ffn_rows": _bounds(shard.ffn),
-            "embd_rows": _bounds(p.stage.embd_rows), "head_rows": _bounds(p.stage.head_rows)}
+            "embd_rows": _bounds(p.stage.embd_rows), "head_rows": _bounds(p.stage.head_rows),
+            "out_rows": _bounds(shard.out)}
 
 
 class EndpointSet:

@@ -452,6 +452,11 @@ class RemoteExecutor:
         """The worker takes CONCAT (an older one refuses the graph)."""
         return self._offers("concat")
 
+    @property
+    def pad(self) -> bool:
+        """The worker takes PAD (exact sums' gathers; an older one refuses the graph)."""
+        return self._offers("pad")
+
     async def name_peers(self, peers: frozenset) -> None:
         """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
         if peers != self.step_peers:

@@ -45,23 +45,26 @@ FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be 
 TENSOR_PAYS = 1.0
 
 
-def tensor_trade(n_layer: int, layer_s: float, rtt_s: float, group_weights) -> tuple[float, float]:
+def tensor_trade(n_layer: int, layer_s: float, rtt_s: float, group_weights,
+                 exact: bool = False) -> tuple[float, float]:
     """What the tensor split costs and saves a token, in seconds: (its exchanges, the layer compute
     saved against the layer split). Either way a token passes all n_layer layers one after another;
     split over a group, a layer takes the largest member's share of its time, and costs two
-    exchanges (and the embedding's rows one). With a pipeline of groups each group runs its own
-    layers as one group would, so neither figure depends on the number of groups (`group_weights`:
-    one group's members' shares)."""
-    cost = (2 * n_layer + 1) * (rtt_s / 2 + EXCHANGE_OVERHEAD)
+    exchanges (four with `exact` sums; and the embedding's rows one). With a pipeline of groups each
+    group runs its own layers as one group would, so neither figure depends on the number of groups
+    (`group_weights`: one group's members' shares)."""
+    cost = ((4 if exact else 2) * n_layer + 1) * (rtt_s / 2 + EXCHANGE_OVERHEAD)
     saved = n_layer * layer_s * (1 - max(group_weights) / sum(group_weights))
     return cost, saved
 
 
 class ModelLoader:
     def __init__(self, gguf, arch, hp, n_ctx: int, n_batch: int, threads: int, executor_options: dict,
-                 head: HeadPlacement, kv_types: tuple = ("f16", "f16")):
+                 head: HeadPlacement, kv_types: tuple = ("f16", "f16"), exact_sums: bool = False):
         """`executor_options`: every remote executor's keywords (timeouts, secret, TLS, digests);
-        `kv_types`: the KV cache's K and V types (stage.KV_TYPES' names)."""
+        `kv_types`: the KV cache's K and V types (stage.KV_TYPES' names); `exact_sums`: a tensor
+        split gathers whole inputs instead of all-reducing partial sums (model/tensor_split.py)."""
+        self.exact_sums = exact_sums
         self.gguf, self.arch, self.hp = gguf, arch, hp
         self.kv_types = tuple(KV_TYPES[t] for t in kv_types)
         self.n_ctx, self.n_batch, self.threads = n_ctx, n_batch, threads
@@ -165,7 +168,7 @@ class ModelLoader:
             self.split_choice = {"asked": mode, "chosen": "layer", "reason": why}
             return False
         if mode == "tensor":
-            self.split_choice = {"asked": mode, "chosen": "tensor"}
+            self.split_choice = {"asked": mode, "chosen": "tensor", **self._sums()}
             return True
         rtt, measured_by = await self._exchange_rtt(places, group_size)
         threads = min(max(1, int(info.get("threads") or 1)) for info in infos)
@@ -175,14 +178,18 @@ class ModelLoader:
         except Exception as exc:  # an estimate must not stop the start: the bytes at memory speed instead
             layer = self.gguf.layer_bytes / self.hp.n_layer / FALLBACK_BANDWIDTH
             log.warning("could not time a layer here; estimating it from its bytes", error=str(exc))
-        cost, saved = tensor_trade(self.hp.n_layer, layer, rtt, weights[:group_size])
+        cost, saved = tensor_trade(self.hp.n_layer, layer, rtt, weights[:group_size], self.exact_sums)
         chosen = cost < saved * TENSOR_PAYS
         figures = {"exchanges_ms_per_token": round(cost * 1e3, 2), "compute_saved_ms_per_token": round(saved * 1e3, 2),
                    "slowest_rtt_ms": round(rtt * 1e3, 3), "rtt_measured_by": measured_by,
                    "layer_ms": round(layer * 1e3, 3), "timed_threads": threads}
-        self.split_choice = {"asked": mode, "chosen": "tensor" if chosen else "layer", **figures}
+        self.split_choice = {"asked": mode, "chosen": "tensor" if chosen else "layer", **figures,
+                             **(self._sums() if chosen else {})}
         log.info("split mode chosen by measurement", split_mode=self.split_choice["chosen"], **figures)
         return chosen
+
+    def _sums(self) -> dict:
+        return {"sums": "exact" if self.exact_sums else "split"}
 
     def _tensor_refusal(self, places: list, weights: list, group_size: int) -> str | None:
         if len(places) < 2:
@@ -193,11 +200,14 @@ class ModelLoader:
             if not getattr(p.executor, "tensor_links", False):
                 return (f"worker {p.endpoint} does not offer tensor links (an older ggml-rpc-server, or one that "
                         f"serves TLS without --peer-tls-ca: it could not verify its peers' certificates)")
+            if self.exact_sums and not getattr(p.executor, "pad", False):
+                return f"worker {p.endpoint} cannot gather exact sums (an older ggml-rpc-server: it does not take PAD)"
         if len(places) // group_size > self.hp.n_layer:
             return f"{len(places) // group_size} groups but the model has only {self.hp.n_layer} layers"
         try:
             for i in range(0, len(places), group_size):
-                plan_shards(self.hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights[i: i + group_size])
+                plan_shards(self.hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights[i: i + group_size],
+                            self.exact_sums)
         except TensorSplitError as exc:
             return str(exc)
         return None
@@ -247,7 +257,7 @@ class ModelLoader:
         short, plan = [], []
         for g, (indices, layers) in enumerate(zip(members, group_layers)):
             w = [weights[i] for i in indices]
-            shards = plan_shards(hp, types, w)
+            shards = plan_shards(hp, types, w, self.exact_sums)
             # the vocabulary's rows in proportion: of the head (last group), of the embedding (first group);
             # one group holds the same rows of both, so a tied head is a view of its embedding rows
             rows_each = plan_rows(hp.n_vocab, w)
@@ -258,7 +268,8 @@ class ModelLoader:
                 p.layers = layers
                 p.stage = Stage.tensor_member(i, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types,
                                               layers, g, embd_rows)
-                reserve = compute_reserve(p.stage.hp, self.n_batch, self.n_ctx)  # its shard's heads and FFN rows
+                # its shard's heads and FFN rows; with exact sums it holds the whole gathered inputs too
+                reserve = compute_reserve(hp if self.exact_sums else p.stage.hp, self.n_batch, self.n_ctx)
                 need, free = in_pages(buffer_bytes(p.stage), infos[i]) + reserve, endpoint_free(infos[i])
                 if free is not None and need > free:
                     short.append(f"{p.endpoint}: its shard needs {human(need)}, {human(free)} free")
@@ -267,7 +278,8 @@ class ModelLoader:
                              "kv_heads": [shard.kv_heads.start, shard.kv_heads.stop],
                              "kv_replicated": shard.replicated_kv, "ffn": [shard.ffn.start, shard.ffn.stop],
                              "head_rows": None if rows is None else [rows.start, rows.stop],
-                             "embd_rows": None if embd_rows is None else [embd_rows.start, embd_rows.stop]})
+                             "embd_rows": None if embd_rows is None else [embd_rows.start, embd_rows.stop],
+                             **({} if shard.out is None else {"out_rows": [shard.out.start, shard.out.stop]})})
         if short:
             raise DoesNotFit("the model does not fit the workers' free memory in tensor-parallel shards: "
                              + "; ".join(short))

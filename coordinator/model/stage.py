@@ -113,6 +113,9 @@ class Stage:
     # them (None: the whole embedding, or none): the members' embeddings summed are the tokens' rows
     embd_rows: range | None = None
     held_rows: dict = field(default_factory=dict)  # a weight of some rows of a GGUF tensor -> its first row
+    # a member with exact sums: where its part of each tensor the members gather starts, and the whole
+    # tensor's length (GraphBuilder.gather); None: its output projections' partial sums are all-reduced
+    gather: dict | None = None
 
     @classmethod
     def create(cls, index, arch, hp, gguf, layers: range, n_layer: int, n_ctx: int,
@@ -157,6 +160,9 @@ class Stage:
         cuts = {name: cut for name, cut in shard_cuts(hp, shard, gguf.tensors).items() if name in weights}
         stage = cls(index, arch, local, layers, first, last, weights, StageKV(local, layers, n_ctx, kv_types),
                     head_rows if last else None, shard=shard, tensor_group=group)
+        if shard.out is not None:
+            stage.gather = {"attn": (shard.heads.start * hp.head_dim, hp.n_head * hp.head_dim),
+                            "ffn": (shard.ffn.start, hp.n_ff), "out": (shard.out.start, hp.n_embd)}
         stage.own_ctx = Context(len(cuts) + 2)
         for name, cut in cuts.items():
             src = gguf.tensor(name)
@@ -329,6 +335,7 @@ class Stage:
         if self.shard is not None:
             b.exchanges = []
             b.embd_sharded = self.embd_rows is not None
+            b.gather = self.gather
         if self.first:
             x = self.arch.embed(b, tokens)
         for il in self.layers:

@@ -41,9 +41,10 @@ def bench_model(name: str) -> tuple[str | None, str]:
 
 
 def setups(endpoints: list[str], threads: int, split, head_split: str, step_links: str,
-           split_mode: str = "layer") -> dict:
+           split_mode: str = "layer", exact_sums: bool = False) -> dict:
     """{row name: (endpoints, Coordinator options)}: in process with one worker's threads, with all the
-    workers' threads, and over the workers as --split-mode, --head-split and --step-links ask."""
+    workers' threads, and over the workers as --split-mode, --head-split, --step-links and
+    --exact-sums ask."""
     rpc = f"rpc x{len(endpoints)}"
     rows = {"local": (["local"], {})}
     total = threads * len(endpoints)
@@ -62,6 +63,8 @@ def setups(endpoints: list[str], threads: int, split, head_split: str, step_link
     if split_mode == "tensor":
         rows = {k: v for k, v in rows.items() if not k.startswith(rpc)}
     rows[rpc + " tensor"] = (endpoints, {"split": split, "split_mode": "tensor"})
+    if exact_sums:
+        rows[rpc + " tensor exact"] = (endpoints, {"split": split, "split_mode": "tensor", "exact_sums": True})
     return rows
 
 
@@ -116,7 +119,8 @@ def cmd_bench(args) -> int:
     load_before = os.getloadavg()[0]  # printed with the results: other jobs on the cores move every row
     results, ref_results = {}, {}
     with endpoints_for(args) as endpoints:
-        rows = setups(endpoints, args.threads, args.split, args.head_split, args.step_links, args.split_mode)
+        rows = setups(endpoints, args.threads, args.split, args.head_split, args.step_links, args.split_mode,
+                      args.exact_sums)
         coords = {}
         try:
             for name, (eps, opts) in rows.items():

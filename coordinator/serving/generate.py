@@ -22,6 +22,7 @@ def cmd_generate(args) -> int:
                             head_split=args.head_split, step_links=args.step_links,
                             step_channels=args.step_channels,
                             micro_batch=args.micro_batch, split_mode=args.split_mode, tensor_group=args.tensor_group,
+                            exact_sums=args.exact_sums,
                             cache_type_k=args.cache_type_k,
                             cache_type_v=args.cache_type_v, **resume_options(args), warmup=args.warmup)
         except (ConnectionError, OSError, ValueError) as exc:

@@ -105,6 +105,7 @@ def _serve(args, socks) -> int:
                             step_channels=args.step_channels,
                             **resume_options(args), on_upload=StartTimeoutExtender(), micro_batch=args.micro_batch,
                             split_mode=args.split_mode, tensor_group=args.tensor_group,
+                            exact_sums=args.exact_sums,
                             cache_type_k=args.cache_type_k,
                             cache_type_v=args.cache_type_v, warmup=args.warmup)
         except (ConnectionError, OSError, ValueError) as exc:

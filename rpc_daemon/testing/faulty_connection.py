@@ -34,20 +34,23 @@ def _uses_dot_type_inputs(header: dict) -> str | None:
     return None
 
 
-def _uses_concat(header: dict) -> str | None:
-    """What a daemon from before "concat" said of a graph with a CONCAT node."""
-    tensors = header.get("tensors")
-    for i, t in enumerate(tensors if isinstance(tensors, list) else ()):
-        if isinstance(t, dict) and t.get("op") == lib.GGML_OP_CONCAT:
-            return f"tensors[{i}]: op CONCAT is not supported by this daemon"
-    return None
+def _uses_op(op: int, name: str):
+    """What a daemon from before the op `name` said of a graph with such a node."""
+    def refusal(header: dict) -> str | None:
+        tensors = header.get("tensors")
+        for i, t in enumerate(tensors if isinstance(tensors, list) else ()):
+            if isinstance(t, dict) and t.get("op") == op:
+                return f"tensors[{i}]: op {name} is not supported by this daemon"
+        return None
+    return refusal
 
 
 # feature -> what a daemon from before it said of a GRAPH_COMPUTE using it (a refusal, or None); a
 # daemon from before "step_channel" did not know STEP_CHANNEL (UNKNOWN_COMMAND, below), one from before
 # "tensor_rtt" not TENSOR_LINK's op "rtt" (INVALID_REQUEST, below)
-OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None, "concat": _uses_concat,
-         "tensor_rtt": lambda header: None}
+OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None,
+         "concat": _uses_op(lib.GGML_OP_CONCAT, "CONCAT"), "tensor_rtt": lambda header: None,
+         "pad": _uses_op(lib.GGML_OP_PAD, "PAD")}
 log = structlog.get_logger("rpc")
 
 

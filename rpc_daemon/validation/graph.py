@@ -538,6 +538,19 @@ def rule_concat(t, tensors):
     _need(t.type == F32 and t.ne == ne, t, f"result must be f32 {list(ne)}")  # a new tensor: check_op
 
 
+def rule_pad(t, tensors):
+    """f32 only (the kernel aborts on any other type), zeros around the source: params are
+    8 paddings (left, right per dim), none negative, and a 0 for "not circular" (the circular
+    variant is not taken); the result is the source's ne plus its paddings."""
+    (a,) = _srcs(t, tensors, 1)
+    _types(t, a, (F32,), "src0")
+    pads = [t.param_i32(i) for i in range(8)]
+    _need(all(p >= 0 for p in pads), t, f"paddings {pads} must not be negative")
+    _need(t.param_i32(8) == 0, t, "circular padding is not supported")
+    ne = tuple(a.ne[d] + pads[2 * d] + pads[2 * d + 1] for d in range(4))
+    _need(t.type == F32 and t.ne == ne, t, f"result must be f32 {list(ne)}")  # a new tensor: check_op
+
+
 def rule_view(t, tensors):
     (a,) = _srcs(t, tensors, 1)
     _need(t.type == a.type, t, "a view keeps its source's type")
@@ -728,6 +741,7 @@ OP_RULES: dict[int, Callable] = {
     lib.GGML_OP_CPY: rule_cpy,
     lib.GGML_OP_CONT: rule_cont,
     lib.GGML_OP_CONCAT: rule_concat,
+    lib.GGML_OP_PAD: rule_pad,
     lib.GGML_OP_RESHAPE: rule_reshape,
     lib.GGML_OP_VIEW: rule_view,
     lib.GGML_OP_PERMUTE: rule_view,

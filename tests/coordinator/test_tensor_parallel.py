@@ -123,7 +123,7 @@ def test_auto_takes_the_layer_split_where_exchanges_cost_more_than_they_save(tmp
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64) as c:
         assert c.health()["split_choice"] == {"asked": "layer", "chosen": "layer"}
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor") as c:
-        assert c.health()["split_choice"] == {"asked": "tensor", "chosen": "tensor"}
+        assert c.health()["split_choice"] == {"asked": "tensor", "chosen": "tensor", "sums": "split"}
     with Coordinator([ws.endpoint(0), "local"], model=model, n_ctx=64, split_mode="auto") as c:
         choice = c.health()["split_choice"]
         assert choice["chosen"] == "layer" and "local" in choice["reason"], choice

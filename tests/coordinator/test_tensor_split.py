@@ -12,8 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from coordinator.model.architectures.common import HParams
-from coordinator.model.tensor_split import (Cut, Shard, TensorSplitError, cut_bytes, local_hparams, plan_shards,
-                                            shard_cuts)
+from coordinator.model.tensor_split import (FFN_TILE, ROW_TILE, Cut, Shard, TensorSplitError, cut_bytes, local_hparams,
+                                            plan_shards, shard_cuts)
 from ggml_ffi import Context, ffi, lib, type_traits
 
 F32, F16, Q8_0, Q4_K, Q6_K = (lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_Q8_0, lib.GGML_TYPE_Q4_K,
@@ -370,3 +370,187 @@ def test_the_trade_auto_weighs_does_not_depend_on_the_number_of_groups():
     assert saved == pytest.approx(22 * 1e-3)
     assert cost == pytest.approx(45 * (50e-6 + EXCHANGE_OVERHEAD))  # two a layer, and the embedding's
     assert tensor_trade(22, 2e-3, 100e-6, [3.0, 1.0])[1] == pytest.approx(22 * 2e-3 * 0.25)  # the larger share rules
+
+
+# ---------------------------------------------------------------- exact sums: the output projections by rows
+
+def tiny_gguf(tmp_path, name: str):
+    """The GGUF of tests/tiny_models.py's `name`, its hparams and its tensors' types (a file read, no sockets)."""
+    from coordinator.model.architectures import architecture
+    from coordinator.model.gguf_file import GGUFFile
+    from tiny_models import write_tiny_model
+    gguf = GGUFFile(write_tiny_model(tmp_path / f"{name}.gguf", name))
+    return gguf, architecture(gguf.architecture).hparams(gguf), {n: t.type for n, t in gguf.tensors.items()}
+
+
+def check_exact_plan(hp: HParams, shards: list[Shard]):
+    """Exact sums: the output rows covered once in rank order, every member some; every cut of the
+    rows of a product (heads' rows, FFN rows, output rows) on a tile one process computes in."""
+    assert [i for s in shards for i in s.out] == list(range(hp.n_embd))
+    assert [i for s in shards for i in s.ffn] == list(range(hp.n_ff))
+    assert all(len(s.out) > 0 and len(s.ffn) > 0 and len(s.heads) > 0 for s in shards)
+    for s in shards[1:]:
+        assert s.out.start % ROW_TILE == 0 and s.heads.start * hp.head_dim % ROW_TILE == 0, s
+        assert s.ffn.start % FFN_TILE == 0, s
+
+
+@pytest.mark.parametrize("shares, want", [
+    ([1, 1], [(0, 1024), (1024, 2048)]),
+    ([2.0, 1.0], [(0, 1364), (1364, 2048)]),  # 2048 * 2/3 = 1365.3: the nearest whole tile of 4 rows
+    ([1, 1, 1], [(0, 684), (684, 1364), (1364, 2048)]),
+    ([1000, 1, 1, 1], [(0, 2036), (2036, 2040), (2040, 2044), (2044, 2048)]),  # a tile each at least
+])
+def test_exact_sums_deal_the_output_rows_in_proportion(shares, want):
+    types = q4_k_m_types(TINYLLAMA)
+    shards = plan_shards(TINYLLAMA, types, shares, exact=True)
+    assert ranges_of(shards, "out") == want
+    check_exact_plan(TINYLLAMA, shards)
+    assert all(s.out is None for s in plan_shards(TINYLLAMA, types, shares))  # split sums: no row ranges
+
+
+def test_exact_sums_deal_heads_and_ffn_rows_off_block_boundaries():
+    """The output projections are cut by rows: their columns (heads, FFN rows) need no longer fall on
+    a q4_K block boundary of 256, only on the tiles one process computes in (FFN_TILE, ROW_TILE).
+    Three members: FFN rows 1856 + 1920 + 1856 (29, 30 and 29 tiles of 64; 1792/2048/1792 with split sums)."""
+    types = q4_k_m_types(TINYLLAMA)
+    split, exact = plan_shards(TINYLLAMA, types, [1, 1, 1]), plan_shards(TINYLLAMA, types, [1, 1, 1], exact=True)
+    assert ranges_of(split, "ffn") == [(0, 1792), (1792, 3840), (3840, 5632)]
+    assert ranges_of(exact, "ffn") == [(0, 1856), (1856, 3776), (3776, 5632)]
+    assert ranges_of(exact, "kv_heads") == ranges_of(split, "kv_heads") == [(0, 1), (1, 3), (3, 4)]
+    assert ranges_of(exact, "heads") == [(0, 8), (8, 24), (24, 32)]  # whole KV groups still
+    check_exact_plan(TINYLLAMA, exact)
+    # 8 KV heads of 2 query heads of 64 over 5: groups of 128 columns, half a q4_K block: split sums
+    # cut every 2 groups (4 pieces: refused), exact sums every group
+    hp = hparams(n_head=16, n_head_kv=8, n_ff=1024, n_layer=1)
+    q4 = {"blk.0.attn_output.weight": Q4_K, "blk.0.ffn_down.weight": Q4_K}
+    with pytest.raises(TensorSplitError, match=r"8 KV heads.* over 5 members.*every 2 KV heads"):
+        plan_shards(hp, q4, [1] * 5)
+    five = plan_shards(hp, q4, [1] * 5, exact=True)
+    assert ranges_of(five, "kv_heads") == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
+    assert ranges_of(five, "ffn") == [(0, 192), (192, 384), (384, 640), (640, 832), (832, 1024)]
+    check_exact_plan(hp, five)
+
+
+def test_exact_sums_cut_float_weights_on_whole_tiles():
+    """f32/f16 weights, which split sums cut anywhere: exact sums cut the FFN on tiles of 64 rows
+    (SiLU's vectors) and the output rows on tiles of 4 (tinyBLAS's), as one process computes them."""
+    hp = hparams(n_ff=100, n_head=4, n_head_kv=4, head_dim=8, n_layer=1, n_embd=36)
+    floats = {"blk.0.attn_output.weight": F16, "blk.0.ffn_down.weight": F32}
+    assert ranges_of(plan_shards(hp, floats, [1, 1]), "ffn") == [(0, 50), (50, 100)]
+    exact = plan_shards(hp, floats, [1, 1], exact=True)
+    assert ranges_of(exact, "ffn") == [(0, 64), (64, 100)] and ranges_of(exact, "out") == [(0, 20), (20, 36)]
+    assert ranges_of(exact, "heads") == [(0, 2), (2, 4)]
+    check_exact_plan(hp, exact)
+    with pytest.raises(TensorSplitError, match=r"the FFN's 100 rows over 3 members.*every 64 rows.* 2 piece"):
+        plan_shards(hp, floats, [1, 1, 1], exact=True)  # split sums take it: 33 + 34 + 33
+    assert len(plan_shards(hp, floats, [1, 1, 1])) == 3
+
+
+def test_exact_sums_split_the_tiny_qwen3_that_split_sums_refuse(tmp_path):
+    """The tiny qwen3 (tests/tiny_models.py): 2 KV groups of 2 x 64 = 128 columns of its q4_K/q6_K
+    attn_output, half a block: split sums cannot cut it in two; exact sums cut attn_output by rows."""
+    gguf, hp, types = tiny_gguf(tmp_path, "qwen3")
+    with gguf:
+        assert (hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff) == (256, 4, 2, 64, 512)
+        with pytest.raises(TensorSplitError, match=r"2 KV heads.* over 2 members.*quantization blocks.*1 piece"):
+            plan_shards(hp, types, [1, 1])
+        shards = plan_shards(hp, types, [1, 1], exact=True)
+        assert ranges_of(shards, "kv_heads") == [(0, 1), (1, 2)] and ranges_of(shards, "heads") == [(0, 2), (2, 4)]
+        assert ranges_of(shards, "ffn") == [(0, 256), (256, 512)] and ranges_of(shards, "out") == [(0, 128), (128, 256)]
+        assert not any(s.replicated_kv for s in shards)
+        # and the bytes: every member's rows of attn_output and ffn_down (q4_K, q6_K, q4_0), in rank
+        # order, are the whole tensor; every other cut is a row cut as well (no column cut is left)
+        cuts = [shard_cuts(hp, s, gguf.tensors) for s in shards]
+        assert {c.dim for per in cuts for c in per.values()} == {1}
+        for il in range(hp.n_layer):
+            for name in (f"blk.{il}.attn_output.weight", f"blk.{il}.ffn_down.weight"):
+                t = gguf.tensors[name]
+                ne = [int(t.ne[i]) for i in range(4)]
+                data = bytes(gguf.tensor_data(name))
+                assert [c[name] for c in cuts] == [Cut(1, ((0, 128),), (ne[0], 128, 1, 1)),
+                                                   Cut(1, ((128, 256),), (ne[0], 128, 1, 1))], name
+                assert b"".join(cut_bytes(data, t.type, ne, c[name]) for c in cuts) == data, name
+
+
+def test_exact_sums_refuse_mixture_of_experts(tmp_path):
+    hp = hparams("qwen3moe", n_ff=768, n_expert=128, n_expert_used=8, n_layer=2, head_dim=128)
+    types = {"blk.0.ffn_down_exps.weight": Q6_K, "blk.1.ffn_down_exps.weight": Q4_K,
+             "blk.0.attn_output.weight": Q4_K, "blk.1.attn_output.weight": Q4_K}
+    assert len(plan_shards(hp, types, [1, 1])) == 2  # split sums take it
+    with pytest.raises(TensorSplitError, match=r"exact sums are not built for mixture-of-experts.*without exact sums"):
+        plan_shards(hp, types, [1, 1], exact=True)
+    gguf, hp, types = tiny_gguf(tmp_path, "qwen3moe")  # the tiny one too, its experts in one layer f16
+    with gguf, pytest.raises(TensorSplitError, match="mixture-of-experts"):
+        plan_shards(hp, types, [1, 1], exact=True)
+
+
+def test_exact_sums_keep_the_other_refusals():
+    with pytest.raises(TensorSplitError, match=r"8 query heads with 2 KV heads over 4 members"):
+        plan_shards(hparams(n_head=8, n_head_kv=2, n_layer=1), {}, [1, 1, 1, 1], exact=True)
+    with pytest.raises(TensorSplitError, match="positive share"):
+        plan_shards(TINYLLAMA, {}, [1, -1], exact=True)
+    with pytest.raises(TensorSplitError, match=r"cannot split the 4 output rows over 2 members.*every 4 rows"):
+        plan_shards(hparams(n_embd=4, n_head=2, n_head_kv=2, head_dim=4, n_ff=128, n_layer=1), {}, [1, 1],
+                    exact=True)
+
+
+def test_exact_cuts_of_a_llama_layer():
+    """attn_output and ffn_down by their rows (dim 1: ne[1] is n_embd), the member's `out` range;
+    every other cut as with split sums."""
+    with Context(64) as ctx:
+        tensors = layer_tensors(ctx, TINYLLAMA) | {"token_embd.weight": ctx.new_tensor(Q4_K, [2048, 32000])}
+        types = {n: t.type for n, t in tensors.items()}
+        split = shard_cuts(TINYLLAMA, plan_shards(TINYLLAMA, types, [1, 1])[1], tensors)
+        shards = plan_shards(TINYLLAMA, types, [3, 1], exact=True)
+        cuts = [shard_cuts(TINYLLAMA, s, tensors) for s in shards]
+    assert ranges_of(shards, "out") == [(0, 1536), (1536, 2048)]
+    assert cuts[1]["blk.0.attn_output.weight"] == Cut(1, ((1536, 2048),), (2048, 512, 1, 1))
+    assert cuts[1]["blk.0.ffn_down.weight"] == Cut(1, ((1536, 2048),), (5632, 512, 1, 1))
+    assert cuts[0]["blk.0.attn_output.weight"] == Cut(1, ((0, 1536),), (2048, 1536, 1, 1))
+    assert cuts[0]["blk.0.ffn_down.weight"] == Cut(1, ((0, 1536),), (5632, 1536, 1, 1))
+    assert split["blk.0.attn_output.weight"].dim == split["blk.0.ffn_down.weight"].dim == 0  # columns otherwise
+    # [3, 1]: KV heads 3 + 1, FFN rows 4224 + 1408 (not whole q4_K blocks: 16.5 of them)
+    assert cuts[1]["blk.0.attn_q.weight"] == Cut(1, ((1536, 2048),), (2048, 512, 1, 1))
+    assert cuts[1]["blk.0.ffn_gate.weight"] == Cut(1, ((4224, 5632),), (2048, 1408, 1, 1))
+    assert cuts[1].keys() == split.keys()
+
+
+def test_exact_cuts_of_phi3_fused_products_and_biases():
+    hp = hparams("phi3", n_embd=3072, n_head=24, n_head_kv=8, head_dim=128, n_ff=8192, n_layer=1)
+    with Context(64) as ctx:
+        tensors = layer_tensors(ctx, hp, fused=True)
+        tensors["blk.0.attn_output.bias"] = ctx.new_tensor(F32, [3072], "blk.0.attn_output.bias")
+        tensors["blk.0.ffn_down.bias"] = ctx.new_tensor(F32, [3072], "blk.0.ffn_down.bias")
+        shards = plan_shards(hp, {n: t.type for n, t in tensors.items()}, [1, 1], exact=True)
+        cuts = shard_cuts(hp, shards[1], tensors)
+    assert cuts["blk.0.ffn_down.weight"] == Cut(1, ((1536, 3072),), (8192, 1536, 1, 1))
+    assert cuts["blk.0.attn_output.weight"] == Cut(1, ((1536, 3072),), (3072, 1536, 1, 1))
+    assert cuts["blk.0.ffn_down.bias"] == cuts["blk.0.attn_output.bias"] == Cut(0, ((1536, 3072),), (1536, 1, 1, 1))
+    assert cuts["blk.0.ffn_up.weight"] == Cut(1, ((4096, 8192), (12288, 16384)), (3072, 8192, 1, 1))  # gate | up
+
+
+@pytest.mark.parametrize("shares", [[1, 1], [2, 1], [1, 2, 3, 4]])
+def test_exact_row_cuts_of_the_output_projections_are_the_whole(shares):
+    """Each member's rows of attn_output and ffn_down (q4_K, q6_K), concatenated in rank order, are
+    the source's bytes; each one's dequantized is the source's slice."""
+    hp = hparams(n_embd=512, n_head=16, n_head_kv=4, head_dim=64, n_ff=1280, n_layer=1)
+    rng = np.random.default_rng(10 + len(shares))
+    with Context(64) as ctx:
+        tensors = layer_tensors(ctx, hp, types={"ffn_down.weight": Q6_K})
+        meta = {n: (t.type, tuple(t.ne)) for n, t in tensors.items()}
+        shards = plan_shards(hp, {n: t for n, (t, _) in meta.items()}, shares, exact=True)
+        cuts = [shard_cuts(hp, s, tensors) for s in shards]
+    for name in ("blk.0.attn_output.weight", "blk.0.ffn_down.weight"):
+        t, ne = meta[name]
+        data = quantized(rng, t, ne)
+        assert all(c[name].dim == 1 for c in cuts)
+        assert b"".join(cut_bytes(data, t, ne, c[name]) for c in cuts) == data
+        for c in cuts:
+            check_cut(data, t, ne, c[name])
+
+
+def test_exact_sums_cost_four_exchanges_a_layer():
+    from coordinator.model.loading import EXCHANGE_OVERHEAD, tensor_trade
+    cost, saved = tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0], exact=True)
+    assert cost == pytest.approx(89 * (50e-6 + EXCHANGE_OVERHEAD))  # four a layer, and the embedding's
+    assert saved == tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0])[1]

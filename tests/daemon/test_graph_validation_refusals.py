@@ -246,6 +246,63 @@ def test_concat_outside_its_rule_is_refused(s, case, fragment):
               fragment=fragment)
 
 
+def pad_params(*pads, circular: int = 0) -> bytes:
+    """ggml_pad_ext's op params: (left, right) of each of the 4 dims, then 1 for circular, 0 not."""
+    return i32s(*(list(pads) + [0] * (8 - len(pads))), circular)
+
+
+def test_pad_computes_zeros_around_its_source_and_the_connection_goes_on(s):
+    """Exact sums' gather (GraphBuilder.gathered): zeros left and right of a member's rows, in two
+    dims here; the result is numpy's pad of the source, and a refused PAD on the same connection
+    does not stop the next one."""
+    import numpy as np
+    from rpc_daemon.wire.protocol import Command, Status
+    x = np.arange(1, 7, dtype=np.float32).reshape(2, 3)  # ne [3, 2]
+    good = [T(F32, [3, 2], flags=INPUT),
+            T(F32, [6, 3], op=lib.GGML_OP_PAD, src=[0], params=pad_params(1, 2, 1, 0), flags=OUTPUT | COMPUTE)]
+    request = {"tensors": good, "inputs": [[0, 0, 24]], "outputs": [1]}
+    for attempt in range(2):
+        h, out = s.conn.call(Command.GRAPH_COMPUTE, request, x.tobytes())
+        assert h["status"] == Status.SUCCESS, h
+        assert np.array_equal(np.frombuffer(out, np.float32).reshape(3, 6), np.pad(x, ((1, 0), (1, 2)))), out
+        if attempt == 0:  # the same graph with one padding too many in its result: refused, then served again
+            bad = [good[0], dict(good[1], ne=[7, 3, 1, 1], nb=[4, 28, 84, 84])]
+            s.refused(bad, inputs=[(0, 0, 24)], blob=x.tobytes(), outputs=[1],
+                      fragment="tensors[1]: PAD: result must be f32 [6, 3, 1, 1]")
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("f16 source", "tensors[1]: PAD: src0 type f16 not supported"),
+    ("negative left padding", "tensors[1]: PAD: paddings [-1, 1, 0, 0, 0, 0, 0, 0] must not be negative"),
+    ("negative padding of dim 1", "tensors[1]: PAD: paddings [0, 0, 1, -1, 0, 0, 0, 0] must not be negative"),
+    ("circular", "tensors[1]: PAD: circular padding is not supported"),
+    ("result ne", "tensors[1]: PAD: result must be f32 [6, 2, 1, 1]"),
+    ("result ne of dim 3", "tensors[1]: PAD: result must be f32 [6, 2, 1, 1]"),
+    ("f16 result", "tensors[1]: PAD: result must be f32 [6, 2, 1, 1]"),
+    ("view result", "tensors[2]: PAD: the result of a computing op must be a new tensor, not a view"),
+])
+def test_pad_outside_its_rule_is_refused(s, case, fragment):
+    """PAD's kernel is f32 only (another type aborts the compute process), reads the source at
+    (i - left) for every result element inside the paddings (a negative one reads past it), writes
+    the result's ne as a packed new tensor, and its circular variant is not taken: each way out of
+    the rule is refused before it runs, and the daemon serves on (the fixture checks it)."""
+    pads = {"negative left padding": (-1, 1), "negative padding of dim 1": (0, 0, 1, -1)}.get(case, (1, 1))
+    src_type = F16 if case == "f16 source" else F32
+    ne = {"result ne": [7, 2], "result ne of dim 3": [6, 2, 1, 2],
+          "negative left padding": [4, 2], "negative padding of dim 1": [4, 2]}.get(case, [6, 2])
+    out = T(F16 if case in ("f16 source", "f16 result") else F32, ne, op=lib.GGML_OP_PAD, src=[0], flags=OUTPUT,
+            params=pad_params(*pads, circular=int(case == "circular")))
+    tensors = [T(src_type, [4, 2], flags=INPUT), out]
+    if case == "view result":  # a PAD written into a buffer tensor's rows, strided
+        tensors = [T(F32, [16, 2], buffer=s.buf), tensors[0],
+                   T(F32, [6, 2], [4, 64, 128, 128], op=lib.GGML_OP_PAD, src=[1], view_src=0, flags=OUTPUT,
+                     params=pad_params(1, 1))]
+    n = len(tensors) - 1
+    size = 16 if src_type == F16 else 32
+    s.refused(tensors, inputs=[(n - 1, 0, size)], blob=bytes(size) if src_type == F16 else f32s(*[1.0] * 8),
+              outputs=[n], fragment=fragment)
+
+
 def test_cpy_into_a_strided_quantized_view_is_refused(s):
     tensors = [
         T(Q8_0, [64, 4], buffer=s.buf),

@@ -307,6 +307,17 @@ def _(b):
     b.output(lib.ggml_concat(b.c, lib.ggml_permute(b.c, x, 0, 2, 1, 3), b.input(F32, [8, 3, 2]), 2))
 
 
+@case("PAD", "gathered-rows")
+def _(b):  # GraphBuilder.gathered: a member's rows of a product, zeros on both sides (its left and right peers')
+    x = lib.ggml_mul_mat(b.c, b.weight(Q8_0, [64, 48]), b.input(F32, [64, 5]))
+    b.output(lib.ggml_pad_ext(b.c, x, 16, 64, 0, 0, 0, 0, 0, 0))
+
+
+@case("PAD", "every-dim-of-a-permuted-view")
+def _(b):
+    x = lib.ggml_add(b.c, b.input(F32, [8, 4, 3]), b.input(F32, [8, 4, 3]))
+    b.output(lib.ggml_pad_ext(b.c, lib.ggml_permute(b.c, x, 0, 2, 1, 3), 1, 2, 0, 1, 2, 0, 1, 1))
+
 @case("CONT", "permuted")
 def _(b):
     x = lib.ggml_add(b.c, b.input(F32, [8, 4, 3]), b.input(F32, [8, 4, 3]))

@@ -115,6 +115,9 @@ class GraphBuilder:
         # summed over the group's members between the graph's segments; None: the whole layers here
         self.exchanges: list | None = None
         self.embd_sharded = False  # the shard holds some rows of token_embd: the embeddings are all-reduced too
+        # exact sums (tensor_split.py): where this shard's part of each gathered tensor starts, and its whole
+        # length, for "attn" (the heads' outputs), "ffn" (the FFN's hidden rows), "out" (a projection's rows)
+        self.gather: dict[str, tuple[int, int]] | None = None
         # where the graph runs, MUL_MAT takes src1 already in its weights' dot type (a worker that offers
         # "dot_type_inputs", or this process): shared_inputs may convert an input once for several products
         self.dot_type_inputs = False
@@ -250,10 +253,27 @@ class GraphBuilder:
             self.exchanges.append(partial.view_src if paired else partial)
         return partial
 
+    def gathered(self, part, what: str):
+        """A shard's rows `part` of a tensor as the whole tensor on every member (exact sums):
+        zeros around its rows, all-reduced (x + 0 is x: the members' rows, bit for bit)."""
+        lo, whole = self.gather[what]
+        return self.all_reduce(lib.ggml_pad_ext(self.c, part, lo, whole - lo - part.ne[0], 0, 0, 0, 0, 0, 0))
+
+    def projected(self, w, x, what: str):
+        """w x of an output projection whose sum a shard splits: all-reduced, or with exact sums
+        the whole input gathered first and the shard's rows of the product gathered after."""
+        if self.gather is None:
+            return self.all_reduce(self.product(w, x))
+        return self.gathered(self.product(w, self.gathered(x, what)), "out")
+
     def attn_output(self, il: int, attn, x):
         """The attention's output projection (all-reduced in a shard) and the residual, of the
         output rows only in the last layer (output_rows_only)."""
-        cur, x = self.output_rows_only(il, self.product(self.w[f"blk.{il}.attn_output.weight"], attn), x)
+        w = self.w[f"blk.{il}.attn_output.weight"]
+        if self.gather is not None:  # the projection's rows of the output rows only: fewer to gather
+            cur, x = self.output_rows_only(il, self.product(w, self.gathered(attn, "attn")), x)
+            return self.gathered(cur, "out"), x
+        cur, x = self.output_rows_only(il, self.product(w, attn), x)
         return self.all_reduce(cur), x
 
     def attn_residual(self, il: int, attn, x):
@@ -270,7 +290,7 @@ class GraphBuilder:
         p = f"blk.{il}."
         weights = [self.w[p + "ffn_gate.weight"], self.w[p + "ffn_up.weight"]]
         gate, up = (self.product(w, x_in) for w, x_in in zip(weights, self.shared_inputs(x, weights)))
-        return self.all_reduce(self.product(self.w[p + "ffn_down.weight"], glu(self.c, gate, up)))
+        return self.projected(self.w[p + "ffn_down.weight"], glu(self.c, gate, up), "ffn")
 
     def moe_ffn(self, il: int, x):
         """Mixture of experts, as llama.cpp's build_moe_ffn with softmax gating: router logits
@@ -304,7 +324,7 @@ class GraphBuilder:
         """SwiGLU over one ffn_up product whose first half is the gate (phi3)."""
         p = f"blk.{il}."
         up = self.product(self.w[p + "ffn_up.weight"], x)
-        return self.all_reduce(self.product(self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up)))
+        return self.projected(self.w[p + "ffn_down.weight"], lib.ggml_swiglu(self.c, up), "ffn")
 
     def final_norm(self, x):
         """The rows that want logits, normalized: what the output head multiplies."""
