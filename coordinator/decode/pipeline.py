@@ -22,8 +22,9 @@ from coordinator.decode import step_links, tensor_group
 from coordinator.decode.flow import FlowFailed, flow
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.kv_cells import KVCells
-from coordinator.decode.step_io import (PreparedStep, StepFailed, checked_logits, checked_tokens, no_rows, ranked,
-                                        read_output, stage_inputs, step_failed)
+from coordinator.decode.step_io import (OFF_LOOP, PreparedStep, StepFailed, checked_logits, checked_logits_off_loop,
+                                        checked_tokens, no_rows, ranked, read_output, side_by_side, stage_inputs,
+                                        step_failed)
 from coordinator.model.architectures.common import HParams, StepShape
 from coordinator.model.stage import StageOutput
 
@@ -238,7 +239,8 @@ class Pipeline:
         if not step.wanted:  # the KV rows are written; no head round for rows nobody wants
             return no_rows(step.shape, self.hp.n_vocab)
         if step.shape.normed:
-            return checked_logits(out.hidden.reshape(step.shape.n_outputs, self.hp.n_embd), self.places[-1].endpoint)
+            return await checked_logits_off_loop(out.hidden.reshape(step.shape.n_outputs, self.hp.n_embd),
+                                                 self.places[-1].endpoint)
         if step.head_in_shares:
             return await self._head(out.hidden, step.shape, step.head_places)
         last = self.places[-1].endpoint
@@ -248,7 +250,7 @@ class Pipeline:
             if greedy > 1:
                 return ranked(tokens, [checked_tokens(out.best_ids, self.hp.n_vocab, last)], [out.best_values], greedy)
             return tokens
-        return checked_logits(out.logits, last)
+        return await checked_logits_off_loop(out.logits, last)
 
     def record(self, step: PreparedStep) -> None:
         """A step that succeeded, into the journal (if any)."""
@@ -292,7 +294,7 @@ class Pipeline:
         for step, head_places, (out, head_results) in zip(steps, heads, linked):
             if head_places:
                 self._timed_head(head_places, step.shape)
-                results.append(self.combine_head(head_places, head_results, step.shape))
+                results.append(await self.combine_head(head_places, head_results, step.shape))
             else:  # no head round: the last stage's output, or nothing wanted
                 results.append(await self.finish(step, out))
         return results
@@ -309,7 +311,7 @@ class Pipeline:
         if failures:
             raise step_failed(failures)
         self._timed_head(places, shape)
-        return self.combine_head(places, results, shape)
+        return await self.combine_head(places, results, shape)
 
     def _timed_head(self, places, shape: StepShape) -> None:
         """The shards' compute times of a head round, into the placement's estimate."""
@@ -318,8 +320,11 @@ class Pipeline:
         self.head_placement.record_head(key, [p.executor.head_seconds.get(key) for p in places],
                                    "here" if here else "split")
 
-    def combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
-        """The head shards' replies (in `places` order) as one result."""
+    async def combine_head(self, places: list, results: list, shape: StepShape) -> np.ndarray:
+        """The head shards' replies (in `places` order) as one result. Logits from
+        step_io.OFF_LOOP floats are checked and put side by side on a thread of their
+        own (the event loop serves every other connection meanwhile); the failure
+        raised is the same either way: the first shard's (in `places` order) that fails."""
         if shape.argmax:
             best, value, best_ids, best_values = [], [], [], []
             for p, data in zip(places, results):
@@ -333,8 +338,12 @@ class Pipeline:
             winner = np.argmax(np.stack(value), axis=0)
             tokens = np.stack(best)[winner, np.arange(shape.n_outputs)].astype(np.int32)
             return ranked(tokens, best_ids, best_values, shape.argmax) if shape.argmax > 1 else tokens
-        logits = np.empty((shape.n_outputs, self.hp.n_vocab), dtype=np.float32)
+        shards = []  # each place's endpoint and rows read here, on the loop: the thread touches no place
         for p, data in zip(places, results):
-            r = p.stage.head_rows
-            logits[:, r.start: r.stop] = checked_logits(read_output(p, data, shape, head=True).logits, p.endpoint)
-        return logits
+            try:
+                shards.append((p.endpoint, p.stage.head_rows, read_output(p, data, shape, head=True).logits))
+            except Exception as exc:  # raised in its turn, after the shards before it are checked
+                shards.append((p.endpoint, None, exc))
+        if shape.n_outputs * self.hp.n_vocab < OFF_LOOP:
+            return side_by_side(shape.n_outputs, self.hp.n_vocab, shards)
+        return await asyncio.to_thread(side_by_side, shape.n_outputs, self.hp.n_vocab, shards)

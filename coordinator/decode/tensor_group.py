@@ -22,7 +22,8 @@ import numpy as np
 
 from coordinator.cluster.executors import TensorLinkFailed
 from coordinator.cluster.failures import FailureKind, StageFailed
-from coordinator.decode.step_io import PreparedStep, checked_logits, no_rows, read_output, stage_inputs, step_failed
+from coordinator.decode.step_io import (PreparedStep, checked_logits_off_loop, no_rows, read_output, stage_inputs,
+                                        step_failed)
 from coordinator.model.architectures.common import StepShape
 from rpc_daemon.client import parse_endpoint
 
@@ -109,8 +110,9 @@ class TensorGroup:
             return no_rows(step.shape, hp.n_vocab)
         if step.shape.normed:  # every member computed the same normed rows: the first's
             normed = read_output(self.places[0], results[0], step.shape).hidden
-            return checked_logits(normed.reshape(step.shape.n_outputs, hp.n_embd), self.places[0].endpoint)
-        return self.pipeline.combine_head(self.places, results, step.shape)
+            return await checked_logits_off_loop(normed.reshape(step.shape.n_outputs, hp.n_embd),
+                                                 self.places[0].endpoint)
+        return await self.pipeline.combine_head(self.places, results, step.shape)
 
     async def run(self, common: dict, tokens, out_rows, shape: StepShape, hidden=None) -> list[bytes]:
         """One step on every member at once: each member's reply (its head rows' output, or the
