@@ -368,13 +368,15 @@ class FakeWorker:
         self.lsock.close()
 
 
-def feed_reader(reader: F.FrameReader, data: bytes, step: int) -> list:
-    """`data` into a sans-I/O FrameReader, at most `step` bytes a receive; the frames it gave."""
-    got, pos = [], 0
+def feed_reader(reader: F.FrameReader, data: bytes, step: int, first: int | None = None) -> list:
+    """`data` into a sans-I/O FrameReader, at most `first` (default `step`) bytes in the first
+    receive, then at most `step` bytes a receive; the frames it gave."""
+    got, pos, size = [], 0, step if first is None else first
     while pos < len(data):
         buf = reader.buffer()
-        n = min(len(buf), len(data) - pos, step)
+        n = min(len(buf), len(data) - pos, size)
         buf[:n] = data[pos: pos + n]
         pos += n
         got += reader.received(n)
+        size = step
     return got

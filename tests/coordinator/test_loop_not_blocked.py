@@ -27,6 +27,7 @@ from coordinator.api import Batch, Coordinator, DecodeResult
 from coordinator.decode.step_io import OFF_LOOP
 from rpc_daemon.wire import framing as F
 from rpc_daemon.wire.protocol import Limits
+from rpc_helpers import feed_reader
 from tiny_models import filler_spm_vocab, model_llama, write_gguf
 
 N_VOCAB = 262144  # gemma3-270m's
@@ -153,14 +154,7 @@ def test_a_large_reply_lands_whole_in_memory_it_did_not_zero(first):
     blob = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8).tobytes()
     data = F.encode_frame({"id": 7, "status": 0}, n) + blob
     reader = F.FrameReader(Limits(), blob_bound=lambda header: n)
-    got, pos, step = [], 0, first
-    while pos < len(data):
-        buf = reader.buffer()
-        k = min(len(buf), len(data) - pos, step)
-        buf[:k] = data[pos: pos + k]
-        pos += k
-        got += reader.received(k)
-        step = 100_003 + pos % 7919
+    got = feed_reader(reader, data, 100_003, first)  # 100_003: no divisor of the blob's pages
     assert len(got) == 1 and got[0][0] == {"id": 7, "status": 0}
     assert type(got[0][1]) is bytearray and got[0][1] == blob
     assert not reader.partial
