@@ -8,7 +8,10 @@ Coordinator(tensor_group=)) end in the hidden state, the same on every member,
 which the next group takes from the first member's reply (`chain`).
 
 The group is linked before its first step and again after any failure or
-reconnect (a member's new connection is a new session: its link is gone).
+reconnect (a member's new connection is a new session: its link is gone), and
+after a step cancelled from outside before every member answered: its requests
+are cancelled with it and every member's waits on the link ended
+(TENSOR_CANCEL), so none is left to reach a member after the next step's.
 A failure of one member cancels the others' waits on the link at once
 (TENSOR_CANCEL), so a member blocked on a dead or stopped peer answers now;
 the step reports the member that failed, never the peer that saw its link
@@ -71,16 +74,17 @@ class TensorGroup:
         then every request is awaited (each within its own bounds) and the failures raised as one
         StepFailed: a member that failed itself before one that only saw its link close. `weigh`:
         the results (in rank order) with the failures that are consequences of others' made
-        TensorLinkFailed."""
+        TensorLinkFailed. Cancelled from outside, it leaves no request running on its own (_abandon)."""
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(c) for c in coros]
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        if pending:
-            for p in self.places:
-                cancel = loop.create_task(p.executor.tensor_cancel(self.link_id))
-                self._cancels.add(cancel)
-                cancel.add_done_callback(self._cancels.discard)
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:
+                self._cancel_waits()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled from outside (adecode's caller, a closing coordinator)
+            self._abandon(tasks)
+            raise
         if weigh is not None:
             results = weigh(results)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -89,6 +93,38 @@ class TensorGroup:
             failures.sort(key=lambda exc: isinstance(exc, TensorLinkFailed))
             raise step_failed(failures)
         return results
+
+    def _cancel_waits(self) -> None:
+        """TENSOR_CANCEL to every member, not awaited (held until it ends): each one's wait on the
+        current link (a join, an exchange) ends at once, and the link with it."""
+        loop = asyncio.get_running_loop()
+        for p in self.places:
+            cancel = loop.create_task(p.executor.tensor_cancel(self.link_id))
+            self._cancels.add(cancel)
+            cancel.add_done_callback(self._cancels.discard)
+
+    def _abandon(self, tasks: list) -> None:
+        """The requests of a step (or join) whose caller was cancelled: none is left to run on its own.
+        Left running, a member's request held up before it left (its step channel opening) would
+        reach its compute process after the next step's, and the members would exchange partials
+        of different steps; and a member that had the step would wait for a peer that never gets
+        it. So the requests not ended are cancelled (their late replies dropped), every member's
+        waits on the link are ended (TENSOR_CANCEL), and the group is linked again before its next
+        step. A step every member had answered keeps its link. Every request's failure is
+        retrieved here: nobody else awaits them."""
+        if all(t.done() and not t.cancelled() and t.exception() is None for t in tasks):
+            return
+        self.linked_with = None
+        ended = [t for t in tasks if t.done()]
+        for t in ended:
+            if not t.cancelled():
+                t.exception()
+        if len(ended) < len(tasks):
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                    t.add_done_callback(_retrieve)
+            self._cancel_waits()
 
     def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, normed: bool = False) -> PreparedStep:
         n = len(tokens)
@@ -135,6 +171,12 @@ class TensorGroup:
         """A group before the last: its output hidden state (every member's is the same: the first's)."""
         results = await self.run(common, tokens, out_rows, shape, hidden)
         return read_output(self.places[0], results[0], shape).hidden
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """An abandoned request's end: its failure, if any, taken (nobody awaits it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _consequences_of_failed_ranks(results: list) -> list:

@@ -105,6 +105,10 @@ async def handle_tensor_link(s, h, blob, direct):
         return {"port": listener.getsockname()[1], "ticket": links.ticket}
     if links.listener is None or links.link_id != req.link:
         raise ProtocolError(Status.INVALID_REQUEST, f"TENSOR_LINK join of link {req.link} needs its listen first")
+    if links.ended:  # a TENSOR_CANCEL of this link came first (answered as it is read, this join queued behind)
+        links.close()  # else the join would wait its whole timeout for peers the coordinator cancelled too
+        return {"status": Status.LINK_FAILED, "error": f"tensor link {req.link}: cancelled (TENSOR_CANCEL: a member "
+                                                       f"failed)", "cancelled": True}
     deadline = time.monotonic() + req.timeout  # the whole join's, the TLS phase's included
     socks: dict[int, socket.socket] = {}  # rank -> linked socket, filled as the join goes
     join = links.joining = asyncio.get_running_loop().create_task(_join(links, req, socks, tls))
