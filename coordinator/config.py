@@ -109,7 +109,7 @@ class CoordinatorConfig:
     cannot be. "auto": tensor where it can be and the round trips measured at
     connect say a token's exchanges cost less than the compute the split
     saves, else layer. Logits differ from the layer split's by the order of
-    summation only.
+    summation only (with `exact_sums`, not at all).
 
     `tensor_group` (with a tensor split): the workers of one tensor-parallel
     group; the endpoints, in order, form groups of that many, the groups hold
