@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.decode.pipeline import Pipeline
-from coordinator.decode.step_io import OFF_LOOP, PreparedStep, StepFailed, step_failed
+from coordinator.decode.step_io import PreparedStep, StepFailed, off_loop_from, step_failed
 from coordinator.decode.flow import FlowFailed, flow
 
 DEFAULT_MICRO_BATCH = 64  # tokens; prompt chunks of 64 keep ggml's matmuls efficient on the CPU
@@ -233,9 +233,7 @@ async def _joined(results: list[np.ndarray]) -> np.ndarray:
     0.55-0.63 s on the loop thread)."""
     if len(results) == 1 and results[0].flags.writeable:
         return results[0]
-    if sum(r.size for r in results) < OFF_LOOP:
-        return np.concatenate(results)
-    return await asyncio.to_thread(np.concatenate, results)
+    return await off_loop_from(sum(r.size for r in results), np.concatenate, results)
 
 
 def _finished(done: list) -> None:

@@ -22,9 +22,9 @@ from coordinator.decode import step_links, tensor_group
 from coordinator.decode.flow import FlowFailed, flow
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.kv_cells import KVCells
-from coordinator.decode.step_io import (OFF_LOOP, PreparedStep, StepFailed, checked_logits, checked_logits_off_loop,
-                                        checked_tokens, no_rows, ranked, read_output, side_by_side, stage_inputs,
-                                        step_failed)
+from coordinator.decode.step_io import (PreparedStep, StepFailed, checked_logits, checked_logits_off_loop,
+                                        checked_tokens, no_rows, off_loop_from, ranked, read_output, side_by_side,
+                                        stage_inputs, step_failed)
 from coordinator.model.architectures.common import HParams, StepShape
 from coordinator.model.stage import StageOutput
 
@@ -344,6 +344,5 @@ class Pipeline:
                 shards.append((p.endpoint, p.stage.head_rows, read_output(p, data, shape, head=True).logits))
             except Exception as exc:  # raised in its turn, after the shards before it are checked
                 shards.append((p.endpoint, None, exc))
-        if shape.n_outputs * self.hp.n_vocab < OFF_LOOP:
-            return side_by_side(shape.n_outputs, self.hp.n_vocab, shards)
-        return await asyncio.to_thread(side_by_side, shape.n_outputs, self.hp.n_vocab, shards)
+        n = shape.n_outputs * self.hp.n_vocab
+        return await off_loop_from(n, side_by_side, shape.n_outputs, self.hp.n_vocab, shards)

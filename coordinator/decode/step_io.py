@@ -103,12 +103,17 @@ def checked_logits(logits: np.ndarray, endpoint: str) -> np.ndarray:
     return logits
 
 
+async def off_loop_from(floats: int, fn, *args):
+    """fn(*args): inline below OFF_LOOP `floats`, else on a thread of its own (numpy releases the
+    GIL while it reads them); the same result, or the same exception raised here."""
+    if floats < OFF_LOOP:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 async def checked_logits_off_loop(logits: np.ndarray, endpoint: str) -> np.ndarray:
-    """checked_logits, on a thread of its own from OFF_LOOP elements (numpy releases the GIL
-    while it reads them): the same result, or the same StageFailed raised here."""
-    if logits.size < OFF_LOOP:
-        return checked_logits(logits, endpoint)
-    return await asyncio.to_thread(checked_logits, logits, endpoint)
+    """checked_logits, on a thread of its own from OFF_LOOP elements."""
+    return await off_loop_from(logits.size, checked_logits, logits, endpoint)
 
 
 def side_by_side(n_outputs: int, n_vocab: int, shards: list) -> np.ndarray:
