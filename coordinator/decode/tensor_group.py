@@ -115,15 +115,12 @@ class TensorGroup:
         if all(t.done() and not t.cancelled() and t.exception() is None for t in tasks):
             return
         self.linked_with = None
-        ended = [t for t in tasks if t.done()]
-        for t in ended:
-            if not t.cancelled():
-                t.exception()
-        if len(ended) < len(tasks):
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-                    t.add_done_callback(_retrieve)
+        running = [t for t in tasks if not t.done()]
+        for t in tasks:
+            t.add_done_callback(_retrieve)  # an ended one's at once, a running one's when its cancel lands
+        for t in running:
+            t.cancel()
+        if running:
             self._cancel_waits()
 
     def prepare(self, tokens, rows, tok_pos, tok_seq, out_rows, greedy: bool, normed: bool = False) -> PreparedStep:
