@@ -141,14 +141,19 @@ class GraphBuilder:
 
     def product(self, w, x):
         """w x (MUL_MAT, x 2-D), by the even and the odd rows of w apart where PAIRED_ROWS says
-        that is faster: each output row is the same dot product, so the same bits."""
+        that is faster: each output row is the same dot product, so the same bits. The two
+        products take x converted to their dot type once (where the graph runs takes that),
+        not each its own conversion of it."""
         rows = PAIRED_ROWS.get(w.type)
         n0, n1, n = w.ne[0], w.ne[1], x.ne[1]
         blocks = n0 // type_traits(w.type).blck_size if rows is not None else 0
-        if (not self.concat or rows is None or n not in rows or x.type != F32 or n1 % 2
+        dot = DOT_TYPES.get(w.type)
+        if (not self.concat or rows is None or n not in rows or x.type not in (F32, dot) or n1 % 2
                 or blocks % 2 == 0 or blocks < 5 or w.ne[2] * w.ne[3] * x.ne[2] * x.ne[3] != 1):
             return lib.ggml_mul_mat(self.c, w, x)
         c, half = self.c, n1 // 2
+        if self.dot_type_inputs and x.type == F32:
+            x = lib.ggml_cast(c, x, dot)
         even, odd = (lib.ggml_reshape_3d(c, lib.ggml_mul_mat(c, lib.ggml_view_2d(c, w, n0, half, 2 * w.nb[1],
                                                                                   parity * w.nb[1]), x), 1, half, n)
                      for parity in (0, 1))
