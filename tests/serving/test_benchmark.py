@@ -61,6 +61,7 @@ def test_report_lines():
     assert lines[15:] == [
         ("ratio: against the in-process path with one worker's threads; '/ local -t N': against it with all the "
          "workers' threads"),
+        "pp: per repetition the median of a prompt's decodes, repeated until 1 s or 5 decodes",
         "tg: full logits read back each step (as llama-bench); greedy: the last worker returns the argmax",
         ("relayed: hidden states come back through the coordinator between stages (--step-links off); the other "
          "rpc rows send them worker to worker")]
