@@ -41,6 +41,7 @@ from rpc_daemon.service.loop import within
 log = structlog.get_logger("compute")
 LINK_BUFFER = 8 << 20
 CHANNEL_COUNTS_EVERY = 1.0  # seconds between the daemon's asks for a step channel's counts
+FLUSH_ROUNDS = 4  # syncs one flush sends at most, while frees keep coming during them
 
 
 class ComputeFailed(Exception):
@@ -358,7 +359,12 @@ class ComputeProcess:
             self._flush_task = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
-        await self.sync()
+        # frees that came while a sync was out are taken by another now, not at the client's next
+        # compute (until then their memory would count against --mem); a bounded number of rounds
+        for _ in range(FLUSH_ROUNDS):
+            await self.sync()
+            if self.proc is None or self._closed or not (self.pending_unmaps or self.pending_drops):
+                return
 
     async def sync(self) -> None:
         """Tell the child about freed buffers and graphs, and return once it has taken them."""
@@ -439,8 +445,8 @@ class ComputeProcess:
             self._start()
         loop = asyncio.get_running_loop()
         maps = [(k, offset, size) for k, (offset, size) in (buffers or {}).items() if k not in self.mapped]
-        header = dict(header, maps=maps, unmaps=sorted(self.pending_unmaps),
-                      drop_graphs=sorted(self.pending_drops))
+        unmaps, drops = sorted(self.pending_unmaps), sorted(self.pending_drops)
+        header = dict(header, maps=maps, unmaps=unmaps, drop_graphs=drops)
         extra_fds, fds = fds, []
         if buffers and not self.arena_mapped:  # the client's memory: mapped once per child
             header["client_arena"] = client_arena[0]
@@ -474,8 +480,9 @@ class ComputeProcess:
             if "client_arena" in header:
                 self.arena_mapped = True
             self.mapped.update(k for k, _, _ in maps)
-            self.pending_unmaps.clear()
-            self.pending_drops.clear()
+            # only what this message took: a free that came while it was being sent waits for the next
+            self.pending_unmaps.difference_update(unmaps)
+            self.pending_drops.difference_update(drops)
             if key is not None:
                 self.known_graphs.add(key)
             reply, out = await within(compute_link.arecv(loop, self.sock), self.pool.timeout)
