@@ -384,6 +384,7 @@ class RemoteExecutor:
         # channels"): asked for at a connection's first recompute of a tensor step, and again
         # `channel_ask_again` seconds after one was refused or taken back
         self.channel: RpcClient | None = None
+        self._channel_opening: asyncio.Task | None = None  # the step channel's opening under way (_step_channel)
         self.use_step_channel = step_channels  # (bench/bench_step_channel.py turns it off and on)
         self.channel_next_ask = 0.0  # monotonic time from which a channel may be asked for
         self.channel_ask_again = CHANNEL_ASK_AGAIN
@@ -502,7 +503,27 @@ class RemoteExecutor:
         for graph_id in self._forget_sent(evicted):
             asyncio.get_running_loop().create_task(self._free_quietly(graph_id))
 
+    async def _free_in_order(self, graph_ids: list[int]) -> None:
+        """GRAPH_FREE of `graph_ids` (forgotten as sent already), each awaited in turn: all of
+        them freed before the step's compute leaves. Left early (the step cancelled, or a free
+        failed), the frees not answered yet are sent without waiting (_free_quietly), else those
+        graphs' compute memory would stay held on the worker until the session ends. The free
+        that was out then is sent again: its frame is whole in the transport once the request
+        has started (RpcClient.request), but asking twice costs nothing (the daemon answers a
+        GRAPH_FREE of a graph it does not hold with success) and a free that did not leave is
+        not lost."""
+        for i, graph_id in enumerate(graph_ids):
+            try:
+                await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
+            except BaseException:
+                loop = asyncio.get_running_loop()
+                for left in graph_ids[i:]:
+                    loop.create_task(self._free_quietly(left))
+                raise
+
     async def _free_quietly(self, graph_id: int) -> None:
+        if self.client is None or self.client.failed is not None:
+            return  # the session is over (or ending): the worker frees all its graphs with it
         try:
             await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
         except StageFailed:
@@ -645,8 +666,7 @@ class RemoteExecutor:
         """Send a step_request's request (the graph itself the first time) and wait for the reply."""
         g, fields, blob, expect, head_key = request.graph, request.fields, request.blob, request.expect, \
             request.head_key
-        for graph_id in self._forget_sent(request.evicted):
-            await self._request(Command.GRAPH_FREE, {"graph_id": graph_id})
+        await self._free_in_order(self._forget_sent(request.evicted))
         tensor = fields.get("tensor")
         tensors, _ = g.wire
         if g.graph_id in self.sent_graphs:
@@ -746,14 +766,41 @@ class RemoteExecutor:
             pinging
 
     async def _step_channel(self) -> RpcClient | None:
-        """The step channel, opened at the first call on this connection if the worker offers one."""
+        """The step channel, opened at the first call on this connection if the worker offers one.
+        Callers that come while it is being opened wait for that opening (one STEP_CHANNEL), and
+        all get its result: the channel, or None (their steps go through the daemon). Were a
+        second caller sent through the daemon meanwhile, its step could reach the compute process
+        after a later one's that went over the channel. The opening is shielded: a caller
+        cancelled does not end it for the others."""
         if self.channel is not None:
             return self.channel
-        if time.monotonic() < self.channel_next_ask or not self._offers("step_channel"):
-            return None
-        self.channel_next_ask = time.monotonic() + self.channel_ask_again  # unless it opens
+        opening = self._channel_opening
+        if opening is None:
+            if time.monotonic() < self.channel_next_ask or not self._offers("step_channel"):
+                return None
+            self.channel_next_ask = time.monotonic() + self.channel_ask_again  # unless it opens
+            opening = self._channel_opening = asyncio.get_running_loop().create_task(self._open_channel())
+            opening.add_done_callback(self._channel_opened)
         try:
-            reply, _ = await self.client.request(Command.STEP_CHANNEL, deadline=self.request_timeout)
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # the opening itself cancelled (_drop_channel: the connection closed or replaced), not
+            # this caller: no channel
+            if opening.cancelled() and not asyncio.current_task().cancelling():
+                return None
+            raise
+
+    def _channel_opened(self, opening: asyncio.Task) -> None:
+        if self._channel_opening is opening:
+            self._channel_opening = None
+        if not opening.cancelled():
+            opening.exception()  # retrieved: each waiter (if any is left) has it raised
+
+    async def _open_channel(self) -> RpcClient | None:
+        """STEP_CHANNEL and the connection to the port it names (one opening: _step_channel)."""
+        client = self.client
+        try:
+            reply, _ = await client.request(Command.STEP_CHANNEL, deadline=self.request_timeout)
         except PeerFailed as exc:
             raise peer_failed(self.endpoint, exc) from None
         except RpcError as exc:  # an offer: refused, the steps go through the daemon
@@ -764,22 +811,31 @@ class RemoteExecutor:
             return None
         try:
             channel = await connect_step_channel(self.endpoint, parse_endpoint(self.endpoint)[0], reply["port"],
-                                                 reply["ticket"], self.connect_timeout, self.client.limits)
+                                                 reply["ticket"], self.connect_timeout, client.limits)
         except (PeerFailed, KeyError, TypeError) as exc:
             log.warning("step channel not opened; steps go through the worker's daemon", endpoint=self.endpoint,
                         error=str(exc))
+            return None
+        if self._channel_opening is not asyncio.current_task() or self.client is not client:
+            channel.close()  # dropped meanwhile (the connection closed or replaced)
             return None
         compute_timeout = reply.get("compute_timeout")
         self.channel_deadline = self.request_timeout if not isinstance(compute_timeout, (int, float)) else \
             min(self.request_timeout or float("inf"), compute_timeout + CHANNEL_MARGIN)
         self.channel = channel
+        self._channel_opening = None  # done: the callers coming from now on take the channel
         # a worker lost or stopped ends a channel wait at once (this connection's channel only)
-        self.client.when_lost(lambda: self._drop_channel(channel))
+        client.when_lost(lambda: self._drop_channel(channel))
         log.info("step channel open", endpoint=self.endpoint)
         return channel
 
     def _drop_channel(self, only: RpcClient | None = None) -> None:
-        """Close the step channel (`only`: if it is still that one)."""
+        """Close the step channel (`only`: if it is still that one). Without `only` (the
+        connection closed or replaced), an opening under way is cancelled too: its waiters
+        get no channel."""
+        if only is None and self._channel_opening is not None:
+            opening, self._channel_opening = self._channel_opening, None
+            opening.cancel()
         if only is not None and self.channel is not only:
             return
         channel, self.channel = self.channel, None
