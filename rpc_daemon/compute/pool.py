@@ -363,8 +363,9 @@ class ComputeProcess:
         # compute (until then their memory would count against --mem); a bounded number of rounds
         for _ in range(FLUSH_ROUNDS):
             await self.sync()
-            if self.proc is None or self._closed or not (self.pending_unmaps or self.pending_drops):
-                return
+            if (self.proc is None or self._closed or self.unreported is not None
+                    or not (self.pending_unmaps or self.pending_drops)):
+                return  # done, or the child is lost (its client hears of it; a new one starts empty)
 
     async def sync(self) -> None:
         """Tell the child about freed buffers and graphs, and return once it has taken them."""
