@@ -32,12 +32,13 @@ needs_build = pytest.mark.skipif(ORIGIN.kind != "build", reason="the kernels of 
 
 
 def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0, cast: bool = False,
-             paired: bool = False) -> dict[int, np.ndarray]:
+             paired: bool = False, dot_inputs: bool = False) -> dict[int, np.ndarray]:
     """{n: the [n, rows] product of a `type_name` weight [k, rows] and the first n of a fixed
     set of f32 activation rows}, each computed as a graph of its own; `cast`: the rows
     converted to the weight's dot type first (ggml_cast), as a shared input is; `paired`:
     by GraphBuilder.product where CONCAT is taken (its even and odd rows apart, where
-    PAIRED_ROWS says so)."""
+    PAIRED_ROWS says so); `dot_inputs`: that builder's graph runs where dot-type inputs are
+    taken (it converts an f32 x once for both halves)."""
     wtype = getattr(lib, "GGML_TYPE_" + type_name)
     x = np.random.default_rng(seed).standard_normal((max(BATCHES), k)).astype(np.float32)
     w = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)  # row i: the same for any `rows`
@@ -57,7 +58,7 @@ def products(type_name: str, k: int, rows: int, threads: int, seed: int = 0, cas
                 b = lib.ggml_cast(ctx.ptr, b, DOT_TYPES[wtype])
             if paired:
                 builder = GraphBuilder(ctx, None, {}, None, None, None, None)
-                builder.concat = True
+                builder.concat, builder.dot_type_inputs = True, dot_inputs
                 c = builder.product(a, b)
                 assert (c.op == lib.GGML_OP_RESHAPE) == (n in PAIRED_ROWS[wtype]), (type_name, n)
             else:
@@ -151,10 +152,13 @@ def test_a_product_of_a_converted_input_has_the_same_bits(type_name, k, threads)
 def test_a_product_by_even_and_odd_rows_apart_has_the_same_bits(type_name, threads):
     """A weight whose rows are an odd number of blocks (5 here) multiplied by its even and its
     odd rows apart (GraphBuilder.product, for the batch sizes PAIRED_ROWS names; the others
-    as one product) gives the plain product's bits at every batch size."""
-    plain, paired = products(type_name, 1280, ROWS, threads), products(type_name, 1280, ROWS, threads, paired=True)
-    for n in BATCHES:
-        assert np.array_equal(plain[n], paired[n]), (type_name, n)
+    as one product) gives the plain product's bits at every batch size: with x f32 (each half
+    converting it), converted once by the builder for both halves, or converted before."""
+    plain = products(type_name, 1280, ROWS, threads)
+    for how in ({"paired": True}, {"paired": True, "dot_inputs": True}, {"paired": True, "cast": True}):
+        paired = products(type_name, 1280, ROWS, threads, **how)
+        for n in BATCHES:
+            assert np.array_equal(plain[n], paired[n]), (type_name, n, how)
 
 
 @needs_build
