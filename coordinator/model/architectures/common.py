@@ -264,22 +264,26 @@ class GraphBuilder:
         lo, whole = self.gather[what]
         return self.all_reduce(lib.ggml_pad_ext(self.c, part, lo, whole - lo - part.ne[0], 0, 0, 0, 0, 0, 0))
 
+    def whole_input(self, x, what: str):
+        """An output projection's input `x` as the shard multiplies it: its own part (split sums),
+        or with exact sums the whole tensor gathered from the members."""
+        return x if self.gather is None else self.gathered(x, what)
+
+    def summed(self, cur):
+        """An output projection's product over the group: its partial sums all-reduced, or with
+        exact sums the shard's rows of it gathered."""
+        return self.all_reduce(cur) if self.gather is None else self.gathered(cur, "out")
+
     def projected(self, w, x, what: str):
-        """w x of an output projection whose sum a shard splits: all-reduced, or with exact sums
-        the whole input gathered first and the shard's rows of the product gathered after."""
-        if self.gather is None:
-            return self.all_reduce(self.product(w, x))
-        return self.gathered(self.product(w, self.gathered(x, what)), "out")
+        """w x of an output projection whose sum a shard splits (whole_input, summed)."""
+        return self.summed(self.product(w, self.whole_input(x, what)))
 
     def attn_output(self, il: int, attn, x):
-        """The attention's output projection (all-reduced in a shard) and the residual, of the
-        output rows only in the last layer (output_rows_only)."""
+        """The attention's output projection (summed over a shard's group) and the residual, of
+        the output rows only in the last layer (output_rows_only: fewer rows to exchange)."""
         w = self.w[f"blk.{il}.attn_output.weight"]
-        if self.gather is not None:  # the projection's rows of the output rows only: fewer to gather
-            cur, x = self.output_rows_only(il, self.product(w, self.gathered(attn, "attn")), x)
-            return self.gathered(cur, "out"), x
-        cur, x = self.output_rows_only(il, self.product(w, attn), x)
-        return self.all_reduce(cur), x
+        cur, x = self.output_rows_only(il, self.product(w, self.whole_input(attn, "attn")), x)
+        return self.summed(cur), x
 
     def attn_residual(self, il: int, attn, x):
         """The attention's output projection plus the layer's input: the FFN's input."""
