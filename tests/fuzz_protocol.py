@@ -824,7 +824,9 @@ def channel_messages(draw):
         "outputs": st.one_of(st.sampled_from([[], [0], [1, 1], [2], [-1], [1, 0]]),
                              st.lists(st.one_of(st.integers(-1, 3), small), min_size=1, max_size=3), small),
         "tensor": st.one_of(small, values, st.fixed_dictionaries({}, optional={
-            "link": small, "step": small, "exchange": st.lists(small, max_size=3), "timeout": small})),
+            "link": small, "step": small, "exchange": st.lists(small, max_size=3), "timeout": small,
+            "gather": st.one_of(values, st.lists(st.one_of(st.none(), st.lists(small, max_size=4), small),
+                                                 max_size=3))})),
         "step_input": values, "forward": values, "budget": small, "graph": values, "tensors": values,
     }
     header = dict(CHANNEL_STEP, cmd=int(Command.GRAPH_RECOMPUTE), id=draw(st.integers(1, 1 << 30)))

@@ -458,6 +458,11 @@ class RemoteExecutor:
         """The worker takes PAD (exact sums' gathers; an older one refuses the graph)."""
         return self._offers("pad")
 
+    @property
+    def tensor_gather(self) -> bool:
+        """The worker gathers exact sums' pieces (`tensor.gather`) instead of summing them padded."""
+        return self._offers("tensor_gather")
+
     async def name_peers(self, peers: frozenset) -> None:
         """STEP_PEERS: the workers this connection's steps may forward to (sent when they change)."""
         if peers != self.step_peers:
@@ -645,12 +650,15 @@ class RemoteExecutor:
         """A step's compute request, built and not sent (send_step sends it): the members of a
         tensor-parallel group get theirs built first, then sent back to back, so none starts
         later than another by the time its request took to build. `tensor`: a tensor-parallel
-        member's step ({"link", "step", "timeout"}): the graph's all-reduces go over the
-        member's tensor link."""
+        member's step ({"link", "step", "timeout", "gather"}): the graph's exchanges go over the
+        member's tensor link, its exact sums' pieces gathered where `gather` (every member takes
+        it) and else summed padded."""
         g, evicted = stage.graph(shape, head, self.dot_type_inputs, self.concat)
         fields, blob = self._compute_fields(g, inputs)
         if tensor is not None:
-            fields["tensor"] = dict(tensor, exchange=g.wire_ids[2])
+            gather = tensor.get("gather") and any(g.pieces)
+            fields["tensor"] = {"link": tensor["link"], "step": tensor["step"], "timeout": tensor["timeout"],
+                                "exchange": g.wire_ids[2], **({"gather": g.pieces} if gather else {})}
         # the reply's layout: no worker makes us allocate more
         return StepRequest(g, evicted, fields, blob, stage.output_size(shape, head), shape.head_key if head else None)
 

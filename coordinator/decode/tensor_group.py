@@ -152,7 +152,9 @@ class TensorGroup:
         hidden state). `hidden`: the group before's output (None for the first group)."""
         await self.ensure_linked()
         self.step_no += 1
-        tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout}
+        # exact sums' pieces are gathered where every member can (else summed padded: the same bits)
+        tensor = {"link": self.link_id, "step": self.step_no, "timeout": self.exchange_timeout,
+                  "gather": all(p.executor.tensor_gather for p in self.places)}
         requests = []  # every request built before any is sent: they leave back to back
         try:
             for p in self.places:

@@ -267,7 +267,7 @@ class ModelLoader:
                 p = places[i]
                 p.layers = layers
                 p.stage = Stage.tensor_member(i, self.arch, hp, self.gguf, shard, self.n_ctx, rows, self.kv_types,
-                                              layers, g, embd_rows)
+                                              layers, g, embd_rows, shards)
                 # its shard's heads and FFN rows; with exact sums it holds the whole gathered inputs too
                 reserve = compute_reserve(hp if self.exact_sums else p.stage.hp, self.n_batch, self.n_ctx)
                 need, free = in_pages(buffer_bytes(p.stage), infos[i]) + reserve, endpoint_free(infos[i])

@@ -46,6 +46,7 @@ class BuiltGraph:
     wire: object = None  # (tensors, index_of), encoded on first remote use
     wire_ids: tuple = ()  # with wire: the inputs' indices by name (None: unused), the outputs', the exchanges'
     exchanges: list = field(default_factory=list)  # a tensor-parallel member's all-reduced partials, in order
+    pieces: list = field(default_factory=list)  # per exchange: None, or the members' lengths it gathers (exact sums)
 
 
 KV_TYPES = {"f16": F16, "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0}  # -ctk/-ctv, llama.cpp's names
@@ -113,8 +114,9 @@ class Stage:
     # them (None: the whole embedding, or none): the members' embeddings summed are the tokens' rows
     embd_rows: range | None = None
     held_rows: dict = field(default_factory=dict)  # a weight of some rows of a GGUF tensor -> its first row
-    # a member with exact sums: where its part of each tensor the members gather starts, and the whole
-    # tensor's length (GraphBuilder.gather); None: its output projections' partial sums are all-reduced
+    # a member with exact sums: where its part of each tensor the members gather starts, the whole
+    # tensor's length, and every member's part's length (GraphBuilder.gather); None: its output
+    # projections' partial sums are all-reduced
     gather: dict | None = None
 
     @classmethod
@@ -144,7 +146,7 @@ class Stage:
     @classmethod
     def tensor_member(cls, index, arch, hp, gguf, shard, n_ctx: int, head_rows: range | None,
                       kv_types: tuple = (F16, F16), layers: range | None = None, group: int = 0,
-                      embd_rows: range | None = None) -> "Stage":
+                      embd_rows: range | None = None, group_shards: list | None = None) -> "Stage":
         """Member `shard.rank` of tensor-parallel group `group`: its `layers` (default: every
         layer), each cut to its shard (model/tensor_split.py); with the first layer `embd_rows`
         of the embedding (None: all of it), with the last the output norm whole and `head_rows`
@@ -161,8 +163,11 @@ class Stage:
         stage = cls(index, arch, local, layers, first, last, weights, StageKV(local, layers, n_ctx, kv_types),
                     head_rows if last else None, shard=shard, tensor_group=group)
         if shard.out is not None:
-            stage.gather = {"attn": (shard.heads.start * hp.head_dim, hp.n_head * hp.head_dim),
-                            "ffn": (shard.ffn.start, hp.n_ff), "out": (shard.out.start, hp.n_embd)}
+            shards = group_shards or [shard]
+            stage.gather = {"attn": (shard.heads.start * hp.head_dim, hp.n_head * hp.head_dim,
+                                     tuple(len(s.heads) * hp.head_dim for s in shards)),
+                            "ffn": (shard.ffn.start, hp.n_ff, tuple(len(s.ffn) for s in shards)),
+                            "out": (shard.out.start, hp.n_embd, tuple(len(s.out) for s in shards))}
         stage.own_ctx = Context(len(cuts) + 2)
         for name, cut in cuts.items():
             src = gguf.tensor(name)
@@ -341,13 +346,13 @@ class Stage:
         for il in self.layers:
             x = self.arch.layer(b, il, x, pos)
         if self.shard is not None and not self.last:  # a group before the last: the hidden state, alike on all
-            return self._finish(ctx, gf, inputs, [x], b.exchanges)
+            return self._finish(ctx, gf, inputs, [x], b.exchanges, b.pieces)
         if self.shard is not None and shape.normed:  # every member holds the same normed rows
-            return self._finish(ctx, gf, inputs, [b.final_norm(x)], b.exchanges)
+            return self._finish(ctx, gf, inputs, [b.final_norm(x)], b.exchanges, b.pieces)
         if self.shard is not None:  # every member holds the whole hidden state: its rows of the head from it
             logits = lib.ggml_mul_mat(ctx.ptr, self._head_rows_weight(ctx.ptr), b.final_norm(x))
             outputs = self._argmax_outputs(ctx.ptr, logits, shape, len(self.head_rows)) if shape.argmax else [logits]
-            return self._finish(ctx, gf, inputs, outputs, b.exchanges)
+            return self._finish(ctx, gf, inputs, outputs, b.exchanges, b.pieces)
         if self.head_here(shape):
             out = b.output_head(x)
             if shape.argmax:
@@ -399,11 +404,12 @@ class Stage:
         held = (ids >= rows.start) & (ids < rows.stop)
         return np.where(held, ids - rows.start, len(rows)).astype(np.int32)
 
-    def _finish(self, ctx, gf, inputs: StepInputs, outputs: list, exchanges=()) -> BuiltGraph:
+    def _finish(self, ctx, gf, inputs: StepInputs, outputs: list, exchanges=(), pieces=None) -> BuiltGraph:
         for out in outputs:
             lib.ggml_set_output(out)
             lib.ggml_build_forward_expand(gf, out)
-        return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id(), exchanges=list(exchanges))
+        return BuiltGraph(ctx, gf, inputs.tensors, outputs, self._new_id(), exchanges=list(exchanges),
+                          pieces=list(pieces or [None] * len(exchanges)))
 
 
 def _best_of(data: bytes, offset: int, n_out: int, k: int) -> dict:

@@ -171,8 +171,7 @@ class StepChannelServer:
             return self._send(P.reply_header(req_id, exc.status, exc.message, **exc.fields), b"")
         request = {"kind": "compute", "graph_key": key, "inputs": run.inputs, "outputs": run.outputs}
         if tensor is not None:
-            request["tensor"] = {"link": tensor.link, "step": tensor.step, "exchange": tensor.exchange,
-                                 "timeout": min(tensor.timeout, self.compute_timeout)}
+            request["tensor"] = tensor.compute_header(self.compute_timeout)
         reply, out = state.compute(request, run.blob, to_arena=False)
         status = reply.pop("status")
         self.counts[0] += 1

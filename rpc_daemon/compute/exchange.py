@@ -1,11 +1,13 @@
-"""All-reduce over tensor links, in the compute process.
+"""All-reduces and gathers over tensor links, in the compute process.
 
 A tensor-parallel compute is one graph with marked tensors (the partial sums
 after the attention's output projection and after the FFN's down projection).
 It runs in segments: every node up to a marked tensor, then that tensor is
 summed with the other members' (each sends its partial to every peer and
 receives theirs; all add them in rank order, so every member holds the same
-bits), then on to the next. The links are sockets the daemon connected and
+bits), then on to the next. A gathered tensor (exact sums: a PAD of this
+member's piece) is not computed at all: each member sends its piece and puts
+every member's piece in its place. The links are sockets the daemon connected and
 handed over (daemon/tensor_links.py); the bytes go compute process to compute
 process, never through a daemon's event loop.
 
@@ -91,22 +93,8 @@ class TensorLink:
         mine = memoryview(data).cast("B")
         peers = self._peers
         for p in peers:
-            p.start(header, mine, nbytes)
-        busy = peers
-        sleep_after = started + self.spin_s
-        while True:
-            for p in busy:
-                if p.out:
-                    p.send()
-                if p.got < p.need:
-                    p.receive(header)
-            busy = [p for p in busy if p.out or p.got < p.need]
-            if not busy:
-                break
-            if time.perf_counter() < sleep_after:
-                os.sched_yield()  # a peer, a daemon or the coordinator waiting for this core runs first
-            else:
-                self._sleep_until_ready(busy, step, index, deadline)
+            p.start(header, mine, header, nbytes)
+        self._finish_exchange(step, index, deadline)
         own = np.frombuffer(data, np.float32)
         if len(peers) == 1:  # two members: a + b is b + a, bit for bit
             np.add(own, peers[0].partial(), out=own)
@@ -119,6 +107,47 @@ class TensorLink:
             own[:] = total
         self.exchanges += 1
         self.wait_s += time.perf_counter() - started
+
+    def all_gather(self, whole, piece, lengths: tuple, rows: int, step: int, index: int, deadline: float) -> None:
+        """Fill `whole` (a writable f32 buffer of `rows` rows of sum(lengths) floats) with every
+        member's piece of each row, member r's `lengths[r]` floats after the lower ranks': this
+        member's from `piece` (its rows, contiguous), the peers' as they send theirs. Each member
+        sends only its piece, and nothing is summed (exact sums: the members' values, bit for bit).
+        Waits as all_reduce does."""
+        started = time.perf_counter()
+        header = exchange_header(step, index, len(piece))
+        for p in self._peers:
+            p.start(header, memoryview(piece).cast("B"), exchange_header(step, index, 4 * rows * lengths[p.rank]),
+                    4 * rows * lengths[p.rank])
+        out = np.frombuffer(whole, np.float32).reshape(rows, -1)
+        starts = np.cumsum((0,) + lengths)
+        lo, n = starts[self.rank], lengths[self.rank]
+        out[:, lo:lo + n] = np.frombuffer(piece, np.float32).reshape(rows, n)  # while the peers' pieces travel
+        self._finish_exchange(step, index, deadline)
+        for p in self._peers:
+            lo, n = starts[p.rank], lengths[p.rank]
+            out[:, lo:lo + n] = p.partial().reshape(rows, n)
+        self.exchanges += 1
+        self.wait_s += time.perf_counter() - started
+
+    def _finish_exchange(self, step: int, index: int, deadline: float) -> None:
+        """Send what is left to send and receive every peer's frame: spinning for `spin_s`, then
+        sleeping in poll() until the deadline."""
+        busy = self._peers
+        sleep_after = time.perf_counter() + self.spin_s
+        while True:
+            for p in busy:
+                if p.out:
+                    p.send()
+                if p.got < p.need:
+                    p.receive()
+            busy = [p for p in busy if p.out or p.got < p.need]
+            if not busy:
+                return
+            if time.perf_counter() < sleep_after:
+                os.sched_yield()  # a peer, a daemon or the coordinator waiting for this core runs first
+            else:
+                self._sleep_until_ready(busy, step, index, deadline)
 
     @staticmethod
     def _sleep_until_ready(busy: list, step: int, index: int, deadline: float) -> None:
@@ -136,7 +165,7 @@ class _Peer:
     """One peer of the link, and the current exchange's progress with it: what is left to
     send, how much of its frame has come (into its header and a body kept between calls)."""
 
-    __slots__ = ("rank", "sock", "head", "inbox", "body", "out", "got", "need")
+    __slots__ = ("rank", "sock", "head", "inbox", "body", "out", "got", "need", "expect")
 
     def __init__(self, rank: int, sock: socket.socket):
         self.rank, self.sock = rank, sock
@@ -145,25 +174,28 @@ class _Peer:
         self.body = memoryview(self.inbox)
         self.out: list = []
         self.got = self.need = 0
+        self.expect = b""  # the header the peer's frame must carry
 
-    def start(self, header: bytes, mine: memoryview, nbytes: int) -> None:
-        self._expect(nbytes)
+    def start(self, header: bytes, mine: memoryview, expect: bytes, nbytes: int) -> None:
+        """Send `header` and `mine`; receive a frame whose header is `expect`, with `nbytes` after it."""
+        self._expect(expect, nbytes)
         self.out = [header, mine]
         self.send()
 
-    def _expect(self, nbytes: int) -> None:
+    def _expect(self, expect: bytes, nbytes: int) -> None:
         """Ready to receive a frame of `nbytes` of partial (the body kept between exchanges)."""
+        self.expect = expect
         if len(self.body) != nbytes:
             if len(self.inbox) < nbytes:
                 self.inbox = bytearray(nbytes)
             self.body = memoryview(self.inbox)[:nbytes]
         self.got, self.need = 0, EXCHANGE.size + nbytes
 
-    def _took(self, pos: int, k: int, header: bytes) -> None:
-        """`k` more bytes of the frame came after `pos`; its header, once whole, must be `header`."""
+    def _took(self, pos: int, k: int) -> None:
+        """`k` more bytes of the frame came after `pos`; its header, once whole, must be the expected one."""
         self.got = pos + k
-        if pos < EXCHANGE.size <= self.got and self.head != header:
-            step, index, nbytes = EXCHANGE.unpack(header)
+        if pos < EXCHANGE.size <= self.got and self.head != self.expect:
+            step, index, nbytes = EXCHANGE.unpack(self.expect)
             check_exchange_header(bytes(self.head), step, index, nbytes)
 
     def _broken(self, why) -> LinkBroken:
@@ -191,10 +223,10 @@ class _Peer:
                 parts[0] = memoryview(parts[0])[k:]
                 k = 0
 
-    def receive(self, header: bytes) -> None:
+    def receive(self) -> None:
         """Read what has come (never blocks), the header and the partial in one call; the
-        header, as soon as it is whole, must be this member's own (the same step, index and
-        size)."""
+        header, as soon as it is whole, must be the expected one (the same step and index, the
+        size this peer's part has)."""
         hsize = EXCHANGE.size
         while self.got < self.need:
             pos = self.got
@@ -207,7 +239,7 @@ class _Peer:
                 raise self._broken(exc.strerror or exc) from None
             if k == 0:
                 raise self._closed()
-            self._took(pos, k, header)
+            self._took(pos, k)
 
 
 class _TlsPeer(_Peer):
@@ -228,8 +260,8 @@ class _TlsPeer(_Peer):
         super().__init__(rank, sock)
         self.tls, self.scratch = tls, scratch
 
-    def start(self, header: bytes, mine: memoryview, nbytes: int) -> None:
-        self._expect(nbytes)
+    def start(self, header: bytes, mine: memoryview, expect: bytes, nbytes: int) -> None:
+        self._expect(expect, nbytes)
         try:
             self.tls.obj.write(header)
             self.tls.obj.write(mine)
@@ -238,7 +270,7 @@ class _TlsPeer(_Peer):
         self.out = [self.tls.outgoing.read()]
         self.send()
 
-    def receive(self, header: bytes) -> None:
+    def receive(self) -> None:
         hsize = EXCHANGE.size
         obj = self.tls.obj
         while self.got < self.need:
@@ -261,26 +293,37 @@ class _TlsPeer(_Peer):
                 raise self._broken(exc) from None
             if k == 0:  # the peer ended its TLS session
                 raise self._closed()
-            self._took(pos, k, header)
+            self._took(pos, k)
 
 
 class SegmentedGraph:
     """A graph cut after each exchanged tensor: the sub-graphs, each ending at one
-    (the last ends the graph), and the exchanged tensors in compute order."""
+    (the last ends the graph), and the exchanged tensors in compute order. A gathered
+    tensor (`gather`: every member's length, else None) is a PAD of the member's piece
+    that is never computed: its sub-graph ends before it, and the exchange fills it."""
 
-    def __init__(self, gf, ptrs, exchange: tuple):
+    def __init__(self, gf, ptrs, exchange: tuple, gather: tuple = (), rank: int = 0, n: int = 1):
+        """`rank`, `n`: this member's place in its group, which each gathered tensor's PAD must match
+        (ValueError, naming the tensor, if it does not)."""
         nodes = [lib.ggml_graph_node(gf, i) for i in range(lib.ggml_graph_n_nodes(gf))]
         position = {int(ffi.cast("uintptr_t", n)): i for i, n in enumerate(nodes)}
-        marks = sorted((position[int(ffi.cast("uintptr_t", ptrs[t]))], t) for t in exchange)
-        bounds = [0] + [p + 1 for p, _ in marks] + [len(nodes)]
-        self.exchange = exchange
-        self.tensors = [ptrs[t] for _, t in marks]
-        size = sum(lib.ggml_graph_overhead_custom(max(b - a, 1), False) for a, b in zip(bounds, bounds[1:]))
+        gather = gather or (None,) * len(exchange)
+        marks = sorted(((position[int(ffi.cast("uintptr_t", ptrs[t]))], t, g) for t, g in zip(exchange, gather)),
+                       key=lambda m: m[0])
+        for _, t, lengths in marks:
+            if lengths is not None:
+                _check_piece(ptrs[t], t, lengths, rank, n)
+        spans = list(zip([0] + [p + 1 for p, _, _ in marks],
+                         [p + (lengths is None) for p, _, lengths in marks] + [len(nodes)]))
+        self.exchange, self.gather = exchange, tuple(gather)
+        self.tensors = [ptrs[t] for _, t, _ in marks]
+        self.lengths = [lengths for _, _, lengths in marks]
+        size = sum(lib.ggml_graph_overhead_custom(max(b - a, 1), False) for a, b in spans)
         params = ffi.new("struct ggml_init_params *", {"mem_size": size + 4096, "mem_buffer": ffi.NULL,
                                                         "no_alloc": True})
         self.ctx = lib.ggml_init(params[0])
         self.parts = []
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in spans:
             part = lib.ggml_new_graph_custom(self.ctx, max(b - a, 1), False)
             for node in nodes[a:b]:
                 lib.ggml_graph_add_node(part, node)
@@ -300,6 +343,22 @@ class SegmentedGraph:
                 if status != lib.GGML_STATUS_SUCCESS:
                     return status
             if i < len(self.tensors):
-                t = self.tensors[i]
-                link.all_reduce(ffi.buffer(t.data, lib.ggml_nbytes(t)), step, i, deadline)
+                t, lengths = self.tensors[i], self.lengths[i]
+                whole = ffi.buffer(t.data, lib.ggml_nbytes(t))
+                if lengths is None:
+                    link.all_reduce(whole, step, i, deadline)
+                else:
+                    piece = t.src[0]
+                    link.all_gather(whole, ffi.buffer(piece.data, lib.ggml_nbytes(piece)), lengths,
+                                    lib.ggml_nrows(t), step, i, deadline)
         return lib.GGML_STATUS_SUCCESS
+
+
+def _check_piece(t, index: int, lengths: tuple, rank: int, n: int) -> None:
+    """A gathered tensor's PAD puts this member's piece where `lengths` says rank `rank` of `n` has it."""
+    if len(lengths) != n:
+        raise ValueError(f"tensor.gather for tensor {index}: {len(lengths)} lengths for a group of {n}")
+    lo, piece = ffi.cast("int32_t *", t.op_params)[0], t.src[0].ne[0]
+    if (lo, piece) != (sum(lengths[:rank]), lengths[rank]):
+        raise ValueError(f"tensor.gather for tensor {index}: rank {rank}'s piece is {lengths[rank]} floats from "
+                         f"{sum(lengths[:rank])}, the graph pads {piece} floats from {lo}")

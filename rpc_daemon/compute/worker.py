@@ -192,11 +192,18 @@ class ComputeState:
             return {"status": int(Status.LINK_FAILED), "link_missing": True,
                     "error": f"tensor link {tensor['link']} is not set up in this compute process (it was "
                              f"replaced, or the link dropped)"}
+        exchange = tuple(tensor["exchange"])
+        gather = tuple(None if g is None else tuple(g) for g in tensor.get("gather") or ())
         seg = self.segmented.get(key)
-        if seg is None or seg.exchange != tuple(tensor["exchange"]):
+        if seg is None or seg.exchange != exchange or seg.gather != (gather or (None,) * len(exchange)):
             if seg is not None:
                 seg.close()
-            seg = self.segmented[key] = SegmentedGraph(gf, ptrs, tuple(tensor["exchange"]))
+                del self.segmented[key]
+            try:
+                seg = SegmentedGraph(gf, ptrs, exchange, gather, link.rank, len(link.socks) + 1)
+            except ValueError as exc:  # this member's pieces are not where the request says
+                return {"status": int(Status.INVALID_REQUEST), "error": str(exc)}
+            self.segmented[key] = seg
         try:
             return seg.compute(self.backend, link, tensor["step"], tensor["timeout"])
         except LinkBroken as exc:

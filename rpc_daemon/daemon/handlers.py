@@ -241,8 +241,7 @@ async def _run(s: Session, run: V.Run, tensor: V.TensorStep | None = None):
     header = {"kind": "compute", "graph_key": s.graph_key(run.graph_id or -1), "inputs": run.inputs,
               "outputs": run.outputs}
     if tensor is not None:
-        header["tensor"] = {"link": tensor.link, "step": tensor.step, "exchange": tensor.exchange,
-                            "timeout": min(tensor.timeout, s.daemon.compute.timeout)}
+        header["tensor"] = tensor.compute_header(s.daemon.compute.timeout)
     try:
         # the client's own compute process: only its arena is mapped there
         reply, out = await s.daemon.compute.for_client(s.client_id).call(

@@ -47,10 +47,11 @@ def _uses_op(op: int, name: str):
 
 # feature -> what a daemon from before it said of a GRAPH_COMPUTE using it (a refusal, or None); a
 # daemon from before "step_channel" did not know STEP_CHANNEL (UNKNOWN_COMMAND, below), one from before
-# "tensor_rtt" not TENSOR_LINK's op "rtt" (INVALID_REQUEST, below)
+# "tensor_rtt" not TENSOR_LINK's op "rtt" (INVALID_REQUEST, below); one from before "tensor_gather" is
+# sent no `tensor.gather` (it is not offered)
 OLDER = {"dot_type_inputs": _uses_dot_type_inputs, "step_channel": lambda header: None,
          "concat": _uses_op(lib.GGML_OP_CONCAT, "CONCAT"), "tensor_rtt": lambda header: None,
-         "pad": _uses_op(lib.GGML_OP_PAD, "PAD")}
+         "pad": _uses_op(lib.GGML_OP_PAD, "PAD"), "tensor_gather": lambda header: None}
 log = structlog.get_logger("rpc")
 
 

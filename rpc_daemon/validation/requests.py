@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ggml_ffi import lib
 from rpc_daemon.validation import row_ids
 from rpc_daemon.validation.graph import GraphSpec, canonical_nb, parse_graph, parse_unchecked
 from rpc_daemon.wire import protocol as P
@@ -368,12 +369,22 @@ def check_tensor_cancel(h: dict) -> int | None:
 
 @dataclass(frozen=True)
 class TensorStep:
-    """A compute's all-reduces: after computing each `exchange` tensor, it is summed with the
-    group's other members' over tensor link `link`, as step number `step`."""
+    """A compute's exchanges: after computing each `exchange` tensor, it is summed with the
+    group's other members' over tensor link `link`, as step number `step`; or, where `gather`
+    has the members' lengths for it, gathered from their pieces (docs/protocol.md, "Tensor links")."""
     link: int
     step: int
     exchange: tuple  # tensor indices, in the order the graph computes them
     timeout: float
+    gather: tuple = ()  # per exchange: None (summed), or every member's length along dim 0, in rank order
+
+    def compute_header(self, timeout_cap: float) -> dict:
+        """The compute process's `tensor` field for this step (its waits capped at `timeout_cap`)."""
+        header = {"link": self.link, "step": self.step, "exchange": self.exchange,
+                  "timeout": min(self.timeout, timeout_cap)}
+        if self.gather:
+            header["gather"] = self.gather
+        return header
 
 
 def check_tensor_step(h: dict, spec: GraphSpec) -> TensorStep | None:
@@ -408,4 +419,38 @@ def check_tensor_step(h: dict, spec: GraphSpec) -> TensorStep | None:
         spec.checked_exchanges.clear()
     spec.checked_exchanges.add(tuple(exchange))
     return TensorStep(P.field_int(raw, "link", 1), P.field_int(raw, "step", 0), tuple(exchange),
-                      _seconds(raw, "timeout", MAX_EXCHANGE_TIMEOUT, 600.0))
+                      _seconds(raw, "timeout", MAX_EXCHANGE_TIMEOUT, 600.0), _check_gather(raw, exchange, spec))
+
+
+def _check_gather(raw: dict, exchange: list, spec: GraphSpec) -> tuple:
+    """`tensor.gather` (absent: every exchange summed): one entry per exchange, nil or the group's
+    members' lengths along dim 0 in rank order (2..16 of them, each at least 1), summing to the
+    exchanged tensor's ne[0]; that tensor a PAD of a contiguous f32 source padded in dim 0 only,
+    the member's own piece (which the compute process checks against its rank)."""
+    if raw.get("gather") is None:
+        return ()
+    gather = P.field_list(raw, "gather", MAX_EXCHANGES)
+    if len(gather) != len(exchange):
+        raise ProtocolError(Status.INVALID_REQUEST, f"tensor.gather has {len(gather)} entries for "
+                                                    f"{len(exchange)} exchanges")
+    checked = []
+    for i, lengths in zip(exchange, gather):
+        if lengths is None:
+            checked.append(None)
+            continue
+        where = f"tensor.gather for tensor {i}"
+        if (not isinstance(lengths, list) or not 2 <= len(lengths) <= MAX_GROUP
+                or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 31 for n in lengths)):
+            raise ProtocolError(Status.INVALID_REQUEST, f"{where}: must be nil or a list of 2..{MAX_GROUP} lengths, "
+                                                        f"each an integer of at least 1")
+        t = spec.tensors[i]
+        src = spec.tensors[t.src[0]] if t.op == lib.GGML_OP_PAD and t.src else None
+        if (src is None or src.type != 0 or src.nb != canonical_nb(src.type, src.ne)
+                or any(t.param_i32(k) for k in range(2, 9)) or src.ne[1:] != t.ne[1:]):
+            raise ProtocolError(Status.INVALID_REQUEST, f"{where}: the tensor must be a PAD of a contiguous f32 "
+                                                        f"tensor, padded in dim 0 only")
+        if sum(lengths) != t.ne[0]:
+            raise ProtocolError(Status.INVALID_REQUEST, f"{where}: the lengths {lengths} sum to {sum(lengths)}, "
+                                                        f"the tensor's ne[0] is {t.ne[0]}")
+        checked.append(tuple(lengths))
+    return tuple(checked)

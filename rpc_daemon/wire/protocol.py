@@ -13,7 +13,8 @@ from enum import IntEnum
 # type numbers mean something only between processes running the same op table
 PROTOCOL_VERSION = 2
 FEATURES = ("graph_reuse", "tensor_cache", "inline_inputs", "step_links", "step_reply_output", "tensor_links",
-            "dot_type_inputs", "step_channel", "concat", "tensor_rtt", "pad")
+            "dot_type_inputs", "step_channel", "concat", "tensor_rtt", "pad",
+            "tensor_gather")
 
 
 class Status(IntEnum):

@@ -11,10 +11,11 @@ ticket, never the ticket, and the compute processes then run TLS over the connec
 the ticket itself, answered by ACK. On a plaintext link the HELLO carries
 the ticket itself (as before TLS links: such members link with older
 daemons; the digest would protect nothing there, every byte after it being
-in the clear too). After that each all-reduce
+in the clear too). After that each exchange
 of a step is one EXCHANGE frame each way: a 16-byte header (the step's number,
 the exchange's index in the step, the payload's length) and the member's
-partial sum as f32 bytes. A receiver knows all three before the frame arrives
+partial sum as f32 bytes (a gather: its piece, whose length the step's
+request gives for every member). A receiver knows all three before the frame arrives
 and accepts nothing else: a frame of another step, index or size means the
 two sides disagree about the step, and the link is dropped.
 """

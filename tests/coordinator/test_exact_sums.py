@@ -1,7 +1,8 @@
 """The tensor split with exact sums (Coordinator(split_mode="tensor", exact_sums=True), CLI
 --exact-sums): the members cut attn_output and ffn_down by their rows instead of summing
 partial products, gather each product's whole input and then its whole output (PAD: zeros
-around a member's part, then the all-reduce, x + 0 = x), so every logit is in process's to
+around a member's part; workers offering "tensor_gather" exchange only their parts and put
+each in place, older ones sum the padded parts, x + 0 = x), so every logit is in process's to
 the last bit. Workers that do not take PAD (a daemon from before the HELLO feature "pad":
 the test entry point's --test-older pad) cannot run it: "tensor" says so naming the worker,
 "auto" keeps the layer split with that reason, and the split sums still run on them.
@@ -123,6 +124,44 @@ def test_the_tiny_llama_is_in_process_bit_for_bit(tmp_path, workers):
         assert pads(c, 7) == [0, 0]
         split = all_logits(c)
     assert np.abs(split - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def sent_gathers(c: Coordinator) -> list:
+    """Watch each member's step requests as they are sent: the list fills with each one's
+    `tensor.gather` (None where the request sums every exchange)."""
+    seen = []
+    for p in c._places:
+        send = p.executor.send_step
+
+        async def watched(request, send=send):
+            seen.append(request.fields["tensor"].get("gather"))
+            return await send(request)
+        p.executor.send_step = watched
+    return seen
+
+
+def test_members_that_gather_send_their_pieces_and_an_older_one_gets_padded_sums(tmp_path, start_daemon):
+    """Current workers gather (each exchange of the heads', FFN's and projections' rows carries
+    every member's length: tensor.gather); with a worker from before "tensor_gather" in the group
+    no member does, and the padded parts are summed. Both give in process's bits."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama")
+    want, text = reference(model)
+    current, other, older = (start_daemon("-t", "1"), start_daemon("-t", "1"),
+                             start_daemon("-t", "1", "--test-older", "tensor_gather"))
+    with Coordinator([current.endpoint, other.endpoint], model=model, n_ctx=128, split=[1, 2],
+                     split_mode="tensor", exact_sums=True) as c:
+        seen = sent_gathers(c)
+        assert_exact(c, want, text)
+        assert seen and all(g is not None for g in seen)
+        # the embedding summed; per layer the heads' outputs (2 heads of 16), attn_output's rows, the FFN's, ffn_down's
+        assert [tuple(x) if x else None for x in seen[0][:5]] == [None, (32, 32), (20, 44), (64, 64), (20, 44)]
+    for pair in ((current, older), (older, current)):
+        with Coordinator([d.endpoint for d in pair], model=model, n_ctx=128, split=[1, 2],
+                         split_mode="tensor", exact_sums=True) as c:
+            assert [p.executor.tensor_gather for p in c._places] == [d is current for d in pair]
+            seen = sent_gathers(c)
+            assert_exact(c, want, text)
+            assert seen and all(g is None for g in seen)
 
 
 def f32_llama(path) -> str:

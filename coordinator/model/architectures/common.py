@@ -114,10 +114,12 @@ class GraphBuilder:
         # tensor-parallel shard (coordinator/model/tensor_split.py): the partial sums all_reduce marks,
         # summed over the group's members between the graph's segments; None: the whole layers here
         self.exchanges: list | None = None
+        self.pieces: list = []  # per exchange: None (summed), or the members' lengths it gathers (exact sums)
         self.embd_sharded = False  # the shard holds some rows of token_embd: the embeddings are all-reduced too
-        # exact sums (tensor_split.py): where this shard's part of each gathered tensor starts, and its whole
-        # length, for "attn" (the heads' outputs), "ffn" (the FFN's hidden rows), "out" (a projection's rows)
-        self.gather: dict[str, tuple[int, int]] | None = None
+        # exact sums (tensor_split.py): where this shard's part of each gathered tensor starts, its whole
+        # length, and every member's part's length in rank order, for "attn" (the heads' outputs), "ffn"
+        # (the FFN's hidden rows), "out" (a projection's rows)
+        self.gather: dict[str, tuple[int, int, tuple]] | None = None
         # where the graph runs, MUL_MAT takes src1 already in its weights' dot type (a worker that offers
         # "dot_type_inputs", or this process): shared_inputs may convert an input once for several products
         self.dot_type_inputs = False
@@ -256,13 +258,20 @@ class GraphBuilder:
         if self.exchanges is not None:  # summed where it is computed: a product's interleaved rows in their CONCAT
             paired = partial.op == lib.GGML_OP_RESHAPE and partial.view_src.op == lib.GGML_OP_CONCAT
             self.exchanges.append(partial.view_src if paired else partial)
+            self.pieces.append(None)
         return partial
 
     def gathered(self, part, what: str):
-        """A shard's rows `part` of a tensor as the whole tensor on every member (exact sums):
-        zeros around its rows, all-reduced (x + 0 is x: the members' rows, bit for bit)."""
-        lo, whole = self.gather[what]
-        return self.all_reduce(lib.ggml_pad_ext(self.c, part, lo, whole - lo - part.ne[0], 0, 0, 0, 0, 0, 0))
+        """A shard's rows `part` of a tensor as the whole tensor on every member (exact sums): its
+        rows padded with zeros, which a worker that gathers never computes (it sends its rows and
+        puts each member's in place: tensor.gather) and an older one all-reduces (x + 0 is x).
+        Either way the members' rows, bit for bit."""
+        lo, whole, lengths = self.gather[what]
+        padded = lib.ggml_pad_ext(self.c, lib.ggml_cont(self.c, part) if not lib.ggml_is_contiguous(part) else part,
+                                  lo, whole - lo - part.ne[0], 0, 0, 0, 0, 0, 0)
+        self.all_reduce(padded)
+        self.pieces[-1] = lengths
+        return padded
 
     def whole_input(self, x, what: str):
         """An output projection's input `x` as the shard multiplies it: its own part (split sums),
