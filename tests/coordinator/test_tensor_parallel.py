@@ -342,12 +342,14 @@ def generate_tokens(c: Coordinator, n: int, fault=None, resuming: bool = False) 
     return out, DecodeResult.OK
 
 
+@pytest.mark.parametrize("exact_sums", [False, True], ids=["split_sums", "exact_sums"])
 @pytest.mark.parametrize("victim", [0, 1])
-def test_a_killed_member_is_reported_as_itself(victim, tmp_path, workers):
+def test_a_killed_member_is_reported_as_itself(victim, exact_sums, tmp_path, workers):
+    """Also with exact sums, whose members wait on each other's pieces (gathers) twice as often."""
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
-                     liveness_timeout=LIVENESS) as c:
+                     liveness_timeout=LIVENESS, exact_sums=exact_sums) as c:
         _, code = generate_tokens(c, 12, fault=lambda step: step == 4 and ws.kill(victim))
         assert code == DecodeResult.ENDPOINT_FAILED
         assert ws.endpoint(victim) in c.last_error
@@ -355,13 +357,15 @@ def test_a_killed_member_is_reported_as_itself(victim, tmp_path, workers):
         assert health == {ws.endpoint(victim): False, ws.endpoint(1 - victim): True}, c.health()
 
 
-def test_a_stopped_member_is_reported_as_itself_and_its_peer_waits_no_longer(tmp_path, workers):
-    """B's daemon stopped before the step reaches it: A's compute waits on B's partial until the
-    coordinator, having declared B dead, cancels A's wait (else A would wait request_timeout)."""
+@pytest.mark.parametrize("exact_sums", [False, True], ids=["split_sums", "exact_sums"])
+def test_a_stopped_member_is_reported_as_itself_and_its_peer_waits_no_longer(exact_sums, tmp_path, workers):
+    """B's daemon stopped before the step reaches it: A's compute waits on B's partial (with exact
+    sums: B's piece of a gather) until the coordinator, having declared B dead, cancels A's wait
+    (else A would wait request_timeout)."""
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
-                     liveness_timeout=LIVENESS, request_timeout=30.0) as c:
+                     liveness_timeout=LIVENESS, request_timeout=30.0, exact_sums=exact_sums) as c:
         generate_tokens(c, 2)
         ws.workers[1].signal(signal.SIGSTOP)
         try:
@@ -382,13 +386,20 @@ def test_a_stopped_member_is_reported_as_itself_and_its_peer_waits_no_longer(tmp
         assert c.stats["tensor_links"] == links + 1  # linked again once, for the new connection
 
 
-def test_resume_in_tensor_mode_gives_the_same_text(tmp_path, workers):
+@pytest.mark.parametrize("exact_sums", [False, True], ids=["split_sums", "exact_sums"])
+def test_resume_in_tensor_mode_gives_the_same_text(exact_sums, tmp_path, workers):
+    """With exact sums the text is in process's too, the replay's included."""
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     ws = workers(2)
+    with Coordinator(["local"], model=model, n_ctx=64) as c:
+        in_process, code = generate_tokens(c, 16)
+        assert code == DecodeResult.OK
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="tensor",
-                     liveness_timeout=LIVENESS, resume_within=20.0) as c:
+                     liveness_timeout=LIVENESS, resume_within=20.0, exact_sums=exact_sums) as c:
         reference, code = generate_tokens(c, 16)
         assert code == DecodeResult.OK
+        if exact_sums:
+            assert reference == in_process
         out, code = generate_tokens(c, 16, lambda step: step == 6 and ws.kill(1, restart_after=0.5), resuming=True)
         assert code == DecodeResult.OK, c.last_error
         assert out == reference
