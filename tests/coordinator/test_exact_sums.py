@@ -164,6 +164,21 @@ def test_members_that_gather_send_their_pieces_and_an_older_one_gets_padded_sums
             assert seen and all(g is None for g in seen)
 
 
+def test_three_members_gather_their_pieces_in_rank_order(tmp_path, start_daemon):
+    """The tiny phi3 (3 heads with 3 KV heads, 160 FFN rows, n_embd 96) over 3 workers: each member
+    places the other two's pieces on either side of its own, and every logit is in process's."""
+    model = write_tiny_model(tmp_path / "phi3.gguf", "phi3")
+    want, text = reference(model)
+    daemons = [start_daemon("-t", "1") for _ in range(3)]
+    with Coordinator([d.endpoint for d in daemons], model=model, n_ctx=128, split_mode="tensor",
+                     exact_sums=True) as c:
+        seen = sent_gathers(c)
+        assert_exact(c, want, text)
+        # the embedding summed; per layer one head of 32 each, attn_output's rows, the FFN's (64, 64, 32), ffn_down's
+        assert [tuple(x) if x else None for x in seen[0][:5]] == [None, (32, 32, 32), (32, 32, 32), (64, 64, 32),
+                                                                   (32, 32, 32)]
+
+
 def f32_llama(path) -> str:
     """A llama whose weights are all f32 (2 layers of n_embd 256, n_ff 512): its products run by
     tinyBLAS's tiles, its SwiGLU in vectors of 64 floats."""
