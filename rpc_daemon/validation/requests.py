@@ -394,13 +394,39 @@ def check_tensor_step(h: dict, spec: GraphSpec) -> TensorStep | None:
     if not isinstance(raw, dict):
         raise ProtocolError(Status.INVALID_REQUEST, "field 'tensor' must be a map")
     exchange = P.field_list(raw, "exchange", MAX_EXCHANGES)
-    try:
-        known = tuple(exchange) in spec.checked_exchanges  # every step of a graph names the same ones
-    except TypeError:  # an unhashable entry: refused below
-        known = False
-    nodes = set() if known else set(spec.nodes)
+    gather = None if raw.get("gather") is None else P.field_list(raw, "gather", MAX_EXCHANGES)
+    # every step of a graph names the same exchanges (and gathers): checked once per graph, by a key that
+    # only plain ints make (1.0 and True equal 1 in a set, and must be refused as they are the first time)
+    key = _plain_key(exchange, gather)
+    if key is None or key not in spec.checked_exchanges:
+        _check_exchange(exchange, spec)
+        gathered = _check_gather(gather, exchange, spec)
+        if key is not None:
+            if len(spec.checked_exchanges) >= 4:  # a graph has one list; a client sending others gains no memory
+                spec.checked_exchanges.clear()
+            spec.checked_exchanges.add(key)
+    else:
+        gathered = key[1]
+    return TensorStep(P.field_int(raw, "link", 1), P.field_int(raw, "step", 0), tuple(exchange),
+                      _seconds(raw, "timeout", MAX_EXCHANGE_TIMEOUT, 600.0), gathered)
+
+
+def _plain_key(exchange: list, gather: list | None) -> tuple | None:
+    """(exchange, gather) as a set key when every entry is a plain int (a gather entry: nil, or a
+    list of them); None for anything else, which is then checked in full (and refused)."""
+    if any(type(i) is not int for i in exchange):
+        return None
+    if gather is None:
+        return tuple(exchange), ()
+    if any(g is not None and (type(g) is not list or any(type(n) is not int for n in g)) for g in gather):
+        return None
+    return tuple(exchange), tuple(None if g is None else tuple(g) for g in gather)
+
+
+def _check_exchange(exchange: list, spec: GraphSpec) -> None:
+    nodes = set(spec.nodes)
     seen = set()
-    for i in () if known else exchange:
+    for i in exchange:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(spec.tensors):
             raise ProtocolError(Status.INVALID_REQUEST, f"tensor.exchange: {i!r} is not a tensor of the graph")
         t = spec.tensors[i]
@@ -415,21 +441,15 @@ def check_tensor_step(h: dict, spec: GraphSpec) -> TensorStep | None:
         if spec.readable is not None and i not in spec.readable:
             raise ProtocolError(Status.INVALID_REQUEST, f"tensor.exchange: tensor {i} has no memory after compute")
         seen.add(i)
-    if len(spec.checked_exchanges) >= 4:  # a graph has one list; a client sending others gains no memory
-        spec.checked_exchanges.clear()
-    spec.checked_exchanges.add(tuple(exchange))
-    return TensorStep(P.field_int(raw, "link", 1), P.field_int(raw, "step", 0), tuple(exchange),
-                      _seconds(raw, "timeout", MAX_EXCHANGE_TIMEOUT, 600.0), _check_gather(raw, exchange, spec))
 
 
-def _check_gather(raw: dict, exchange: list, spec: GraphSpec) -> tuple:
+def _check_gather(gather: list | None, exchange: list, spec: GraphSpec) -> tuple:
     """`tensor.gather` (absent: every exchange summed): one entry per exchange, nil or the group's
     members' lengths along dim 0 in rank order (2..16 of them, each at least 1), summing to the
     exchanged tensor's ne[0]; that tensor a PAD of a contiguous f32 source padded in dim 0 only,
     the member's own piece (which the compute process checks against its rank)."""
-    if raw.get("gather") is None:
+    if gather is None:
         return ()
-    gather = P.field_list(raw, "gather", MAX_EXCHANGES)
     if len(gather) != len(exchange):
         raise ProtocolError(Status.INVALID_REQUEST, f"tensor.gather has {len(gather)} entries for "
                                                     f"{len(exchange)} exchanges")

@@ -28,12 +28,16 @@ def gather_graph(lo: int, piece: int, whole: int, rows: int = 1) -> list:
             T(F32, [whole, rows], op=lib.GGML_OP_ADD, src=[2, 2], flags=OUTPUT | COMPUTE)]
 
 
-def gather(conn: RawConn, x, lo: int, lengths, step: int, rows: int = 1, gather_field=None, timeout: float = 30.0):
+def gather(conn: RawConn, x, lo: int, lengths, step: int, rows: int = 1, gather_field=None, timeout: float = 30.0,
+           again: bool = False, exchange=(2,)):
+    """`again`: a GRAPH_RECOMPUTE of the graph a GRAPH_COMPUTE cached as graph 1."""
     piece = len(x) // rows
-    fields = {"tensors": gather_graph(lo, piece, sum(lengths), rows), "inputs": [[0, 0, 4 * len(x)]], "outputs": [3],
-              "tensor": {"link": 7, "step": step, "exchange": [2], "timeout": timeout,
+    fields = {"graph_id": 1, "inputs": [[0, 0, 4 * len(x)]], "outputs": [3],
+              "tensor": {"link": 7, "step": step, "exchange": list(exchange), "timeout": timeout,
                          "gather": [list(lengths)] if gather_field is None else gather_field}}
-    return conn.call(Command.GRAPH_COMPUTE, fields, f32s(*x))
+    if not again:
+        fields["tensors"] = gather_graph(lo, piece, sum(lengths), rows)
+    return conn.call(Command.GRAPH_RECOMPUTE if again else Command.GRAPH_COMPUTE, fields, f32s(*x))
 
 
 def floats(out: bytes) -> list:
@@ -141,3 +145,20 @@ def test_the_same_graph_sums_padded_without_gather(pair):
                               lambda: gather(b, [3.0, -4.0], 2, (2, 2), 0, gather_field=[None]))
     assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
     assert oa == ob == bits([0.0, 6.0, 12.0, -16.0])
+
+
+@pytest.mark.parametrize("exchange, field, words", [
+    ((2.0,), None, "2.0 is not a tensor of the graph"),
+    ((True,), None, "True is not a tensor of the graph"),
+    ((2,), [[2.0, 2]], "a list of 2..16 lengths"),
+    ((2,), [[True, 3]], "a list of 2..16 lengths"),
+])
+def test_a_list_checked_once_is_checked_again_when_its_entries_only_equal_ints(pair, exchange, field, words):
+    """A graph's exchanges and gathers are checked once and then known; 2.0 and True equal 2 and 1 as
+    set keys, so a later step naming the same ones so must not pass as known."""
+    da, db, a, b = pair
+    link(a, b, db.port)
+    (ha, _), (hb, _) = both(lambda: gather(a, [1.0, 2.0], 0, (2, 2), 0), lambda: gather(b, [3.0, 4.0], 2, (2, 2), 0))
+    assert ha["status"] == 0 and hb["status"] == 0, (ha, hb)
+    h, _ = gather(a, [1.0, 2.0], 0, (2, 2), 1, again=True, exchange=exchange, gather_field=field, timeout=5)
+    assert h["status"] == Status.INVALID_REQUEST and words in h["error"], h
