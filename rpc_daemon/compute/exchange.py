@@ -26,6 +26,7 @@ import select
 import socket
 import ssl
 import time
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -115,12 +116,12 @@ class TensorLink:
         sends only its piece, and nothing is summed (exact sums: the members' values, bit for bit).
         Waits as all_reduce does."""
         started = time.perf_counter()
-        header = exchange_header(step, index, len(piece))
+        header, mine = exchange_header(step, index, len(piece)), memoryview(piece).cast("B")
         for p in self._peers:
-            p.start(header, memoryview(piece).cast("B"), exchange_header(step, index, 4 * rows * lengths[p.rank]),
-                    4 * rows * lengths[p.rank])
+            nbytes = 4 * rows * lengths[p.rank]
+            p.start(header, mine, exchange_header(step, index, nbytes), nbytes)
         out = np.frombuffer(whole, np.float32).reshape(rows, -1)
-        starts = np.cumsum((0,) + lengths)
+        starts = (0, *accumulate(lengths))
         lo, n = starts[self.rank], lengths[self.rank]
         out[:, lo:lo + n] = np.frombuffer(piece, np.float32).reshape(rows, n)  # while the peers' pieces travel
         self._finish_exchange(step, index, deadline)
@@ -307,7 +308,7 @@ class SegmentedGraph:
         (ValueError, naming the tensor, if it does not)."""
         nodes = [lib.ggml_graph_node(gf, i) for i in range(lib.ggml_graph_n_nodes(gf))]
         position = {int(ffi.cast("uintptr_t", n)): i for i, n in enumerate(nodes)}
-        gather = gather or (None,) * len(exchange)
+        gather = _gather_or_none(gather, exchange)
         marks = sorted(((position[int(ffi.cast("uintptr_t", ptrs[t]))], t, g) for t, g in zip(exchange, gather)),
                        key=lambda m: m[0])
         for _, t, lengths in marks:
@@ -315,7 +316,7 @@ class SegmentedGraph:
                 _check_piece(ptrs[t], t, lengths, rank, n)
         spans = list(zip([0] + [p + 1 for p, _, _ in marks],
                          [p + (lengths is None) for p, _, lengths in marks] + [len(nodes)]))
-        self.exchange, self.gather = exchange, tuple(gather)
+        self.exchange, self.gather = exchange, gather
         self.tensors = [ptrs[t] for _, t, _ in marks]
         self.lengths = [lengths for _, _, lengths in marks]
         size = sum(lib.ggml_graph_overhead_custom(max(b - a, 1), False) for a, b in spans)
@@ -328,6 +329,10 @@ class SegmentedGraph:
             for node in nodes[a:b]:
                 lib.ggml_graph_add_node(part, node)
             self.parts.append(part)
+
+    def serves(self, exchange: tuple, gather: tuple) -> bool:
+        """Whether this cut is the one for `exchange` and `gather` (a request's)."""
+        return self.exchange == exchange and self.gather == _gather_or_none(gather, exchange)
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -352,6 +357,11 @@ class SegmentedGraph:
                     link.all_gather(whole, ffi.buffer(piece.data, lib.ggml_nbytes(piece)), lengths,
                                     lib.ggml_nrows(t), step, i, deadline)
         return lib.GGML_STATUS_SUCCESS
+
+
+def _gather_or_none(gather: tuple, exchange: tuple) -> tuple:
+    """A request's gather entries, one per exchange (none given: every exchange summed)."""
+    return tuple(gather) or (None,) * len(exchange)
 
 
 def _check_piece(t, index: int, lengths: tuple, rank: int, n: int) -> None:

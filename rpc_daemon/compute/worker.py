@@ -195,7 +195,7 @@ class ComputeState:
         exchange = tuple(tensor["exchange"])
         gather = tuple(None if g is None else tuple(g) for g in tensor.get("gather") or ())
         seg = self.segmented.get(key)
-        if seg is None or seg.exchange != exchange or seg.gather != (gather or (None,) * len(exchange)):
+        if seg is None or not seg.serves(exchange, gather):
             if seg is not None:
                 seg.close()
                 del self.segmented[key]

@@ -269,8 +269,8 @@ class GraphBuilder:
         lo, whole, lengths = self.gather[what]
         padded = lib.ggml_pad_ext(self.c, lib.ggml_cont(self.c, part) if not lib.ggml_is_contiguous(part) else part,
                                   lo, whole - lo - part.ne[0], 0, 0, 0, 0, 0, 0)
-        self.all_reduce(padded)
-        self.pieces[-1] = lengths
+        self.exchanges.append(padded)
+        self.pieces.append(lengths)
         return padded
 
     def whole_input(self, x, what: str):
