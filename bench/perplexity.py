@@ -2,7 +2,7 @@
 
     python bench/perplexity.py [--model PATH] [--file /usr/share/common-licenses/GPL-3]
                                [--ctx 512] [--chunks N] [--threads 1]
-                               [--endpoints HOST:PORT,... [--split-mode layer|tensor|auto [--exact-sums]]]
+                               [--endpoints HOST:PORT,... [--split-mode layer|tensor|auto [--[no-]exact-sums]]]
                                [-ctk f16|q8_0|q4_0] [-ctv f16|q8_0|q4_0]
 
 llama-perplexity's method (tools/perplexity/perplexity.cpp, perplexity()): the
@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--endpoints", default="local", help="comma-separated host:port workers (default: in process)")
     p.add_argument("--split-mode", default="layer", choices=("layer", "tensor", "auto"))
-    p.add_argument("--exact-sums", action="store_true", help="with --split-mode tensor: exact sums")
+    p.add_argument("--exact-sums", action=argparse.BooleanOptionalAction, default=None,
+                   help="with a tensor split: exact sums (the default where they can be), or with "
+                        "--no-exact-sums split sums")
     p.add_argument("-ctk", "--cache-type-k", default="f16", choices=("f16", "q8_0", "q4_0"))
     p.add_argument("-ctv", "--cache-type-v", default="f16", choices=("f16", "q8_0", "q4_0"))
     args = p.parse_args(argv)

@@ -42,7 +42,9 @@ def main(argv=None) -> int:
     add_model_flags(ap)
     ap.add_argument("--tg", type=int, default=64, help=f"one-token steps measured (at most {MAX_TG})")
     ap.add_argument("--greedy", action="store_true", help="the workers return the argmax instead of the logits")
-    ap.add_argument("--exact-sums", action="store_true", help="gather whole inputs (4 exchanges a layer) instead of summing partials")
+    ap.add_argument("--exact-sums", action=argparse.BooleanOptionalAction, default=None,
+                    help="gather whole inputs (4 exchanges a layer), or with --no-exact-sums all-reduce partial sums "
+                         "(2 a layer); default: exact where the model allows")
     args = ap.parse_args(argv)
     if not 1 <= args.tg <= MAX_TG:
         ap.error(f"--tg must be in 1..{MAX_TG}")
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
         daemons = [w.proc.pid for w in workers.workers]
         with Coordinator(workers.endpoints, model=model, n_ctx=PROMPT + WARMUP + MAX_TG,
                          split_mode="tensor", exact_sums=args.exact_sums) as c:
-            places = c._endpoints.places
+            places, sums = c._endpoints.places, c.health()["split_choice"].get("sums")
             c.decode(Batch.single(list(range(10, 10 + PROMPT)), 0), greedy=args.greedy)
             token, wall, members = c.token(-1), [], [[] for _ in places]
             for i in range(WARMUP + args.tg):
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
                    sum(map(process_cpu, kids)) - cpu0[2])
     n = args.tg
     print(f"{os.path.basename(model or 'gemma3-270m (bundled)')}, 2 workers x 1 thread, split_mode tensor"
-          f"{' with exact sums' if args.exact_sums else ''}, {n} one-token steps ({'argmax' if args.greedy else 'full logits'}), medians; "
+          f" with {sums} sums, {n} one-token steps ({'argmax' if args.greedy else 'full logits'}), medians; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"wall per token {statistics.median(wall) * 1e3:.2f} ms")
     for m, rows in enumerate(members):

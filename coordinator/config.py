@@ -109,7 +109,8 @@ class CoordinatorConfig:
     cannot be. "auto": tensor where it can be and the round trips measured at
     connect say a token's exchanges cost less than the compute the split
     saves, else layer. Logits differ from the layer split's by the order of
-    summation only (with `exact_sums`, not at all).
+    summation only with split sums (with exact sums, the default where they can
+    be, not at all).
 
     `tensor_group` (with a tensor split): the workers of one tensor-parallel
     group; the endpoints, in order, form groups of that many, the groups hold
@@ -119,11 +120,16 @@ class CoordinatorConfig:
     default): every endpoint in one group. At least 2, and it must divide the
     number of endpoints.
 
-    `exact_sums` (with a tensor split): no member sums part of a product's
-    reduction; each computes its rows of the output projections over their
-    whole inputs, gathered from the members: logits bit-equal to one
-    process's, for two more exchanges a layer (4 instead of 2). Not for
-    mixture-of-experts models. False (the default): partial sums, all-reduced.
+    `exact_sums` (with a tensor split): None (the default): exact sums where
+    the model and every worker allow them, else split sums, with the reason in
+    `health()["split_choice"]` ("sums", "sums_reason"). Exact sums: no member
+    sums part of a product's reduction; each computes its rows of the output
+    projections over their whole inputs, gathered from the members: logits
+    bit-equal to one process's, for two more exchanges a layer (4 instead of
+    2). Not for mixture-of-experts models, nor workers from before PAD. True
+    insists on them (a tensor split that cannot have them is refused, naming
+    why); False: split sums, the partial results all-reduced (fewer exchanges;
+    logits differ from one process's in the last bits).
 
     `cache_type_k`, `cache_type_v` (llama.cpp's -ctk/-ctv): the KV cache's K
     and V types on the workers: "f16" (the default), "q8_0" (about half the
@@ -184,7 +190,7 @@ class CoordinatorConfig:
     step_channels: bool = True
     split_mode: str = "layer"
     tensor_group: int | None = None
-    exact_sums: bool = False
+    exact_sums: bool | None = None
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     warmup: bool = False
@@ -220,8 +226,8 @@ class CoordinatorConfig:
                 raise ValueError(f"tensor_group={size}: {len(endpoints)} endpoints do not form groups of {size}")
             if self.split_mode == "layer":
                 raise ValueError("tensor_group needs split_mode='tensor' or 'auto' (the layer split has no groups)")
-        if not isinstance(self.exact_sums, bool):
-            raise ValueError(f"exact_sums must be True or False, not {self.exact_sums!r}")
+        if self.exact_sums is not None and not isinstance(self.exact_sums, bool):
+            raise ValueError(f"exact_sums must be None, True or False, not {self.exact_sums!r}")
         if self.exact_sums and self.split_mode == "layer":
             raise ValueError("exact_sums needs split_mode='tensor' or 'auto' (the layer split sums nothing apart)")
         return replace(self, endpoints=endpoints, split=split, spares=spares, n_ctx=n_ctx)

@@ -60,11 +60,14 @@ def tensor_trade(n_layer: int, layer_s: float, rtt_s: float, group_weights,
 
 class ModelLoader:
     def __init__(self, gguf, arch, hp, n_ctx: int, n_batch: int, threads: int, executor_options: dict,
-                 head: HeadPlacement, kv_types: tuple = ("f16", "f16"), exact_sums: bool = False):
+                 head: HeadPlacement, kv_types: tuple = ("f16", "f16"), exact_sums: bool | None = None):
         """`executor_options`: every remote executor's keywords (timeouts, secret, TLS, digests);
         `kv_types`: the KV cache's K and V types (stage.KV_TYPES' names); `exact_sums`: a tensor
-        split gathers whole inputs instead of all-reducing partial sums (model/tensor_split.py)."""
-        self.exact_sums = exact_sums
+        split gathers whole inputs instead of all-reducing partial sums (model/tensor_split.py):
+        True insists, False never, None where the model and the workers allow it (settle_sums)."""
+        self.sums_asked = exact_sums
+        self.exact_sums = bool(exact_sums)  # as settled for the tensor split (settle_sums)
+        self.sums_reason: str | None = None  # why exact sums were not taken where they were not insisted on
         self.gguf, self.arch, self.hp = gguf, arch, hp
         self.kv_types = tuple(KV_TYPES[t] for t in kv_types)
         self.n_ctx, self.n_batch, self.threads = n_ctx, n_batch, threads
@@ -158,8 +161,9 @@ class ModelLoader:
                             group_size: int, infos: list) -> bool:
         """Whether the places form tensor-parallel groups of `group_size`: "tensor" insists (a
         ValueError says why it cannot), "auto" takes it where the measured round trips say the
-        1 + 2 x n_layer exchanges of a token cost less than TENSOR_PAYS of the layer compute the
-        split saves, as timed here (layer_timing.py)."""
+        1 + 2 x n_layer exchanges of a token (4 x n_layer with exact sums, settled first) cost less
+        than TENSOR_PAYS of the layer compute the split saves, as timed here (layer_timing.py)."""
+        self.settle_sums(places, weights, group_size)
         why = self._tensor_refusal(places, weights, group_size)
         if why is not None:
             if mode == "tensor":
@@ -189,7 +193,26 @@ class ModelLoader:
         return chosen
 
     def _sums(self) -> dict:
-        return {"sums": "exact" if self.exact_sums else "split"}
+        if self.exact_sums:
+            return {"sums": "exact"}
+        return {"sums": "split", **({"sums_reason": self.sums_reason} if self.sums_reason else {})}
+
+    def settle_sums(self, places: list, weights: list, group_size: int) -> None:
+        """Exact sums where asked, or (not asked either way) where every member can gather them and
+        the model's shards can be cut by rows; else split sums, and `sums_reason` says why."""
+        self.sums_reason = None
+        if self.sums_asked is not None:
+            self.exact_sums = self.sums_asked
+            return
+        self.exact_sums, why = True, None
+        for p in places:
+            if not getattr(p.executor, "pad", False):
+                why = f"worker {p.endpoint} cannot gather exact sums (an older ggml-rpc-server: it does not take PAD)"
+                break
+        else:
+            why = self._shard_refusal(len(places), weights, group_size, True)
+        if why is not None:
+            self.exact_sums, self.sums_reason = False, why
 
     def _tensor_refusal(self, places: list, weights: list, group_size: int) -> str | None:
         if len(places) < 2:
@@ -204,10 +227,14 @@ class ModelLoader:
                 return f"worker {p.endpoint} cannot gather exact sums (an older ggml-rpc-server: it does not take PAD)"
         if len(places) // group_size > self.hp.n_layer:
             return f"{len(places) // group_size} groups but the model has only {self.hp.n_layer} layers"
+        return self._shard_refusal(len(places), weights, group_size, self.exact_sums)
+
+    def _shard_refusal(self, n_places: int, weights: list, group_size: int, exact: bool) -> str | None:
+        """Why the model's layers cannot be sharded over groups of `group_size` (plan_shards), or None."""
+        types = {n: t.type for n, t in self.gguf.tensors.items()}
         try:
-            for i in range(0, len(places), group_size):
-                plan_shards(self.hp, {n: t.type for n, t in self.gguf.tensors.items()}, weights[i: i + group_size],
-                            self.exact_sums)
+            for i in range(0, n_places, group_size):
+                plan_shards(self.hp, types, weights[i: i + group_size], exact)
         except TensorSplitError as exc:
             return str(exc)
         return None
@@ -248,11 +275,42 @@ class ModelLoader:
         """The places as tensor-parallel groups of `group_size` (in endpoint order), the groups
         holding consecutive layer ranges in proportion to their members' weights: each member its
         shard of its group's layers, the last group's its share of the head's rows; memory checked
-        before any upload; the members of each group linked."""
+        before any upload (exact sums not insisted on give way to split sums where only those
+        fit); the members of each group linked."""
         from coordinator.decode.tensor_group import TensorGroup
-        places, hp, n = endpoints.places, self.hp, group_size
-        types = {name: t.type for name, t in self.gguf.tensors.items()}
+        places, n = endpoints.places, group_size
         members = [list(range(i, i + n)) for i in range(0, len(places), n)]
+        short, plan = self._plan_tensor(places, infos, weights, members)
+        if (short and self.exact_sums and self.sums_asked is None
+                and self._shard_refusal(len(places), weights, n, False) is None):
+            why = ("exact sums' gathered inputs do not fit the workers' free memory (" + "; ".join(short)
+                   + "): split sums")
+            self.exact_sums, self.sums_reason = False, why
+            self.split_choice.update(self._sums())
+            short, plan = self._plan_tensor(places, infos, weights, members)
+        if short:
+            raise DoesNotFit("the model does not fit the workers' free memory in tensor-parallel shards: "
+                             + "; ".join(short))
+        self.head.mode = "split"  # every member of the last group ends in its rows of the head
+        pipeline.groups = [TensorGroup(pipeline, exchange_timeout, [places[i] for i in m]) for m in members]
+        await endpoints.load_all(self.gguf, progress, on_upload)
+        linked = await asyncio.gather(*(group.ensure_linked() for group in pipeline.groups), return_exceptions=True)
+        failed = next((exc for exc in linked if isinstance(exc, BaseException)), None)
+        if failed is not None:
+            if not isinstance(failed, StepFailed):
+                raise failed
+            failure = failed.reported
+            if isinstance(failure, StageFailed):
+                raise EndpointUnavailable(failure.endpoint, failure.cause, failure.message) from None
+            raise failure from None
+        log.info("tensor-parallel split: every member holds a shard of its group's layers", groups=len(members),
+                 **self._sums(), members=plan)
+
+    def _plan_tensor(self, places: list, infos: list, weights: list, members: list) -> tuple[list, list]:
+        """Each place's layers and tensor-parallel stage (groups of `members`, with the sums settled):
+        (what does not fit each worker's free memory, the plan as logged)."""
+        hp = self.hp
+        types = {name: t.type for name, t in self.gguf.tensors.items()}
         group_layers = plan_split(hp.n_layer, [sum(weights[i] for i in m) for m in members])
         short, plan = [], []
         for g, (indices, layers) in enumerate(zip(members, group_layers)):
@@ -280,23 +338,7 @@ class ModelLoader:
                              "head_rows": None if rows is None else [rows.start, rows.stop],
                              "embd_rows": None if embd_rows is None else [embd_rows.start, embd_rows.stop],
                              **({} if shard.out is None else {"out_rows": [shard.out.start, shard.out.stop]})})
-        if short:
-            raise DoesNotFit("the model does not fit the workers' free memory in tensor-parallel shards: "
-                             + "; ".join(short))
-        self.head.mode = "split"  # every member of the last group ends in its rows of the head
-        pipeline.groups = [TensorGroup(pipeline, exchange_timeout, [places[i] for i in m]) for m in members]
-        await endpoints.load_all(self.gguf, progress, on_upload)
-        linked = await asyncio.gather(*(group.ensure_linked() for group in pipeline.groups), return_exceptions=True)
-        failed = next((exc for exc in linked if isinstance(exc, BaseException)), None)
-        if failed is not None:
-            if not isinstance(failed, StepFailed):
-                raise failed
-            failure = failed.reported
-            if isinstance(failure, StageFailed):
-                raise EndpointUnavailable(failure.endpoint, failure.cause, failure.message) from None
-            raise failure from None
-        log.info("tensor-parallel split: every member holds a shard of its group's layers", groups=len(members),
-                 members=plan)
+        return short, plan
 
     async def _hold_head_here(self, last: Place, pipeline: Pipeline) -> None:
         """Hold in this process the output head's rows besides the last

@@ -41,10 +41,10 @@ def bench_model(name: str) -> tuple[str | None, str]:
 
 
 def setups(endpoints: list[str], threads: int, split, head_split: str, step_links: str,
-           split_mode: str = "layer", exact_sums: bool = False) -> dict:
+           split_mode: str = "layer", split_sums: bool = False) -> dict:
     """{row name: (endpoints, Coordinator options)}: in process with one worker's threads, with all the
     workers' threads, and over the workers as --split-mode, --head-split, --step-links and
-    --exact-sums ask."""
+    --split-sums ask."""
     rpc = f"rpc x{len(endpoints)}"
     rows = {"local": (["local"], {})}
     total = threads * len(endpoints)
@@ -63,8 +63,8 @@ def setups(endpoints: list[str], threads: int, split, head_split: str, step_link
     if split_mode == "tensor":
         rows = {k: v for k, v in rows.items() if not k.startswith(rpc)}
     rows[rpc + " tensor"] = (endpoints, {"split": split, "split_mode": "tensor"})
-    if exact_sums:
-        rows[rpc + " tensor exact"] = (endpoints, {"split": split, "split_mode": "tensor", "exact_sums": True})
+    if split_sums:
+        rows[rpc + " tensor split sums"] = (endpoints, {"split": split, "split_mode": "tensor", "exact_sums": False})
     return rows
 
 
@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
     results, ref_results = {}, {}
     with endpoints_for(args) as endpoints:
         rows = setups(endpoints, args.threads, args.split, args.head_split, args.step_links, args.split_mode,
-                      args.exact_sums)
+                      args.split_sums)
         coords = {}
         try:
             for name, (eps, opts) in rows.items():
@@ -144,6 +144,11 @@ def cmd_bench(args) -> int:
             raise
         reference_run, notes = reference_runner(args, len(endpoints)) if args.reference else (None, None)
         notes = [notes] if notes else []
+        for name, c in coords.items():  # which sums each tensor row's workers settled on (exact where they can)
+            choice = c.health().get("split_choice") or {}
+            if choice.get("chosen") == "tensor":
+                why = choice.get("sums_reason")
+                notes.append(f"{name}: {choice.get('sums')} sums" + (f" ({why})" if why else ""))
         if getattr(args, "model_description", None):
             notes.insert(0, f"model: {args.model_description}")
         try:
@@ -256,8 +261,10 @@ def report(results: dict[str, list[tuple]], ref_results: dict[str, list[dict]], 
         lines.append("head whole: the last worker computes the whole output head (--no-head-split); the other rows "
                      "split it over the workers, computed at the same time")
     if tensor in med:
-        lines.append("tensor: every worker holds a shard of every layer and all compute every token, summing their "
-                     "partial results worker to worker (--split-mode tensor); the other rpc rows split the layers")
+        lines.append("tensor: every worker holds a shard of every layer and all compute every token, exchanging "
+                     "results worker to worker (--split-mode tensor): exact sums gather whole inputs (4 exchanges a "
+                     "layer, logits bit-equal to one process), split sums all-reduce partial sums (2 a layer, "
+                     "--no-exact-sums); the other rpc rows split the layers")
     if any(" relayed" in name for name in med):
         lines.append("relayed: hidden states come back through the coordinator between stages (--step-links off); "
                      "the other rpc rows send them worker to worker")

@@ -174,10 +174,12 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
         p.add_argument("--tensor-group", dest="tensor_group", type=_count(2), default=None, metavar="N",
                        help="with a tensor split: the endpoints, in order, form groups of N workers; each group "
                             "a range of layers, the groups one after another (default: all in one group)")
-        p.add_argument("--exact-sums", dest="exact_sums", action="store_true",
+        p.add_argument("--exact-sums", dest="exact_sums", action=argparse.BooleanOptionalAction, default=None,
                        help="with a tensor split: each worker computes whole rows of the output projections over "
-                            "their gathered inputs instead of partial sums, so logits are bit-equal to one "
-                            "process's; two more exchanges a layer (docs/operations.md, \"Which split\")")
+                            "their gathered inputs, so logits are bit-equal to one process's, for two more "
+                            "exchanges a layer (default: where the model and every worker allow it; --exact-sums "
+                            "insists, --no-exact-sums all-reduces partial sums: faster, logits differ in the last "
+                            "bits; docs/operations.md, \"Which split\")")
         p.add_argument("--no-step-links", dest="step_links", action="store_false",
                        help="hidden states come back through the coordinator between stages (default: worker "
                             "to worker when every worker offers it; docs/protocol.md, Step links)")
@@ -318,8 +320,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("-sm", "--split-mode", dest="split_mode", choices=("layer", "tensor", "both"), default="both",
                    help="the workers' rows with the layer split, the tensor-parallel split, or both side by side "
                         "(both: the workers hold the model twice)")
-    b.add_argument("--exact-sums", dest="exact_sums", action="store_true",
-                   help="with -sm tensor or both: a row of the tensor split with exact sums beside its own")
+    b.add_argument("--split-sums", dest="split_sums", action="store_true",
+                   help="with -sm tensor or both: a row of the tensor split with split sums (--no-exact-sums) "
+                        "beside its own (exact sums where they can be)")
     b.add_argument("--step-links", choices=("on", "off", "both"), default="on",
                    help="activations worker to worker (on), through the coordinator (off), or both rows side by "
                         "side (the workers hold the model once more)")

@@ -65,9 +65,9 @@ def assert_exact(c: Coordinator, want: np.ndarray, text: str, prompt: str = PROM
 
 # ---------------------------------------------------------------- the option
 
-@pytest.mark.parametrize("value", [1, 0, "true", None, 1.0])
-def test_exact_sums_must_be_a_bool(value):
-    with pytest.raises(ValueError, match=r"exact_sums must be True or False, not "):
+@pytest.mark.parametrize("value", [1, 0, "true", "", 1.0])
+def test_exact_sums_must_be_a_bool_or_none(value):
+    with pytest.raises(ValueError, match=r"exact_sums must be None, True or False, not "):
         CoordinatorConfig.of(["127.0.0.1:1", "127.0.0.1:2"], None, {"split_mode": "tensor", "exact_sums": value})
 
 
@@ -75,12 +75,15 @@ def test_exact_sums_need_a_tensor_split():
     """Refused before anything is read or connected: port 1 is never dialled, the model never read."""
     for mode in ("tensor", "auto"):
         assert CoordinatorConfig.of(["127.0.0.1:1"], None, {"split_mode": mode, "exact_sums": True}).exact_sums
-    assert CoordinatorConfig.of(["127.0.0.1:1"], None, {}).exact_sums is False
+    assert CoordinatorConfig.of(["127.0.0.1:1"], None, {}).exact_sums is None  # exact where they can be
+    for mode in ("layer", "tensor", "auto"):  # split sums never need asking for; nor does the default
+        for value in (None, False):
+            assert CoordinatorConfig.of(["127.0.0.1:1"], None, {"split_mode": mode, "exact_sums": value})
     with pytest.raises(ValueError, match=r"exact_sums needs split_mode='tensor' or 'auto'"):
         CoordinatorConfig.of(["127.0.0.1:1"], None, {"exact_sums": True})  # split_mode defaults to layer
     with pytest.raises(ValueError, match=r"exact_sums needs split_mode='tensor' or 'auto'"):
         Coordinator(["127.0.0.1:1", "127.0.0.1:2"], model="/nonexistent.gguf", split_mode="layer", exact_sums=True)
-    with pytest.raises(ValueError, match=r"exact_sums must be True or False"):
+    with pytest.raises(ValueError, match=r"exact_sums must be None, True or False"):
         Coordinator(["127.0.0.1:1", "127.0.0.1:2"], model="/nonexistent.gguf", split_mode="tensor", exact_sums="no")
 
 
@@ -90,7 +93,8 @@ def test_the_cli_flag_reaches_the_coordinators_options():
         args = parse_args([*command, "-m", "/m.gguf", "--endpoints", "127.0.0.1:1,127.0.0.1:2", "-sm", "tensor",
                            "--exact-sums"])
         assert args.exact_sums is True and args.split_mode == "tensor"
-        assert parse_args([*command, "-m", "/m.gguf"]).exact_sums is False
+        assert parse_args([*command, "-m", "/m.gguf"]).exact_sums is None
+        assert parse_args([*command, "-m", "/m.gguf", "--no-exact-sums"]).exact_sums is False
 
 
 # ---------------------------------------------------------------- bit for bit
@@ -115,7 +119,7 @@ def test_the_tiny_llama_is_in_process_bit_for_bit(tmp_path, workers):
         # 4 layers, each gathers the heads' outputs, then attn_output's rows, the FFN's rows, then ffn_down's
         assert pads(c, 1) == pads(c, 7) == [16, 16]
         assert_exact(c, want, text)
-    with Coordinator(pair, model=model, n_ctx=128, split=[1, 2], split_mode="tensor") as c:
+    with Coordinator(pair, model=model, n_ctx=128, split=[1, 2], split_mode="tensor", exact_sums=False) as c:
         health = c.health()
         assert health["split_choice"] == {"asked": "tensor", "chosen": "tensor", "sums": "split"}
         shards = [e["shard"] for e in health["endpoints"]]
@@ -193,7 +197,7 @@ def test_where_split_sums_round_otherwise_exact_sums_do_not(name, tmp_path, work
     qwen3-wide (q4_K/q6_K weights, 8 query heads over 2 KV heads), summing partial products in
     another order; the f32 llama, whose 64-token prompt runs its products by tiles. Exact sums give
     in process's bits: with shares 1:2 the f32 llama's FFN rows fall on 192 (tiles of 64; rows
-    cut on 172, whole tiles of 4, move its logits by 7e-6)."""
+    cut on 172, whole tiles of 4, move its logits by 7e-6). Exact sums are the default."""
     model = f32_llama(tmp_path / "f32.gguf") if name == "f32-llama" else \
         write_tiny_model(tmp_path / f"{name}.gguf", name)
     prompt = LONG_PROMPT if name == "f32-llama" else PROMPT
@@ -201,11 +205,11 @@ def test_where_split_sums_round_otherwise_exact_sums_do_not(name, tmp_path, work
     assert len(want) == (64 if name == "f32-llama" else 12)
     ws = workers(2)
     pair = [ws.endpoint(0), ws.endpoint(1)]
-    with Coordinator(pair, model=model, n_ctx=128, split=[1, 2], split_mode="tensor") as c:
+    with Coordinator(pair, model=model, n_ctx=128, split=[1, 2], split_mode="tensor", exact_sums=False) as c:
         split = all_logits(c, prompt)
     assert not np.array_equal(split, want)
     assert np.abs(split - want).max() <= 1e-3 * np.abs(want).max()
-    with Coordinator(pair, model=model, n_ctx=128, split=[1, 2], split_mode="tensor", exact_sums=True) as c:
+    with Coordinator(pair, model=model, n_ctx=128, split=[1, 2], split_mode="tensor") as c:
         health = c.health()
         assert health["split_choice"]["sums"] == "exact"
         if name == "f32-llama":
@@ -216,14 +220,14 @@ def test_where_split_sums_round_otherwise_exact_sums_do_not(name, tmp_path, work
 
 def test_the_tiny_qwen3_that_split_sums_refuse_runs_bit_for_bit(tmp_path, workers):
     """Its KV group's 128 columns of attn_output are half a q4_K block: the split sums cannot cut it;
-    exact sums cut attn_output by rows and deal one KV group to each member."""
+    exact sums (the default) cut attn_output by rows and deal one KV group to each member."""
     model = write_tiny_model(tmp_path / "qwen3.gguf", "qwen3")
     want, text = reference(model)
     ws = workers(2)
     pair = [ws.endpoint(0), ws.endpoint(1)]
     with pytest.raises(ValueError, match=r"split_mode='tensor': .*quantization blocks"):
-        Coordinator(pair, model=model, n_ctx=128, split_mode="tensor")
-    with Coordinator(pair, model=model, n_ctx=128, split_mode="tensor", exact_sums=True) as c:
+        Coordinator(pair, model=model, n_ctx=128, split_mode="tensor", exact_sums=False)
+    with Coordinator(pair, model=model, n_ctx=128, split_mode="tensor") as c:
         health = c.health()
         assert health["split_mode"] == "tensor" and health["split_choice"]["sums"] == "exact"
         shards = [e["shard"] for e in health["endpoints"]]
@@ -232,9 +236,9 @@ def test_the_tiny_qwen3_that_split_sums_refuse_runs_bit_for_bit(tmp_path, worker
         assert_exact(c, want, text)
     # auto weighs it where split sums are refused: no reason, its figures, four exchanges a layer (and the
     # embedding's) at the round trip it measured
-    with Coordinator(pair, model=model, n_ctx=128, split_mode="auto") as c:
+    with Coordinator(pair, model=model, n_ctx=128, split_mode="auto", exact_sums=False) as c:
         assert "quantization blocks" in c.health()["split_choice"]["reason"]
-    with Coordinator(pair, model=model, n_ctx=128, split_mode="auto", exact_sums=True) as c:
+    with Coordinator(pair, model=model, n_ctx=128, split_mode="auto") as c:
         choice = c.health()["split_choice"]
         assert "reason" not in choice, choice
         per_exchange_ms = choice["slowest_rtt_ms"] / 2 + EXCHANGE_OVERHEAD * 1e3
@@ -242,9 +246,14 @@ def test_the_tiny_qwen3_that_split_sums_refuse_runs_bit_for_bit(tmp_path, worker
 
 
 def test_mixture_of_experts_are_refused_at_start(tmp_path, workers):
+    """Insisted on, exact sums refuse a mixture of experts; by default it takes split sums and says why."""
     model = write_tiny_model(tmp_path / "qwen3moe.gguf", "qwen3moe")
     ws = workers(2)
     pair = [ws.endpoint(0), ws.endpoint(1)]
+    with Coordinator(pair, model=model, n_ctx=64, split_mode="tensor") as c:
+        choice = c.health()["split_choice"]
+        assert choice["chosen"] == "tensor" and choice["sums"] == "split", choice
+        assert choice["sums_reason"].startswith("exact sums are not built for mixture-of-experts"), choice
     with pytest.raises(ValueError, match=r"split_mode='tensor': exact sums are not built for mixture-of-experts"):
         Coordinator(pair, model=model, n_ctx=64, split_mode="tensor", exact_sums=True)
     with Coordinator(pair, model=model, n_ctx=64, split_mode="auto", exact_sums=True) as c:
@@ -277,8 +286,8 @@ def test_an_older_daemon_refuses_pad_and_does_not_offer_the_feature(start_daemon
 
 def test_a_worker_from_before_pad_cannot_gather_exact_sums(tmp_path, start_daemon):
     """"tensor" with exact sums names the older worker (in either place), "auto" keeps the layer split
-    and says why (its logits in process's, as the layer split's always are), and without exact sums
-    the tensor split runs on it."""
+    and says why (its logits in process's, as the layer split's always are), and by default the
+    tensor split runs on it with split sums, naming it as the reason."""
     model = write_tiny_model(tmp_path / "llama.gguf", "llama")
     want, text = reference(model)
     current, older = start_daemon("-t", "1"), start_daemon("-t", "1", "--test-older", "pad")
@@ -298,7 +307,9 @@ def test_a_worker_from_before_pad_cannot_gather_exact_sums(tmp_path, start_daemo
     with Coordinator(endpoints, model=model, n_ctx=128, split_mode="tensor") as c:
         health = c.health()
         assert health["split_mode"] == "tensor"
-        assert health["split_choice"] == {"asked": "tensor", "chosen": "tensor", "sums": "split"}
+        assert health["split_choice"] == {"asked": "tensor", "chosen": "tensor", "sums": "split", "sums_reason":
+                                          f"worker {older.endpoint} cannot gather exact sums (an older "
+                                          f"ggml-rpc-server: it does not take PAD)"}
         got = all_logits(c)  # no PAD in its graphs: the older worker would refuse them
         assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
         assert len(c.generate(PROMPT, max_tokens=12)) > 0
