@@ -54,13 +54,14 @@ def cmd_generate(args) -> int:
                                        f"({(e['layers'][1] - e['layers'][0]) / n_layer:.0%})")
                 + (f" head {(e['head_rows'][1] - e['head_rows'][0]) / c.hp.n_vocab:.0%}" if e["head_rows"] else "")
                 for e in c.endpoints())
+            sums = (c.health().get("split_choice") or {}).get("sums")  # the tensor split's: exact or split
             if args.log_format == "json":
                 say("generated", tokens=n, seconds=round(elapsed, 3), tokens_per_second=round(n / elapsed, 1),
                     first_piece_seconds=round(first[0], 3) if first else None,
                     tokens_per_second_after_first=round(after[0] / after[1], 1) if after else None,
-                    endpoints=c.endpoints())
+                    endpoints=c.endpoints(), sums=sums)
             else:
                 rate = f", {after[0] / after[1]:.1f} after the first" if after else ""
-                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s{rate}; {share}]",
-                      file=sys.stderr)
+                print(f"\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s{rate}; {share}"
+                      f"{f'; {sums} sums' if sums else ''}]", file=sys.stderr)
     return 0

@@ -667,7 +667,8 @@ def _cli() -> list[str]:
 def test_cli_generate_with_local_workers(local):
     """The README's command: generate on local workers. With the layer split it prints the text the
     library decodes in process, and names each worker's layers; by default (--split-mode auto, which
-    may take either split for gemma3-270m, by measurement) it prints text and names the split it ran."""
+    may take either split for gemma3-270m, by measurement) it prints the same text (the tensor split's
+    exact sums are one process's bits) and names the split it ran."""
     prompt = "The capital of France is"
     r = subprocess.run(_cli() + ["generate", "-p", prompt, "-n", "8", "--split-mode", "layer"], capture_output=True,
                        text=True, timeout=120, stdin=subprocess.DEVNULL)
@@ -683,8 +684,9 @@ def test_cli_generate_with_local_workers(local):
                        timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
     assert re.search(r"\[8 tokens in [\d.]+ s, [\d.]+ tokens/s, [\d.]+ after the first; "
-                     r".*(layers 0-\d+ \(\d+%\)|shard 1/2 of every layer)",
+                     r".*(layers 0-\d+ \(\d+%\).*head \d+%\]|shard 1/2 of every layer.*; exact sums\])",
                      r.stderr), r.stderr
+    assert r.stdout == c.generate(prompt, max_tokens=8)
 
 
 def test_cli_unreachable_endpoint_fails_fast():

@@ -324,3 +324,31 @@ def test_page_without_a_key(browser, tmp_path):
     finally:
         server.stop()
     assert server.proc.returncode == 0, server.text()[-2000:]
+
+
+def test_the_tensor_split_shows_each_workers_shard_and_its_sums(browser, tmp_path):
+    """A tensor split's plan on the page: each worker's row names its shard (rank, heads with the one KV
+    head copied, FFN rows, vocabulary rows) and its output rows with exact sums, the default here."""
+    workers = [DaemonProcess("-t", "1"), DaemonProcess("-t", "1")]
+    server = Serve(str(tmp_path), "--endpoints", ",".join(w.endpoint for w in workers), "--parallel", "1",
+                   "--ctx-per-slot", "128", "--split-mode", "tensor", env={"GGML_COORDINATOR_API_KEY": KEY})
+    try:
+        status, _, body = asyncio.run(call("GET", server.url + "/cluster", headers=AUTH))
+        assert status == 200 and body["split_mode"] == "tensor", body
+        out_rows = [w["shard"]["out_rows"] for w in body["workers"]]
+        assert out_rows[0][0] == 0 and out_rows[0][1] == out_rows[1][0], out_rows
+        open_page(browser, server)
+        for rank, w in enumerate(workers):
+            css = f'#workers tr[data-endpoint="{w.endpoint}"] td:nth-child(3)'
+            wait_for(browser, lambda d: "exact sums" in (text_of(d, css) or ""), 10, f"worker {rank}'s shard shown")
+            text = text_of(browser, css)
+            lo, hi = out_rows[rank]
+            assert text.startswith(f"all, shard {rank + 1}/2: heads ") and "(KV copied)" in text, text
+            assert text.endswith(f", output rows {lo}–{hi - 1} (exact sums)"), text
+        assert_clean(browser, server.url)
+    finally:
+        server.stop()
+        for w in workers:
+            w.stop()
+            w.kill()
+    assert server.proc.returncode == 0, server.text()[-2000:]

@@ -152,7 +152,9 @@
           ", shard " + (w.shard.rank + 1) + "/" + w.shard.of + ": heads " + w.shard.heads[0] + "–" +
           (w.shard.heads[1] - 1) + (w.shard.kv_replicated ? " (KV copied)" : "") + ", FFN rows " +
           w.shard.ffn_rows[0] + "–" + (w.shard.ffn_rows[1] - 1) +
-          (w.shard.embd_rows ? ", vocabulary rows " + w.shard.embd_rows[0] + "–" + (w.shard.embd_rows[1] - 1) : "")
+          (w.shard.embd_rows ? ", vocabulary rows " + w.shard.embd_rows[0] + "–" + (w.shard.embd_rows[1] - 1) : "") +
+          (w.shard.out_rows ? ", output rows " + w.shard.out_rows[0] + "–" + (w.shard.out_rows[1] - 1) + " (exact sums)"
+            : " (split sums)")
         : w.layers[0] + "–" + (w.layers[1] - 1) + " (" + (w.layers[1] - w.layers[0]) + ")";
       c[3].textContent = (w.head_share * 100).toFixed(w.head_share > 0 && w.head_share < 0.1 ? 1 : 0) + " %";
       c[4].replaceChildren();
