@@ -221,6 +221,10 @@ def test_tokenize_detokenize_props(server):
     # each worker a range of layers, or (tensor) a shard of every layer
     tensor = split["split_mode"] == "tensor"
     assert all((w["shard"] is not None) == tensor and "layers" in w for w in split["workers"]), props
+    # the tensor split's sums: exact, the default (gemma3-270m and these workers allow them), with each
+    # worker's output rows
+    assert choice.get("sums") == ("exact" if tensor else None), choice
+    assert all((w["shard"] or {}).get("out_rows") or not tensor for w in split["workers"]), props
 
 
 def test_queue_limit_answers_429_and_shows_the_queue(server):
