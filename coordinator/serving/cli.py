@@ -323,6 +323,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     b.add_argument("--split-sums", dest="split_sums", action="store_true",
                    help="with -sm tensor or both: a row of the tensor split with split sums (--no-exact-sums) "
                         "beside its own (exact sums where they can be)")
+    b.add_argument("--exact-sums", action=_refused("the tensor row has exact sums by default now (where they can "
+                                                   "be); --split-sums adds a row with split sums beside it"),
+                   help=argparse.SUPPRESS)
     b.add_argument("--step-links", choices=("on", "off", "both"), default="on",
                    help="activations worker to worker (on), through the coordinator (off), or both rows side by "
                         "side (the workers hold the model once more)")

@@ -170,3 +170,18 @@ def test_bench_takes_prompt_sizes_as_llama_bench_does(capsys):
     assert "names a size twice" in refused(capsys, "--pp", "64,64", command="bench")
     assert "must be at least 1, not 0" in refused(capsys, "--pp", "64,0", command="bench")
     assert "'x' is not an integer" in refused(capsys, "--pp", "64,x", command="bench")
+
+
+def test_bench_rows_of_sums():
+    """bench's tensor row runs the default sums (exact where they can be); --split-sums adds a split-sums
+    row; the old --exact-sums (a row of exact sums beside split ones) is refused saying what took its place."""
+    from coordinator.serving.benchmark import setups
+    assert parse_args(["bench", *MODEL]).split_sums is False
+    rows = setups(["a:1", "b:2"], 1, None, "on", "on", "tensor", parse_args(["bench", *MODEL, "--split-sums"]).split_sums)
+    assert rows["rpc x2 tensor"][1] == {"split": None, "split_mode": "tensor"}  # exact_sums not given: the default
+    assert rows["rpc x2 tensor split sums"][1] == {"split": None, "split_mode": "tensor", "exact_sums": False}
+
+
+def test_bench_exact_sums_is_refused_saying_why(capsys):
+    assert "--exact-sums: the tensor row has exact sums by default now" in refused(capsys, "--exact-sums",
+                                                                                   command="bench")
