@@ -204,15 +204,8 @@ class ModelLoader:
         if self.sums_asked is not None:
             self.exact_sums = self.sums_asked
             return
-        self.exact_sums, why = True, None
-        for p in places:
-            if not getattr(p.executor, "pad", False):
-                why = f"worker {p.endpoint} cannot gather exact sums (an older ggml-rpc-server: it does not take PAD)"
-                break
-        else:
-            why = self._shard_refusal(len(places), weights, group_size, True)
-        if why is not None:
-            self.exact_sums, self.sums_reason = False, why
+        why = self._exact_refusal(places, weights, group_size)
+        self.exact_sums, self.sums_reason = why is None, why
 
     def _tensor_refusal(self, places: list, weights: list, group_size: int) -> str | None:
         if len(places) < 2:
@@ -223,11 +216,18 @@ class ModelLoader:
             if not getattr(p.executor, "tensor_links", False):
                 return (f"worker {p.endpoint} does not offer tensor links (an older ggml-rpc-server, or one that "
                         f"serves TLS without --peer-tls-ca: it could not verify its peers' certificates)")
-            if self.exact_sums and not getattr(p.executor, "pad", False):
-                return f"worker {p.endpoint} cannot gather exact sums (an older ggml-rpc-server: it does not take PAD)"
         if len(places) // group_size > self.hp.n_layer:
             return f"{len(places) // group_size} groups but the model has only {self.hp.n_layer} layers"
-        return self._shard_refusal(len(places), weights, group_size, self.exact_sums)
+        if self.exact_sums:
+            return self._exact_refusal(places, weights, group_size)
+        return self._shard_refusal(len(places), weights, group_size, False)
+
+    def _exact_refusal(self, places: list, weights: list, group_size: int) -> str | None:
+        """Why exact sums cannot run here (a member without PAD, shards that rows cannot cut), or None."""
+        for p in places:
+            if not getattr(p.executor, "pad", False):
+                return f"worker {p.endpoint} cannot gather exact sums (an older ggml-rpc-server: it does not take PAD)"
+        return self._shard_refusal(len(places), weights, group_size, True)
 
     def _shard_refusal(self, n_places: int, weights: list, group_size: int, exact: bool) -> str | None:
         """Why the model's layers cannot be sharded over groups of `group_size` (plan_shards), or None."""

@@ -150,7 +150,9 @@ class Stage:
         """Member `shard.rank` of tensor-parallel group `group`: its `layers` (default: every
         layer), each cut to its shard (model/tensor_split.py); with the first layer `embd_rows`
         of the embedding (None: all of it), with the last the output norm whole and `head_rows`
-        of the head (a view of its embedding rows where the head is tied to them)."""
+        of the head (a view of its embedding rows where the head is tied to them). With exact sums
+        (`shard.out`), `group_shards`: every member's Shard in rank order, whose lengths its gathers
+        name."""
         from coordinator.model.tensor_split import local_hparams, shard_cuts
         layers = range(hp.n_layer) if layers is None else layers
         first, last = layers.start == 0, layers.stop == hp.n_layer
@@ -163,11 +165,10 @@ class Stage:
         stage = cls(index, arch, local, layers, first, last, weights, StageKV(local, layers, n_ctx, kv_types),
                     head_rows if last else None, shard=shard, tensor_group=group)
         if shard.out is not None:
-            shards = group_shards or [shard]
             stage.gather = {"attn": (shard.heads.start * hp.head_dim, hp.n_head * hp.head_dim,
-                                     tuple(len(s.heads) * hp.head_dim for s in shards)),
-                            "ffn": (shard.ffn.start, hp.n_ff, tuple(len(s.ffn) for s in shards)),
-                            "out": (shard.out.start, hp.n_embd, tuple(len(s.out) for s in shards))}
+                                     tuple(len(s.heads) * hp.head_dim for s in group_shards)),
+                            "ffn": (shard.ffn.start, hp.n_ff, tuple(len(s.ffn) for s in group_shards)),
+                            "out": (shard.out.start, hp.n_embd, tuple(len(s.out) for s in group_shards))}
         stage.own_ctx = Context(len(cuts) + 2)
         for name, cut in cuts.items():
             src = gguf.tensor(name)
