@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ UPLOAD_CHUNK = 4 << 20  # several chunks fit the upload window (rpc_daemon/reque
 GRAPH_OPS = ("ADD", "CONT", "CPY", "DIV", "FLASH_ATTN_EXT", "GET_ROWS", "GLU", "MUL", "MUL_MAT", "MUL_MAT_ID",
              "PERMUTE", "RESHAPE", "RMS_NORM", "ROPE", "SCALE", "SET_ROWS", "SOFT_MAX", "SUB", "SUM_ROWS", "TOP_K",
              "UNARY", "VIEW")
+PROBE_SCALE = struct.pack("<f", 1.0)  # time_exchanges' nodes: SCALE by 1
 CACHE_MIN_BYTES = 128 << 10  # below this sending the bytes costs less than hashing them and a look-up
 # The in-process executors of a coordinator load at once, each on its own thread, and a weight two
 # stages share (rope_freqs, a tied token_embd) must be placed by one of them: which tensors are still
@@ -914,6 +916,27 @@ class RemoteExecutor:
         unlinked = exc.header.get("unlinked")  # the ranks it could not link with (TensorGroup weighs them)
         failure.unlinked = [r for r in unlinked if type(r) is int] if isinstance(unlinked, list) else []
         return failure
+
+    async def time_exchanges(self, link: int, step: int, floats: int, count: int, timeout: float) -> float:
+        """auto's probe of tensor link `link`: one compute of nothing but `count` all-reduces in a row
+        of `floats` f32 (a decode step's partial sum), every member of the group running it as step
+        `step`: the seconds this member spent in them (the reply's `exchange_us`: sending, waiting
+        for the peers, summing; the compute between them is one SCALE of those floats)."""
+        f32, row = lib.GGML_TYPE_F32, 4 * floats
+        nb = [4, row, row, row]
+        tensors = [{"type": f32, "ne": [floats, 1, 1, 1], "nb": nb, "flags": lib.GGML_TENSOR_FLAG_INPUT}]
+        for i in range(count):  # each node the one before, scaled by 1: zeros stay zeros whatever the group
+            tensors.append({"type": f32, "ne": [floats, 1, 1, 1], "nb": nb, "op": lib.GGML_OP_SCALE, "src": [i],
+                            "params": PROBE_SCALE, "flags": lib.GGML_TENSOR_FLAG_COMPUTE
+                            | (lib.GGML_TENSOR_FLAG_OUTPUT if i == count - 1 else 0)})
+        fields = {"tensors": tensors, "inputs": [[0, 0, row]], "outputs": [count],
+                  "tensor": {"link": link, "step": step, "exchange": list(range(1, count + 1)), "timeout": timeout}}
+        reply, _ = await self._request(Command.GRAPH_COMPUTE, fields, bytes(row), reply_blob=row,
+                                       refused=self._compute_failed)
+        spent = reply.get("exchange_us")
+        if isinstance(spent, bool) or not isinstance(spent, int) or spent < 0:
+            raise rpc_failed(self.endpoint, RpcError(Status.FAILED, f"no exchange time in the reply: {spent!r}"))
+        return spent / 1e6
 
     async def tensor_cancel(self, link: int) -> None:
         """End this member's waits on link `link` now (a peer failed); errors are moot."""

@@ -31,6 +31,10 @@ from coordinator.model.architectures.common import StepShape
 from rpc_daemon.client import parse_endpoint
 
 LINK_TIMEOUT = 10.0  # seconds the members' TENSOR_LINK join may take
+# auto's probe (time_exchanges): computes of PROBE_EXCHANGES exchanges in a row, PROBE_GAP s apart for
+# PROBE_WINDOW s (at least PROBE_REPS), each exchange waiting PROBE_TIMEOUT s at most for a peer
+PROBE_EXCHANGES, PROBE_REPS, PROBE_GAP, PROBE_WINDOW, PROBE_TIMEOUT = 8, 3, 0.02, 0.5, 5.0
+PROBE_STEADY = 1.5
 
 
 class TensorGroup:
@@ -67,6 +71,34 @@ class TensorGroup:
         self.linked_with = members
         stats = self.pipeline.stats
         stats["tensor_links"] = stats.get("tensor_links", 0) + 1
+
+    async def time_exchanges(self, floats: int, enough: float = 0.0, count: int = PROBE_EXCHANGES) -> float:
+        """What one exchange of `floats` f32 costs between the members, in seconds, timed on their
+        link (auto's probe: RemoteExecutor.time_exchanges): the fastest of computes of `count`
+        exchanges in a row, repeated PROBE_GAP apart for PROBE_WINDOW (at least PROBE_REPS): a
+        member's first compute starts its daemon's next spare compute process, which takes the
+        cores for 0.1-0.2 s (exchanges of 0.7-4 ms instead of 20 us on a 2-core VM), and a busy
+        moment only ever adds time. The first exchange of a compute also waits for the member
+        whose request came last; that member's time is the least of the group's and is taken:
+        `count` exchanges at the pace of members in step, as a decode's are. Done sooner once the
+        fastest is `enough` seconds or less (more computes could only find it faster) and the last
+        two came within PROBE_STEADY of it (the spare's start is over: the figure is the link's)."""
+        await self.ensure_linked()
+        loop = asyncio.get_running_loop()
+        started, times = loop.time(), []
+
+        def settled() -> bool:
+            best = min(times)
+            return best <= enough and max(times[-2:]) <= PROBE_STEADY * best
+
+        while len(times) < PROBE_REPS or not (settled() or loop.time() - started >= PROBE_WINDOW):
+            if times:
+                await asyncio.sleep(PROBE_GAP)
+            self.step_no += 1
+            spent = await self._on_all([p.executor.time_exchanges(self.link_id, self.step_no, floats, count,
+                                                                  PROBE_TIMEOUT) for p in self.places])
+            times.append(min(spent) / count)
+        return min(times)
 
     async def _on_all(self, coros, weigh=None) -> list:
         """One request per member, all at once; each one's result in member order. The moment one

@@ -14,7 +14,7 @@ import structlog
 from coordinator.cluster.endpoints import EndpointSet, Place
 from coordinator.cluster.failures import EndpointUnavailable, StageFailed
 from coordinator.decode.step_io import StepFailed
-from coordinator.cluster.executors import buffer_bytes, make_executor
+from coordinator.cluster.executors import buffer_bytes, make_executor, peer_failed
 from coordinator.decode.head_placement import HeadPlacement
 from coordinator.decode.pipeline import Pipeline
 from coordinator.model.architectures.common import head_source
@@ -27,33 +27,41 @@ from rpc_daemon.service.memory import available_memory
 
 log = structlog.get_logger("coordinator")
 
-# seconds an exchange costs beyond the one-way delay: sending, summing and a member waiting for the other.
-# What members report in decode on loopback, waits included (exchange_us per exchange, a 2-core VM,
-# 2026-12-04): 17-34 us for gemma3-270m and the 1.1B llama; bench/bench_exchange.py's mechanics alone
-# 12-17 us. 60 us, as before, made gemma3-270m a coin flip (3 tensor, 2 layer in 5 quiet starts) though
-# tensor was faster there in the same hour (tg32 1.10x, greedy 1.15x, pp64 1.73x).
-EXCHANGE_OVERHEAD = 30e-6
+# auto charges each exchange what the members' own link takes for one (TensorGroup.time_exchanges:
+# compute process to compute process, as decode's), or where longer the path's one-way delay as the
+# members' PINGs to each other's daemons see it, less PING_PASSAGE: what a PING's passage through two
+# daemons' event loops costs beyond the path itself (loopback, a 2-core VM: PING round trips of
+# 40-82 us, where the link's exchanges take 12-34 us). The PINGs stand for a delay in front of the
+# daemons' ports that the links' own ports do not pass (a proxy, a tunnel); on a plain network the
+# link's own time is the larger.
+PING_PASSAGE = 100e-6
+# the least auto charges an exchange without timing the link: where even this much leaves the split no gain
+# (a tiny model), no link is made (bench/bench_exchange.py's mechanics: 12-17 us on 2-core VMs)
+FASTEST_EXCHANGE = 5e-6
 # auto: PINGs one member sends another back to back (TENSOR_LINK rtt), the fastest taken: the path's
-# own delay between awake processes, as the exchanges see it (the first may wake a sleeping daemon)
+# own delay between awake processes (the first may wake a sleeping daemon)
 RTT_PINGS = 5
 FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be timed (a 1.1B Q4_K_M token: ~5e9)
 # auto takes the tensor split where a token's exchanges cost less than this share of the layer compute
-# it saves. The estimate stays pessimistic on the exchanges' side, which pays for what it leaves out
-# (work every member repeats): a PING's round trip passes two Python event loops an exchange does not
-# (loopback, a 2-core VM: PING round trips 40-82 us, so 50-70 us estimated an exchange against the
-# 17-34 us the members measure).
-TENSOR_PAYS = 1.0
+# it saves: the saving assumes the members' shares take their share of a layer's time, and some work
+# is every member's (norms, RoPE, the replicated KV heads of a model with fewer KV heads than members)
+TENSOR_PAYS = 0.8
 
 
-def tensor_trade(n_layer: int, layer_s: float, rtt_s: float, group_weights,
+def exchanges_per_token(n_layer: int, exact: bool) -> int:
+    """A token's exchanges in the tensor split: two a layer (four with exact sums), and the embedding's."""
+    return (4 if exact else 2) * n_layer + 1
+
+
+def tensor_trade(n_layer: int, layer_s: float, exchange_s: float, group_weights,
                  exact: bool = False) -> tuple[float, float]:
     """What the tensor split costs and saves a token, in seconds: (its exchanges, the layer compute
     saved against the layer split). Either way a token passes all n_layer layers one after another;
     split over a group, a layer takes the largest member's share of its time, and costs two
-    exchanges (four with `exact` sums; and the embedding's rows one). With a pipeline of groups each
-    group runs its own layers as one group would, so neither figure depends on the number of groups
-    (`group_weights`: one group's members' shares)."""
-    cost = ((4 if exact else 2) * n_layer + 1) * (rtt_s / 2 + EXCHANGE_OVERHEAD)
+    exchanges of `exchange_s` each (four with `exact` sums; and the embedding's rows one). With a
+    pipeline of groups each group runs its own layers as one group would, so neither figure
+    depends on the number of groups (`group_weights`: one group's members' shares)."""
+    cost = exchanges_per_token(n_layer, exact) * exchange_s
     saved = n_layer * layer_s * (1 - max(group_weights) / sum(group_weights))
     return cost, saved
 
@@ -75,6 +83,7 @@ class ModelLoader:
         # how the split mode was settled (tensor_choice): what was asked and, for auto, the figures
         # it compared; Coordinator.health() reports it
         self.split_choice: dict = {"asked": "layer"}
+        self._probed: list | None = None  # the groups auto's probe linked (_time_exchanges), if it chose tensor
 
     def new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self.executor_options)
@@ -160,9 +169,12 @@ class ModelLoader:
     async def tensor_choice(self, places: list, weights: list, mode: str, pipeline: Pipeline,
                             group_size: int, infos: list) -> bool:
         """Whether the places form tensor-parallel groups of `group_size`: "tensor" insists (a
-        ValueError says why it cannot), "auto" takes it where the measured round trips say the
-        1 + 2 x n_layer exchanges of a token (4 x n_layer with exact sums, settled first) cost less
-        than TENSOR_PAYS of the layer compute the split saves, as timed here (layer_timing.py)."""
+        ValueError says why it cannot), "auto" takes it where the 1 + 2 x n_layer exchanges of a
+        token (4 x n_layer with exact sums, settled first), each as long as the members' link takes
+        for one (timed on it: _time_exchanges) or the path's one-way delay as their PINGs see it,
+        whichever is longer, cost less than TENSOR_PAYS of the layer compute the split saves, as
+        timed here (layer_timing.py). Where the path's delay alone costs more, no link is made."""
+        self._probed = None
         self.settle_sums(places, weights, group_size)
         why = self._tensor_refusal(places, weights, group_size)
         if why is not None:
@@ -182,15 +194,54 @@ class ModelLoader:
         except Exception as exc:  # an estimate must not stop the start: the bytes at memory speed instead
             layer = self.gguf.layer_bytes / self.hp.n_layer / FALLBACK_BANDWIDTH
             log.warning("could not time a layer here; estimating it from its bytes", error=str(exc))
-        cost, saved = tensor_trade(self.hp.n_layer, layer, rtt, weights[:group_size], self.exact_sums)
-        chosen = cost < saved * TENSOR_PAYS
-        figures = {"exchanges_ms_per_token": round(cost * 1e3, 2), "compute_saved_ms_per_token": round(saved * 1e3, 2),
-                   "slowest_rtt_ms": round(rtt * 1e3, 3), "rtt_measured_by": measured_by,
-                   "layer_ms": round(layer * 1e3, 3), "timed_threads": threads}
+        path = max(0.0, rtt / 2 - PING_PASSAGE)
+        exchange, why = max(path, FASTEST_EXCHANGE), None
+        figures = {"slowest_rtt_ms": round(rtt * 1e3, 3), "rtt_measured_by": measured_by,
+                   "path_one_way_us": round(path * 1e6, 1), "layer_ms": round(layer * 1e3, 3),
+                   "timed_threads": threads}
+        cost, saved = tensor_trade(self.hp.n_layer, layer, exchange, weights[:group_size], self.exact_sums)
+        if cost < saved * TENSOR_PAYS:  # the path's delay alone leaves room: the link's own exchanges decide
+            enough = saved * TENSOR_PAYS / exchanges_per_token(self.hp.n_layer, self.exact_sums)
+            timed, why = await self._time_exchanges(places, group_size, pipeline, enough)
+            if timed is not None:
+                figures["link_exchange_us"] = round(timed * 1e6, 1)
+                exchange = max(exchange, timed)
+                cost = tensor_trade(self.hp.n_layer, layer, exchange, weights[:group_size], self.exact_sums)[0]
+        chosen = why is None and cost < saved * TENSOR_PAYS
+        if not chosen and self._probed:  # the probe's links are not used: ended on every member
+            await asyncio.gather(*(p.executor.tensor_cancel(g.link_id) for g in self._probed for p in g.places))
+            self._probed = None
+        figures.update({"exchange_us": round(exchange * 1e6, 1), "exchanges_ms_per_token": round(cost * 1e3, 2),
+                        "compute_saved_ms_per_token": round(saved * 1e3, 2)})
         self.split_choice = {"asked": mode, "chosen": "tensor" if chosen else "layer", **figures,
-                             **(self._sums() if chosen else {})}
-        log.info("split mode chosen by measurement", split_mode=self.split_choice["chosen"], **figures)
+                             **({"reason": why} if why else {}), **(self._sums() if chosen else {})}
+        log.info("split mode chosen by measurement", split_mode=self.split_choice["chosen"], **figures,
+                 **({"reason": why} if why else {}))
         return chosen
+
+    async def _time_exchanges(self, places: list, group_size: int, pipeline: Pipeline, enough: float) -> tuple:
+        """(an exchange's seconds on the slowest group's link, None) as its members time it
+        (TensorGroup.time_exchanges, all groups at once, each done once it finds `enough` seconds or
+        less: the tensor split pays), the groups kept for the load to link again;
+        or (None, why) where a group cannot link or exchange (the tensor split could not run: the
+        layer split is taken; a member that cannot reach its peer's listener, say). A member whose
+        connection is lost meanwhile fails the start."""
+        from coordinator.decode.tensor_group import TensorGroup
+
+        groups = [TensorGroup(pipeline, 0.0, places[i: i + group_size]) for i in range(0, len(places), group_size)]
+        timed = await asyncio.gather(*(g.time_exchanges(self.hp.n_embd, enough) for g in groups), return_exceptions=True)
+        failed = next((exc for exc in timed if isinstance(exc, BaseException)), None)
+        if failed is None:
+            self._probed = groups
+            return max(timed), None
+        if not isinstance(failed, StepFailed):
+            raise failed
+        for p in places:  # a lost connection fails the start, as it would in the upload
+            if p.executor.client.failed is not None:
+                lost = peer_failed(p.endpoint, p.executor.client.failed)
+                raise EndpointUnavailable(lost.endpoint, lost.cause, lost.message) from None
+        log.warning("the tensor-parallel members could not exchange on their link: layer split", error=str(failed))
+        return None, f"the members could not exchange over a tensor link: {failed}"
 
     def _sums(self) -> dict:
         if self.exact_sums:
@@ -293,6 +344,9 @@ class ModelLoader:
                              + "; ".join(short))
         self.head.mode = "split"  # every member of the last group ends in its rows of the head
         pipeline.groups = [TensorGroup(pipeline, exchange_timeout, [places[i] for i in m]) for m in members]
+        for group, probed in zip(pipeline.groups, self._probed or ()):
+            group.link_id = probed.link_id  # linked again after the upload, numbered on from auto's probe
+        self._probed = None
         await endpoints.load_all(self.gguf, progress, on_upload)
         linked = await asyncio.gather(*(group.ensure_linked() for group in pipeline.groups), return_exceptions=True)
         failed = next((exc for exc in linked if isinstance(exc, BaseException)), None)

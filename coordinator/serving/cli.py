@@ -168,8 +168,9 @@ def _common(p: argparse.ArgumentParser, with_head_flag: bool = True) -> None:
                        default="auto",
                        help="llama.cpp's flag: each worker a range of layers, one after another (layer); every "
                             "worker a shard of every layer, all computing every token together (tensor: workers "
-                            "that offer tensor links, no TLS); or tensor where the measured round trips say it "
-                            "is faster, else layer (auto, the default here; the library's default is layer). "
+                            "that offer tensor links, no TLS); or tensor where its exchanges, timed on the workers' "
+                            "own link, cost less than the compute it saves, else layer (auto, the default here; "
+                            "the library's default is layer). "
                             "docs/operations.md, \"Which split\"")
         p.add_argument("--tensor-group", dest="tensor_group", type=_count(2), default=None, metavar="N",
                        help="with a tensor split: the endpoints, in order, form groups of N workers; each group "

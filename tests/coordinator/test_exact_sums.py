@@ -17,7 +17,6 @@ import pytest
 from coordinator.api import Batch, Coordinator, DecodeResult
 from coordinator.config import CoordinatorConfig
 from coordinator.model.architectures.common import StepShape
-from coordinator.model.loading import EXCHANGE_OVERHEAD
 from ggml_ffi import lib
 from tiny_models import write_tiny_model
 
@@ -241,8 +240,8 @@ def test_the_tiny_qwen3_that_split_sums_refuse_runs_bit_for_bit(tmp_path, worker
     with Coordinator(pair, model=model, n_ctx=128, split_mode="auto") as c:
         choice = c.health()["split_choice"]
         assert "reason" not in choice, choice
-        per_exchange_ms = choice["slowest_rtt_ms"] / 2 + EXCHANGE_OVERHEAD * 1e3
-        assert choice["exchanges_ms_per_token"] == pytest.approx((4 * 2 + 1) * per_exchange_ms, abs=0.011), choice
+        assert choice["exchanges_ms_per_token"] == pytest.approx((4 * 2 + 1) * choice["exchange_us"] / 1e3,
+                                                                 abs=0.011), choice
 
 
 def test_mixture_of_experts_are_refused_at_start(tmp_path, workers):

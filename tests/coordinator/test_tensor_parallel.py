@@ -172,7 +172,9 @@ def wide_model(tmp_path) -> str:
 
 def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tmp_path, workers):
     """A model whose layers are worth splitting (75 MB of f16 layers): on loopback 2 x n_layer exchanges
-    cost ~1 ms a token against ~7 ms saved; behind 20 ms one way (bench/delay_proxy.py) they cost 80 ms."""
+    cost ~0.3-0.7 ms a token against 3-7 ms saved, each exchange timed on the members' own link (auto's probe:
+    link 1, the link decode uses linked again after the upload: link 2); behind 20 ms one way
+    (bench/delay_proxy.py) the PINGs' path alone costs 340 ms a token, and no link is made."""
     model = wide_model(tmp_path)
     ws = workers(2)
     with Coordinator([ws.endpoint(0), ws.endpoint(1)], model=model, n_ctx=64, split_mode="auto") as c:
@@ -180,13 +182,41 @@ def test_auto_takes_tensor_on_loopback_and_the_layer_split_behind_a_slow_link(tm
         choice = c.health()["split_choice"]
         assert choice["chosen"] == "tensor" and choice["rtt_measured_by"] == "workers", choice
         assert choice["exchanges_ms_per_token"] < choice["compute_saved_ms_per_token"] * TENSOR_PAYS, choice
+        # charged what the link took (loopback: no path delay beyond a PING's passage)
+        assert 0 < choice["link_exchange_us"] < 2000 * SLACK, choice
+        assert choice["exchange_us"] == max(choice["link_exchange_us"], choice["path_one_way_us"], 5.0), choice
+        per_layer = 4 if choice["sums"] == "exact" else 2
+        assert choice["exchanges_ms_per_token"] == pytest.approx((per_layer * 4 + 1) * choice["exchange_us"] / 1e3,
+                                                                 abs=0.011), choice
+        _, code = generate_tokens(c, 3)
+        assert code == DecodeResult.OK, c.last_error
+        assert c._pipeline.stats["tensor_links"] == 2 and c._pipeline.groups[0].link_id == 2  # probe, decode
     with ProxyThread(ws.endpoint(0), Link(0.02)) as p0, ProxyThread(ws.endpoint(1), Link(0.02)) as p1:
         with Coordinator([p0.endpoint, p1.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
             assert c.health()["split_mode"] == "layer"
             choice = c.health()["split_choice"]
             # member 1 PINGs member 0 at the address the coordinator names it by: through p0, 20 ms each way
             assert choice["chosen"] == "layer" and choice["slowest_rtt_ms"] >= 40, choice
-            assert choice["rtt_measured_by"] == "workers", choice
+            assert choice["rtt_measured_by"] == "workers" and choice["path_one_way_us"] >= 19_000, choice
+            assert "link_exchange_us" not in choice and "reason" not in choice, choice
+
+
+def test_auto_takes_the_layer_split_where_the_members_cannot_link(tmp_path, start_daemon):
+    """A worker reached through a forwarded port (a proxy in front of a daemon listening on another
+    address): its peer cannot reach its tensor-link listener, so auto's probe cannot link them; auto
+    says so and takes the layer split, which runs (a start that insisted on tensor would fail)."""
+    model = wide_model(tmp_path)
+    a, b = start_daemon("-t", "1", "-H", "127.0.0.2"), start_daemon("-t", "1")
+    with ProxyThread(f"127.0.0.2:{a.port}", Link(0.0)) as pa:
+        with Coordinator([pa.endpoint, b.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
+            choice = c.health()["split_choice"]
+            assert c.health()["split_mode"] == "layer" and choice["chosen"] == "layer", choice
+            assert choice["reason"].startswith("the members could not exchange over a tensor link: "), choice
+            assert "cannot connect to rank 0" in choice["reason"], choice
+            assert "link_exchange_us" not in choice, choice
+            _, code = generate_tokens(c, 3)
+            assert code == DecodeResult.OK, c.last_error
+            assert c.health()["status"] == "ok", c.health()
 
 
 def test_auto_falls_back_on_its_own_pings_where_a_worker_cannot_time_its_peers(tmp_path, start_daemon):

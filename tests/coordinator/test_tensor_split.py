@@ -365,10 +365,10 @@ def test_the_trade_auto_weighs_does_not_depend_on_the_number_of_groups():
     """A token passes every layer either way: two equal members save half of every layer's time and
     pay two exchanges a layer, one group or a pipeline of them alike (auto once divided the saving
     by the number of groups, so a pipeline of 2 groups of 2 leaned to the layer split)."""
-    from coordinator.model.loading import EXCHANGE_OVERHEAD, tensor_trade
-    cost, saved = tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0])
+    from coordinator.model.loading import tensor_trade
+    cost, saved = tensor_trade(22, 2e-3, 20e-6, [1.0, 1.0])
     assert saved == pytest.approx(22 * 1e-3)
-    assert cost == pytest.approx(45 * (50e-6 + EXCHANGE_OVERHEAD))  # two a layer, and the embedding's
+    assert cost == pytest.approx(45 * 20e-6)  # two a layer, and the embedding's
     assert tensor_trade(22, 2e-3, 100e-6, [3.0, 1.0])[1] == pytest.approx(22 * 2e-3 * 0.25)  # the larger share rules
 
 
@@ -550,7 +550,8 @@ def test_exact_row_cuts_of_the_output_projections_are_the_whole(shares):
 
 
 def test_exact_sums_cost_four_exchanges_a_layer():
-    from coordinator.model.loading import EXCHANGE_OVERHEAD, tensor_trade
-    cost, saved = tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0], exact=True)
-    assert cost == pytest.approx(89 * (50e-6 + EXCHANGE_OVERHEAD))  # four a layer, and the embedding's
-    assert saved == tensor_trade(22, 2e-3, 100e-6, [1.0, 1.0])[1]
+    from coordinator.model.loading import exchanges_per_token, tensor_trade
+    cost, saved = tensor_trade(22, 2e-3, 20e-6, [1.0, 1.0], exact=True)
+    assert cost == pytest.approx(89 * 20e-6)  # four a layer, and the embedding's
+    assert saved == tensor_trade(22, 2e-3, 20e-6, [1.0, 1.0])[1]
+    assert (exchanges_per_token(22, True), exchanges_per_token(22, False)) == (89, 45)
