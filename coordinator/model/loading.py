@@ -83,7 +83,7 @@ class ModelLoader:
         # how the split mode was settled (tensor_choice): what was asked and, for auto, the figures
         # it compared; Coordinator.health() reports it
         self.split_choice: dict = {"asked": "layer"}
-        self._probed: list | None = None  # the groups auto's probe linked (_time_exchanges), if it chose tensor
+        self._probed: list | None = None  # the groups auto's probe linked (_time_exchanges)
 
     def new_executor(self, endpoint: str):
         return make_executor(endpoint, self.threads, **self.executor_options)
@@ -208,7 +208,7 @@ class ModelLoader:
                 exchange = max(exchange, timed)
                 cost = tensor_trade(self.hp.n_layer, layer, exchange, weights[:group_size], self.exact_sums)[0]
         chosen = why is None and cost < saved * TENSOR_PAYS
-        if not chosen and self._probed:  # the probe's links are not used: ended on every member
+        if not chosen and self._probed:  # the probe's links are not used: ended on every member (moot where none)
             await asyncio.gather(*(p.executor.tensor_cancel(g.link_id) for g in self._probed for p in g.places))
             self._probed = None
         figures.update({"exchange_us": round(exchange * 1e6, 1), "exchanges_ms_per_token": round(cost * 1e3, 2),
@@ -229,10 +229,10 @@ class ModelLoader:
         from coordinator.decode.tensor_group import TensorGroup
 
         groups = [TensorGroup(pipeline, 0.0, places[i: i + group_size]) for i in range(0, len(places), group_size)]
+        self._probed = groups  # their links ended if the layer split is taken (tensor_choice)
         timed = await asyncio.gather(*(g.time_exchanges(self.hp.n_embd, enough) for g in groups), return_exceptions=True)
         failed = next((exc for exc in timed if isinstance(exc, BaseException)), None)
         if failed is None:
-            self._probed = groups
             return max(timed), None
         if not isinstance(failed, StepFailed):
             raise failed
