@@ -2,27 +2,23 @@
 choice of split (model/loading.py, tensor_choice) weighs the exchanges of a
 tensor-parallel split against.
 
-One middle layer (not the last, which ends in the output head: a 2-layer
-model's first) is loaded here and timed on a one-token step over a 256-row
+A middle layer is loaded here and timed on a one-token step over a 256-row
 KV cache, at the workers' thread count, with every input of its graph filled
 and in range: libggml runs in this process, where a row id out of range
-would abort it. Between repetitions the
-timing streams through as many other bytes as a worker reads for the rest of
-its token (its share of the weights, capped), so the layer meets the cache as
-it does in a real decode: a small model's whole token stays cached, a larger
-one's weights come from memory. Counting bytes alone gets small models wrong
+would abort it; then the same with the layer after it. The layer's time is
+the difference: a step's own costs (the hop to the compute thread and back,
+its inputs, the graph's start) are paid once a stage, not once a layer, and
+cancel out. Measured on a 2-core VM: gemma3-270m's one-layer step 0.97-1.07
+ms, two layers 1.69-1.80 ms, so 0.70-0.73 ms a layer, as a layer takes inside
+a worker's real decode (0.73 ms); a tiny test llama's step 0.12 ms, its layer
+0.01. The layers timed end before the last (which ends in the output head),
+where the model has 3 layers or more. Between repetitions the timing streams
+through as many other bytes as a worker reads for the rest of its token (its
+share of the weights, capped), so the layer meets the cache as it does in a
+real decode: a small model's whole token stays cached, a larger one's
+weights come from memory. Counting bytes alone gets small models wrong
 (gemma3-270m's layers: 68 MB, 14 ms a token at 5 GB/s, measured 34 ms cold
 at 1 thread: their many small ops cost more than their bytes).
-
-The time is the whole in-process step, its hop to the compute thread and back
-included. That is a calibration, not a model: the hop is paid once a stage,
-not once a layer, so n_layer times it overstates what a split saves, and the
-exchanges' estimate from PINGs overstates their cost about as much
-(loading.py, TENSOR_PAYS). Measured on a 2-core VM, gemma3-270m: the compute
-alone 0.3 ms, the step 0.5-1.3 ms, and a layer inside a worker's real decode
-0.73 ms (9 layers: 6.6 ms computing, 8.5 ms from request to reply); timed by
-its compute alone, auto chose the layer split there, where tensor generated
-1.5x faster.
 """
 from __future__ import annotations
 
@@ -45,13 +41,24 @@ EVICT_CAP = 256 << 20  # bytes streamed between repetitions at most (more than a
 async def layer_seconds(arch, hp, gguf, threads: int, other_bytes: int) -> float:
     """Seconds one layer of a one-token decode step takes here at `threads`,
     with `other_bytes` (what a worker reads for the rest of its token) streamed
-    through the caches between repetitions."""
+    through the caches between repetitions: a step of two layers less a step of
+    the first of them (never below 0), or a one-layer model's step."""
     il = hp.n_layer // 2
-    if il == hp.n_layer - 1 and il > 0:  # the last layer ends in the output head: time one that does not
+    if hp.n_layer >= 3:  # both steps end before the last layer, which ends in the output head
+        il = min(il, hp.n_layer - 3)
+    elif il == hp.n_layer - 1 and il > 0:
         il -= 1
-    stage = Stage.create(0, arch, hp, gguf, range(il, il + 1), hp.n_layer, N_KV)
-    executor = LocalExecutor(threads)
     evict = np.ones(max(0, min(other_bytes, EVICT_CAP, available_memory() // 8)), np.uint8)
+    one = await _step_seconds(arch, hp, gguf, range(il, il + 1), threads, evict)
+    if il + 2 > hp.n_layer:
+        return one
+    return max(0.0, await _step_seconds(arch, hp, gguf, range(il, il + 2), threads, evict) - one)
+
+
+async def _step_seconds(arch, hp, gguf, layers: range, threads: int, evict: np.ndarray) -> float:
+    """The median time of a one-token step of a stage of `layers`, `evict` written through between repetitions."""
+    stage = Stage.create(0, arch, hp, gguf, layers, hp.n_layer, N_KV)
+    executor = LocalExecutor(threads)
     try:
         await executor.open()
         await executor.load(stage, gguf)
