@@ -335,8 +335,8 @@ def test_workers_that_cannot_reach_each_other_are_named_at_start(tmp_path, start
 def test_tls_workers_run_the_tensor_split_over_tls(tmp_path, start_daemon, secret_file, tls_files):
     """TLS workers with --peer-tls-ca link their compute processes over TLS (docs/security.md):
     tensor mode's logits are in-process's within the plain tensor test's bound, and auto decides by
-    measurement (a tiny model: the layer split, the figures in split_choice). A step channel is
-    never encrypted: not offered."""
+    measurement (a tiny model: the layer split, the figures in split_choice; a model worth splitting:
+    tensor, its exchanges timed on the TLS link). A step channel is never encrypted: not offered."""
     secret = open(secret_file).read().strip()
     tls = ("-t", "1", "--secret-file", secret_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key,
            "--peer-tls-ca", tls_files.ca)
@@ -363,6 +363,13 @@ def test_tls_workers_run_the_tensor_split_over_tls(tmp_path, start_daemon, secre
         assert choice["asked"] == "auto" and "reason" not in choice, choice  # measured, not refused
         assert choice["chosen"] == c.health()["split_mode"] == "layer", choice
         assert choice["exchanges_ms_per_token"] >= choice["compute_saved_ms_per_token"] * TENSOR_PAYS, choice
+    # a model worth splitting: auto times the exchanges on the members' TLS link, and takes tensor
+    with Coordinator([a.endpoint, b.endpoint], split_mode="auto", **dict(opts, model=wide_model(tmp_path))) as c:
+        choice = c.health()["split_choice"]
+        assert choice["chosen"] == c.health()["split_mode"] == "tensor", choice
+        assert 0 < choice["link_exchange_us"] < 2000 * SLACK, choice
+        _, code = generate_tokens(c, 3)
+        assert code == DecodeResult.OK, c.last_error
 
 
 def test_a_tls_worker_without_peer_ca_offers_no_tensor_links(tmp_path, start_daemon, secret_file, tls_files):
@@ -581,6 +588,22 @@ def test_micro_batches_flow_through_the_groups(tmp_path, workers):
     deviation = float(np.abs(ours - ref).max())
     assert deviation <= 1e-3 * float(np.abs(ref).max()), deviation
     agree_where_clear(ours, ref, deviation)
+
+
+def test_auto_times_every_groups_link_of_a_pipeline(tmp_path, workers):
+    """auto over two groups of two: both groups link and time their exchanges at once (the slower
+    group's figure counts), both link again after the upload, and the pipeline of groups decodes."""
+    model = wide_model(tmp_path)
+    ws = workers(4)
+    with Coordinator([ws.endpoint(i) for i in range(4)], model=model, n_ctx=64, split_mode="auto",
+                     tensor_group=2) as c:
+        choice = c.health()["split_choice"]
+        assert choice["chosen"] == c.health()["split_mode"] == "tensor", choice
+        assert 0 < choice["link_exchange_us"] < 2000 * SLACK, choice
+        assert [g.link_id for g in c._pipeline.groups] == [2, 2]
+        _, code = generate_tokens(c, 3)
+        assert code == DecodeResult.OK, c.last_error
+        assert c.stats["tensor_links"] == 4, c.stats  # two to time the exchanges, two to decode
 
 
 def test_tensor_groups_are_refused_where_they_cannot_form(tmp_path, workers):
