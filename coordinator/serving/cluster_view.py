@@ -248,7 +248,7 @@ class ClusterView:
         rate = _rate(self._tokens)
         return {"time": round(time.time(), 3), "status": health["status"], "model": self.model_name,
                 "n_layer": self.coord.hp.n_layer, "split_mode": health.get("split_mode", "layer"),
-                "slots": self.scheduler.n_slots,
+                "split_choice": health.get("split_choice"), "slots": self.scheduler.n_slots,
                 "slots_busy": self.scheduler.busy, "requests_waiting": self.scheduler.waiting,
                 "tokens_per_second": None if rate is None else round(rate, 2),
                 "tokens_generated": self.scheduler.generated, "reconnects": self.coord.stats["reconnects"],

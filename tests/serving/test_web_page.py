@@ -190,6 +190,7 @@ def test_page_loads_asks_for_the_key_and_stays_on_this_server(browser, cluster):
     wait_for(browser, lambda d: re.search(r"\d (µs|ms|s)\b", text_of(d, "#workers tbody tr .col-ping")), 10,
              "a ping round trip shown")
     assert text_of(browser, "#status") == "ok"
+    assert text_of(browser, "#split") == "layer split"  # asked for: no figures
     urls = assert_clean(browser, server.url)
     assert any(u.endswith("/web/app.js") for u in urls) and any(u.endswith("/cluster/events") for u in urls), urls
 
@@ -320,6 +321,14 @@ def test_page_without_a_key(browser, tmp_path):
                  "both local workers shown ok")
         assert not browser.find_element("id", "key-form").is_displayed()
         assert text_of(browser, "#model") == server.model
+        # the split auto chose, and the figures it chose by (as /cluster has them)
+        _, _, body = asyncio.run(call("GET", server.url + "/cluster"))
+        choice = body["split_choice"]
+        assert choice["asked"] == "auto" and choice["chosen"] == body["split_mode"], choice
+        sums = f", {choice['sums']} sums" if "sums" in choice else ""
+        assert text_of(browser, "#split") == (
+            f"{body['split_mode']} split (auto: {choice['exchanges_ms_per_token']} ms of exchanges a token against "
+            f"{choice['compute_saved_ms_per_token']} ms saved{sums})"), text_of(browser, "#split")
         assert_clean(browser, server.url)
     finally:
         server.stop()
@@ -350,6 +359,7 @@ def test_the_tensor_split_shows_each_workers_shard_and_its_sums(browser, tmp_pat
             lo, hi = out_rows[rank]
             assert text.startswith(f"all, shard {rank + 1}/2: heads ") and "(KV copied)" in text, text
             assert text.endswith(f", output rows {lo}–{hi - 1} (exact sums)"), text
+        assert text_of(browser, "#split") == "tensor split (asked, exact sums)"
         assert_clean(browser, server.url)
     finally:
         server.stop()
