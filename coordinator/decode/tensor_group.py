@@ -34,7 +34,7 @@ LINK_TIMEOUT = 10.0  # seconds the members' TENSOR_LINK join may take
 # auto's probe (time_exchanges): computes of PROBE_EXCHANGES exchanges in a row, PROBE_GAP s apart for
 # PROBE_WINDOW s (at least PROBE_REPS), each exchange waiting PROBE_TIMEOUT s at most for a peer; done
 # after PROBE_SETTLE s where the fastest is steady (the last two within PROBE_STEADY times it)
-PROBE_EXCHANGES, PROBE_REPS, PROBE_GAP, PROBE_WINDOW, PROBE_TIMEOUT = 8, 3, 0.02, 0.5, 5.0
+PROBE_EXCHANGES, PROBE_REPS, PROBE_GAP, PROBE_WINDOW, PROBE_TIMEOUT = 16, 3, 0.02, 0.5, 5.0
 PROBE_STEADY, PROBE_SETTLE = 1.5, 0.25
 
 
@@ -81,7 +81,8 @@ class TensorGroup:
         cores for 0.1-0.2 s (exchanges of 0.7-4 ms instead of 20 us on a 2-core VM), and a busy
         moment only ever adds time. The first exchange of a compute also waits for the member
         whose request came last; that member's time is the least of the group's and is taken:
-        `count` exchanges at the pace of members in step, as a decode's are. Done sooner, after
+        `count` exchanges at the pace of members in step, as a decode's are (its first finds the
+        peer's partial there: the figure reads up to 1/count of a one-way delay low). Done sooner, after
         PROBE_SETTLE, once the fastest is `enough` seconds or less (more computes could only find it
         faster) and the last two came within PROBE_STEADY of it: the spare's start is over, and the
         figure is the link's (stopped as soon as the split paid, a tail of that start read 116 us

@@ -44,8 +44,8 @@ RTT_PINGS = 5
 FALLBACK_BANDWIDTH = 5e9  # bytes/s a worker thread reads, if a layer cannot be timed (a 1.1B Q4_K_M token: ~5e9)
 # auto takes the tensor split where a token's exchanges cost less than this share of the layer compute
 # it saves. Measured against the real thing (gemma3-270m, 2 workers on a 2-core VM): 18 layers of
-# 0.70-0.73 ms (layer_timing.py) saving half of each, 6.5 ms, less 1.2-1.4 ms of exchanges said 5.2 ms
-# a token, where tensor decoded 6.0 ms a token faster than layer in the same run (the work every member
+# 0.63-0.75 ms (layer_timing.py) saving half of each, about 6.5 ms, less 1.0-1.4 ms of exchanges said
+# 5.2-5.5 ms a token, where tensor decoded 6.0 ms a token faster than layer in the same run (the work every member
 # repeats costs less than the layer split's hop between its workers): the figures need no margin.
 TENSOR_PAYS = 1.0
 
@@ -196,7 +196,8 @@ class ModelLoader:
         except Exception as exc:  # an estimate must not stop the start: the bytes at memory speed instead
             layer = self.gguf.layer_bytes / self.hp.n_layer / FALLBACK_BANDWIDTH
             log.warning("could not time a layer here; estimating it from its bytes", error=str(exc))
-        path = max(0.0, rtt / 2 - PING_PASSAGE)
+        # the coordinator's own PINGs say nothing of the path between the members: not charged
+        path = max(0.0, rtt / 2 - PING_PASSAGE) if measured_by == "workers" else 0.0
         exchange, why = max(path, FASTEST_EXCHANGE), None
         figures = {"slowest_rtt_ms": round(rtt * 1e3, 3), "rtt_measured_by": measured_by,
                    "path_one_way_us": round(path * 1e6, 1), "layer_ms": round(layer * 1e3, 3),
@@ -238,7 +239,10 @@ class ModelLoader:
             return max(timed), None
         if not isinstance(failed, StepFailed):
             raise failed
-        for p in places:  # a lost connection fails the start, as it would in the upload
+        if not isinstance(failed.reported, StageFailed):  # a bug of ours, not the link's
+            raise failed.reported
+        for p in places:  # a lost connection fails the start, as it would in the upload (a join that
+            # could not link fails as kind `endpoint`, a connection's kind too: the connections decide)
             if p.executor.client.failed is not None:
                 lost = peer_failed(p.endpoint, p.executor.client.failed)
                 raise EndpointUnavailable(lost.endpoint, lost.cause, lost.message) from None

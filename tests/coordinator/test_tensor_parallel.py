@@ -221,12 +221,15 @@ def test_auto_takes_the_layer_split_where_the_members_cannot_link(tmp_path, star
 
 def test_auto_falls_back_on_its_own_pings_where_a_worker_cannot_time_its_peers(tmp_path, start_daemon):
     """A worker from before TENSOR_LINK rtt (--test-older tensor_rtt) cannot PING its peer for auto:
-    the coordinator's own PINGs to the workers stand in, and auto still decides (loopback: tensor)."""
+    the coordinator's own PINGs to the workers stand in, and auto still decides by the link's exchanges
+    (loopback: tensor)."""
     model = wide_model(tmp_path)
     a, b = start_daemon("-t", "1"), start_daemon("-t", "1", "--test-older", "tensor_rtt")
     with Coordinator([a.endpoint, b.endpoint], model=model, n_ctx=64, split_mode="auto") as c:
         choice = c.health()["split_choice"]
         assert choice["rtt_measured_by"] == "coordinator" and choice["chosen"] == "tensor", choice
+        # the coordinator's PINGs say nothing of the path between the members: the link's time rules
+        assert choice["path_one_way_us"] == 0 and choice["exchange_us"] == max(choice["link_exchange_us"], 5.0)
 
 
 TIME_A_LAYER = """
@@ -234,14 +237,12 @@ import asyncio, sys
 import numpy as np
 from coordinator.model.architectures import architecture
 from coordinator.model.gguf_file import GGUFFile
-from coordinator.model.layer_timing import _step_seconds, layer_seconds
+from coordinator.model.layer_timing import _step_times, layer_seconds
 gguf = GGUFFile(sys.argv[1])
 arch = architecture(gguf.architecture)
 hp = arch.hparams(gguf)
-# the least of 3 timings: a busy moment of the machine only ever adds time (one made the tiny layer
-# 3x slower than usual in a whole-suite run)
-layer = min(asyncio.run(layer_seconds(arch, hp, gguf, 1, 1 << 20)) for _ in range(3))
-step = min(asyncio.run(_step_seconds(arch, hp, gguf, range(0, 1), 1, np.ones(0, np.uint8))) for _ in range(3))
+layer = float(np.median([asyncio.run(layer_seconds(arch, hp, gguf, 1, 1 << 20)) for _ in range(3)]))
+step = float(np.median(asyncio.run(_step_times(arch, hp, gguf, [range(0, 1)], 1, np.ones(0, np.uint8)))[0]))
 print(layer, step)
 """
 
@@ -249,11 +250,11 @@ print(layer, step)
 def test_auto_times_a_layer_here_by_what_it_computes(tmp_path):
     """auto weighs the exchanges against a layer timed in the coordinator (layer_timing.py), with
     libggml in that process: every architecture's layers run with every input filled and in range
-    (a 2-layer model's second step ends in its head; an out-of-range row id would abort the
-    coordinator), in a child process here so an abort is a failure, not the end of the run. The
-    layer is a step of two layers less a step of one: the step's own costs (its hop to the compute
-    thread and back: ~0.1 ms) cancel, so a tiny model's layer takes a fraction of its one-layer
-    step (timed as a whole step, it was the step), and a layer of 19 MB of f16 weights far longer."""
+    (an out-of-range row id would abort the coordinator), in a child process here so an abort is a
+    failure, not the end of the run. The layer is the fastest step of two layers less the fastest of one
+    (the median of 3 timings here): the step's own costs (its hop to the compute thread and back:
+    ~0.1 ms) cancel, so a tiny model's layer takes a fraction of its one-layer step (timed as a
+    whole step, it was the step), and a layer of 19 MB of f16 weights far longer."""
     import subprocess
     import sys
 

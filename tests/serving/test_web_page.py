@@ -104,6 +104,11 @@ def open_page(driver, server) -> None:
         driver.find_element("css selector", "#key-form button").click()
 
 
+def js_number(x) -> str:
+    """`x` as JavaScript's String(x) writes it (6.0 is "6")."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
 def text_of(driver, css: str) -> str | None:
     """The text of the first element `css` selects, read at once in the page
     (the view re-renders its cells' contents twice a second)."""
@@ -326,9 +331,10 @@ def test_page_without_a_key(browser, tmp_path):
         choice = body["split_choice"]
         assert choice["asked"] == "auto" and choice["chosen"] == body["split_mode"], choice
         sums = f", {choice['sums']} sums" if "sums" in choice else ""
+        cost, saved = (js_number(choice[k]) for k in ("exchanges_ms_per_token", "compute_saved_ms_per_token"))
         assert text_of(browser, "#split") == (
-            f"{body['split_mode']} split (auto: {choice['exchanges_ms_per_token']} ms of exchanges a token against "
-            f"{choice['compute_saved_ms_per_token']} ms saved{sums})"), text_of(browser, "#split")
+            f"{body['split_mode']} split (auto: {cost} ms of exchanges a token against {saved} ms saved{sums})"), \
+            text_of(browser, "#split")
         assert_clean(browser, server.url)
     finally:
         server.stop()
