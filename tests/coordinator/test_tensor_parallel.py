@@ -593,18 +593,22 @@ def test_micro_batches_flow_through_the_groups(tmp_path, workers):
 
 def test_auto_times_every_groups_link_of_a_pipeline(tmp_path, workers):
     """auto over two groups of two: both groups link and time their exchanges at once (the slower
-    group's figure counts), both link again after the upload, and the pipeline of groups decodes."""
+    group's figure counts); where that takes tensor (4 spinning members on 2 cores: not on a busy
+    machine), both link again after the upload, and the pipeline of groups decodes."""
     model = wide_model(tmp_path)
     ws = workers(4)
     with Coordinator([ws.endpoint(i) for i in range(4)], model=model, n_ctx=64, split_mode="auto",
                      tensor_group=2) as c:
         choice = c.health()["split_choice"]
-        assert choice["chosen"] == c.health()["split_mode"] == "tensor", choice
-        assert 0 < choice["link_exchange_us"] < 2000 * SLACK, choice
-        assert [g.link_id for g in c._pipeline.groups] == [2, 2]
+        assert 0 < choice["link_exchange_us"] < 2000 * SLACK and "reason" not in choice, choice
+        tensor = choice["exchanges_ms_per_token"] < choice["compute_saved_ms_per_token"] * TENSOR_PAYS
+        assert choice["chosen"] == c.health()["split_mode"] == ("tensor" if tensor else "layer"), choice
+        if tensor:
+            assert [g.link_id for g in c._pipeline.groups] == [2, 2]
         _, code = generate_tokens(c, 3)
         assert code == DecodeResult.OK, c.last_error
-        assert c.stats["tensor_links"] == 4, c.stats  # two to time the exchanges, two to decode
+        # two links to time the exchanges, two to decode where tensor was taken
+        assert c.stats["tensor_links"] == (4 if tensor else 2), c.stats
 
 
 def test_tensor_groups_are_refused_where_they_cannot_form(tmp_path, workers):
