@@ -202,14 +202,14 @@ class ModelLoader:
         figures = {"slowest_rtt_ms": round(rtt * 1e3, 3), "rtt_measured_by": measured_by,
                    "path_one_way_us": round(path * 1e6, 1), "layer_ms": round(layer * 1e3, 3),
                    "timed_threads": threads}
-        cost, saved = tensor_trade(self.hp.n_layer, layer, exchange, weights[:group_size], self.exact_sums)
-        if cost < saved * TENSOR_PAYS:  # the path's delay alone leaves room: the link's own exchanges decide
-            enough = saved * TENSOR_PAYS / exchanges_per_token(self.hp.n_layer, self.exact_sums)
-            timed, why = await self._time_exchanges(places, group_size, pipeline, enough)
+        _, saved = tensor_trade(self.hp.n_layer, layer, exchange, weights[:group_size], self.exact_sums)
+        n_exchanges = exchanges_per_token(self.hp.n_layer, self.exact_sums)
+        if exchange * n_exchanges < saved * TENSOR_PAYS:  # the path alone leaves room: the link's exchanges decide
+            timed, why = await self._time_exchanges(places, group_size, pipeline, saved * TENSOR_PAYS / n_exchanges)
             if timed is not None:
                 figures["link_exchange_us"] = round(timed * 1e6, 1)
                 exchange = max(exchange, timed)
-                cost = tensor_trade(self.hp.n_layer, layer, exchange, weights[:group_size], self.exact_sums)[0]
+        cost = exchange * n_exchanges
         chosen = why is None and cost < saved * TENSOR_PAYS
         if not chosen and self._probed:  # the probe's links are not used: ended on every member (moot where none)
             await asyncio.gather(*(p.executor.tensor_cancel(g.link_id) for g in self._probed for p in g.places))
